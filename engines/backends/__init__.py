@@ -1,0 +1,1 @@
+"""Model backends run inside an engine process (they import the ML libraries)."""

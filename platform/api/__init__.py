@@ -1,0 +1,1 @@
+"""OpenAI-compatible REST endpoints, API keys and usage."""

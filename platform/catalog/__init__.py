@@ -1,0 +1,1 @@
+"""Model configurations, engine pins and model inspection."""

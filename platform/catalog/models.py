@@ -1,0 +1,142 @@
+"""The model catalog: which models the platform serves, from where, and how."""
+
+from pathlib import Path
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator, RegexValidator
+from django.db import models
+
+MODEL_NAME_VALIDATOR = RegexValidator(
+    r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+    "Use letters, digits and . _ : / - (the name clients send as `model`).",
+)
+SAMPLING_KEYS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repeat_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "max_tokens": int,
+    "seed": int,
+}
+
+
+class ModelFormat(models.TextChoices):
+    GGUF = "gguf", "GGUF (llama.cpp)"
+    TRANSFORMERS = "transformers", "Transformers"
+    EMBEDDING = "embedding", "Sentence-transformers embedder"
+
+
+class ModelTask(models.TextChoices):
+    CHAT = "chat"
+    COMPLETION = "completion"
+    EMBEDDING = "embedding"
+
+
+def validate_sampling(value: object) -> None:
+    """Default sampling parameters: known names with numbers of the right kind."""
+    if not isinstance(value, dict):
+        raise ValidationError("Sampling parameters must map names to numbers.")
+    errors = []
+    for key, item in value.items():
+        kind = SAMPLING_KEYS.get(key)
+        if kind is None:
+            errors.append(f"unknown parameter {key!r}")
+        elif isinstance(item, bool) or not isinstance(item, (int, float)):
+            errors.append(f"{key} must be a number")
+        elif kind is int and not float(item).is_integer():
+            errors.append(f"{key} must be a whole number")
+        elif item < 0:
+            errors.append(f"{key} must not be negative")
+    if errors:
+        raise ValidationError(
+            "; ".join(errors) + f" (known: {', '.join(SAMPLING_KEYS)})"
+        )
+
+
+class ModelConfig(models.Model):
+    """One servable model: its file, format, task, engine pin and serving limits."""
+
+    name = models.CharField(
+        max_length=128,
+        unique=True,
+        validators=[MODEL_NAME_VALIDATOR],
+        help_text="The name (alias) clients ask for.",
+    )
+    format = models.CharField(max_length=16, choices=ModelFormat.choices)
+    path = models.CharField(
+        max_length=1000,
+        help_text="File or folder; a relative path is under the models directory.",
+    )
+    task = models.CharField(max_length=16, choices=ModelTask.choices)
+    engine_pin = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="Engine that should serve this model. Empty: chosen by routing.",
+    )
+    context_length = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(16)],
+        help_text="Context window (n_ctx). Empty: the model's own.",
+    )
+    slots = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Parallel sessions of this model. Empty: the engine's limit.",
+    )
+    batch_window_ms = models.FloatField(
+        default=5.0,
+        validators=[MinValueValidator(0)],
+        help_text="How long a batch waits for more requests to join (0: no wait).",
+    )
+    max_batch_size = models.PositiveIntegerField(
+        default=64, validators=[MinValueValidator(1)]
+    )
+    keep_alive_s = models.PositiveIntegerField(
+        default=300,
+        help_text="Idle seconds before the model may be evicted (0: evict any time).",
+    )
+    sampling = models.JSONField(
+        default=dict,
+        blank=True,
+        validators=[validate_sampling],
+        help_text='Default sampling, e.g. {"temperature": 0.7, "top_p": 0.95}.',
+    )
+    chat_template = models.TextField(
+        blank=True, help_text="Jinja chat template. Empty: the model's own."
+    )
+    enabled = models.BooleanField(default=True)
+    measured_memory_mib = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Host memory measured after a load."
+    )
+    measured_device_memory_mib = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Device memory measured after a load."
+    )
+    measured_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "model"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        embeds = self.format == ModelFormat.EMBEDDING
+        if embeds != (self.task == ModelTask.EMBEDDING):
+            raise ValidationError(
+                {"task": "Embedding models have the embedding task, and only they do."}
+            )
+
+    @property
+    def resolved_path(self) -> Path:
+        """The model's path, relative paths taken under the models directory."""
+        path = Path(self.path).expanduser()
+        return path if path.is_absolute() else Path(settings.MODELS_DIR) / path

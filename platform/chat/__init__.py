@@ -1,0 +1,1 @@
+"""WebSocket chat, chat page and dashboard."""

@@ -1,0 +1,1 @@
+"""Engine specs, engine state, thermal and concurrency settings, the supervisor."""

@@ -1,0 +1,177 @@
+"""Admin for engines and the fleet-wide limits."""
+
+from django.contrib import admin, messages
+from django.http import HttpRequest, HttpResponseRedirect
+from django.urls import reverse
+
+from .forms import EngineSpecForm
+from .models import (
+    ConcurrencyOverride,
+    ConcurrencySettings,
+    EngineSpec,
+    EngineState,
+    ServerSettings,
+    ThermalOverride,
+    ThermalSettings,
+)
+from .selectors import engine_port
+
+
+class EngineStateInline(admin.StackedInline):
+    model = EngineState
+    can_delete = False
+    extra = 0
+    verbose_name_plural = "live state (written by the supervisor)"
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in EngineState._meta.fields]
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(EngineSpec)
+class EngineSpecAdmin(admin.ModelAdmin):
+    form = EngineSpecForm
+    list_display = [
+        "name",
+        "backend",
+        "enabled",
+        "order",
+        "loopback_port",
+        "status",
+        "heartbeat",
+        "resident",
+        "capability_list",
+    ]
+    list_filter = ["backend", "enabled", "state__status"]
+    search_fields = ["name", "devices"]
+    list_select_related = ["state"]
+    inlines = [EngineStateInline]
+    fieldsets = [
+        (None, {"fields": ["name", "backend", "enabled", "order", "port"]}),
+        ("Devices and environment", {"fields": ["devices", "env", "capabilities"]}),
+    ]
+
+    @admin.display(description="port")
+    def loopback_port(self, spec: EngineSpec) -> int:
+        return engine_port(spec=spec)
+
+    @admin.display(description="status", ordering="state__status")
+    def status(self, spec: EngineSpec) -> str:
+        state = getattr(spec, "state", None)
+        if state is None:
+            return "never started"
+        if state.cooling_reason:
+            return f"{state.status} ({state.cooling_reason})"
+        return state.status
+
+    @admin.display(description="heartbeat")
+    def heartbeat(self, spec: EngineSpec):
+        state = getattr(spec, "state", None)
+        return state.heartbeat_at if state else None
+
+    @admin.display(description="resident models")
+    def resident(self, spec: EngineSpec) -> str:
+        state = getattr(spec, "state", None)
+        return ", ".join(state.resident_model_names) if state else ""
+
+    @admin.display(description="serves")
+    def capability_list(self, spec: EngineSpec) -> str:
+        return ", ".join(sorted(spec.effective_capabilities))
+
+
+@admin.register(EngineState)
+class EngineStateAdmin(admin.ModelAdmin):
+    list_display = [
+        "spec",
+        "status",
+        "pid",
+        "port",
+        "heartbeat_at",
+        "slots_in_use",
+        "queue_depth",
+        "restart_count",
+        "cooling_reason",
+    ]
+    list_filter = ["status"]
+    search_fields = ["spec__name", "last_error"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in EngineState._meta.fields]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
+class SingletonAdmin(admin.ModelAdmin):
+    """Admin for a one-row settings table: the list opens the row itself."""
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context=None):
+        row = self.model.load()
+        opts = self.model._meta
+        return HttpResponseRedirect(
+            reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[row.pk])
+        )
+
+
+@admin.register(ServerSettings)
+class ServerSettingsAdmin(SingletonAdmin):
+    fieldsets = [
+        ("Routing", {"fields": ["default_engine"]}),
+        (
+            "Residency and memory",
+            {"fields": ["models_max", "memory_margin_mib", "host_ram_cap_gib"]},
+        ),
+        ("Queue", {"fields": ["queue_limit", "queue_timeout_s"]}),
+        ("Ports", {"fields": ["base_port"]}),
+    ]
+
+    def save_model(self, request, obj: ServerSettings, form, change) -> None:
+        super().save_model(request, obj, form, change)
+        if obj.default_engine and not obj.default_engine.enabled:
+            self.message_user(
+                request,
+                f"Default engine {obj.default_engine.name!r} is disabled: routing "
+                "skips it until it is enabled.",
+                messages.WARNING,
+            )
+
+
+class ThermalOverrideInline(admin.TabularInline):
+    model = ThermalOverride
+    extra = 0
+    verbose_name_plural = "per-vendor GPU thresholds"
+
+
+@admin.register(ThermalSettings)
+class ThermalSettingsAdmin(SingletonAdmin):
+    inlines = [ThermalOverrideInline]
+    fieldsets = [
+        ("CPU (pauses every engine)", {"fields": ["cpu_high", "cpu_resume"]}),
+        (
+            "GPU defaults (pause only the engine owning the card)",
+            {"fields": ["gpu_high", "gpu_resume"]},
+        ),
+    ]
+
+
+class ConcurrencyOverrideInline(admin.TabularInline):
+    model = ConcurrencyOverride
+    extra = 0
+    verbose_name_plural = "per-engine overrides (empty: the default)"
+
+
+@admin.register(ConcurrencySettings)
+class ConcurrencySettingsAdmin(SingletonAdmin):
+    inlines = [ConcurrencyOverrideInline]
+    fields = ["max_parallel_requests", "max_slots_per_model"]

@@ -1,0 +1,176 @@
+"""Django settings for Roundhouse.
+
+Every environment variable Roundhouse reads on the Django side is read here, once,
+each with a comment and a default that runs embedded on one machine: SQLite, the
+in-memory channel layer, a Celery broker that needs no server and the bundled models.
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parents[2]
+
+env = environ.Env()
+
+# ROUNDHOUSE_RUN_DIR: where runtime state lives (secret key, SQLite database, engine
+# token files, logs, locks). Created with mode 0700 when missing.
+RUN_DIR = Path(env.str("ROUNDHOUSE_RUN_DIR", default=str(BASE_DIR / "var" / "run")))
+RUN_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+# ROUNDHOUSE_MODELS_DIR: where model files live. A model's relative path in the
+# catalog is resolved against this directory; `make run` installs the bundled models
+# here.
+MODELS_DIR = Path(
+    env.str("ROUNDHOUSE_MODELS_DIR", default=str(BASE_DIR / "var" / "models"))
+)
+
+
+def _secret_key_from_run_dir(run_dir: Path) -> str:
+    """Read the generated secret key, creating it (mode 0600) on first use."""
+    path = run_dir / "secret_key"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text(encoding="utf-8").strip()
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        key = secrets.token_urlsafe(50)
+        handle.write(key)
+    return key
+
+
+# SECRET_KEY: Django's signing key. When unset it is generated once into
+# $ROUNDHOUSE_RUN_DIR/secret_key (mode 0600) and reused on every start.
+SECRET_KEY = env.str("SECRET_KEY", default="") or _secret_key_from_run_dir(RUN_DIR)
+
+# DEBUG: Django's debug mode; off unless set to a true value.
+DEBUG = env.bool("DEBUG", default=False)
+
+# ALLOWED_HOSTS: comma-separated host names the front answers to.
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
+
+# DATABASE_URL: the control-plane database. Default: SQLite in the run dir.
+# PostgreSQL example: postgres://user@127.0.0.1:5432/roundhouse
+DATABASES = {
+    "default": env.db_url(
+        "DATABASE_URL", default=f"sqlite:///{RUN_DIR / 'roundhouse.sqlite3'}"
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several processes (front, supervisor, worker) share one SQLite file: wait
+    # for a writer instead of failing at once with "database is locked".
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+
+# REDIS_URL: when set, the channel layer and the Celery broker use this Redis
+# (needed for more than one front process or host). Unset: in-memory channel
+# layer and a filesystem Celery broker in the run dir.
+REDIS_URL = env.str("REDIS_URL", default="")
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "fleet",
+    "catalog",
+    "api",
+    "chat",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "roundhouse.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+ASGI_APPLICATION = "roundhouse.asgi.application"
+WSGI_APPLICATION = None
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Celery: Redis when REDIS_URL is set, else kombu's filesystem transport, which
+# needs no server (queues are folders in the run dir).
+CELERY_QUEUE_DIR = RUN_DIR / "celery"
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
+else:
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(CELERY_QUEUE_DIR / "queue"),
+        "data_folder_out": str(CELERY_QUEUE_DIR / "queue"),
+        "processed_folder": str(CELERY_QUEUE_DIR / "processed"),
+    }
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+# Serve admin assets straight from the app folders: no collectstatic step.
+WHITENOISE_USE_FINDERS = True
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": "INFO"},
+}
+
+# ROUNDHOUSE_ADMIN_USER / ROUNDHOUSE_ADMIN_PASSWORD: the demo staff user that
+# `make run` creates once. Without a password one is generated and printed once.
+ROUNDHOUSE_ADMIN_USER = env.str("ROUNDHOUSE_ADMIN_USER", default="admin")
+ROUNDHOUSE_ADMIN_PASSWORD = env.str("ROUNDHOUSE_ADMIN_PASSWORD", default="")
+
+# ROUNDHOUSE_PORT (read by scripts/run, not here): the front's port, default 8000.

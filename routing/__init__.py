@@ -1,0 +1,1 @@
+"""Choosing an engine for a request. Pure Python: no Django, no ML libraries."""

@@ -1,0 +1,178 @@
+"""Operators edit engines and fleet limits in the admin, with validation."""
+
+import pytest
+from django.urls import reverse
+
+from fleet.models import (
+    ConcurrencyOverride,
+    ConcurrencySettings,
+    EngineSpec,
+    EngineState,
+    ThermalOverride,
+    ThermalSettings,
+)
+from tests.factories import EngineSpecFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def inline_management(prefix: str, total: int, initial: int = 0) -> dict:
+    return {
+        f"{prefix}-TOTAL_FORMS": str(total),
+        f"{prefix}-INITIAL_FORMS": str(initial),
+        f"{prefix}-MIN_NUM_FORMS": "0",
+        f"{prefix}-MAX_NUM_FORMS": "1000",
+    }
+
+
+def thermal_post(**overrides) -> dict:
+    data = {"cpu_high": "90", "cpu_resume": "80", "gpu_high": "85", "gpu_resume": "75"}
+    data.update(inline_management("overrides", 0))
+    data.update(overrides)
+    return data
+
+
+def thermal_url() -> str:
+    return reverse("admin:fleet_thermalsettings_change", args=[1])
+
+
+def test_singleton_list_opens_the_one_row(admin_client):
+    """The settings list view goes straight to the only row."""
+    response = admin_client.get(reverse("admin:fleet_thermalsettings_changelist"))
+    assert response.status_code == 302
+    assert response.url == thermal_url()
+
+
+def test_resume_not_below_high_is_an_error_and_nothing_is_saved(admin_client):
+    """Resume >= high shows an error and the stored thresholds stay as they were."""
+    response = admin_client.post(thermal_url(), thermal_post(cpu_resume="95"))
+    assert response.status_code == 200
+    assert "must be below high" in response.content.decode()
+    settings = ThermalSettings.load()
+    assert (settings.cpu_high, settings.cpu_resume) == (90, 80)
+
+
+def test_vendor_override_inline_is_validated_and_saved(admin_client):
+    """A per-vendor override row is saved from the inline; a bad one is refused."""
+    bad = thermal_post(
+        **inline_management("overrides", 1),
+        **{"overrides-0-vendor": "amd", "overrides-0-high": "95"},
+        **{"overrides-0-resume": "96"},
+    )
+    response = admin_client.post(thermal_url(), bad)
+    assert response.status_code == 200
+    assert "must be below high" in response.content.decode()
+    assert not ThermalOverride.objects.exists()
+
+    good = dict(bad, **{"overrides-0-resume": "92"})
+    response = admin_client.post(thermal_url(), good)
+    assert response.status_code == 302
+    override = ThermalOverride.objects.get()
+    assert (override.vendor, override.high, override.resume) == ("amd", 95, 92)
+
+
+def test_concurrency_override_per_engine(admin_client):
+    """Per-engine concurrency overrides are edited inline; empty keeps the default."""
+    gpu = EngineSpecFactory(name="gpu0", backend="cuda")
+    url = reverse("admin:fleet_concurrencysettings_change", args=[1])
+    data = {
+        "max_parallel_requests": "4",
+        "max_slots_per_model": "2",
+        **inline_management("overrides", 1),
+        "overrides-0-engine": str(gpu.pk),
+        "overrides-0-max_parallel_requests": "8",
+        "overrides-0-max_slots_per_model": "",
+    }
+    response = admin_client.post(url, data)
+    assert response.status_code == 302
+    override = ConcurrencyOverride.objects.get()
+    assert override.settings == ConcurrencySettings.load()
+    assert (override.max_parallel_requests, override.max_slots_per_model) == (8, None)
+
+    from fleet.selectors import engine_limits
+
+    limits = engine_limits(spec=gpu)
+    assert (limits.max_parallel_requests, limits.max_slots_per_model) == (8, 2)
+
+
+def engine_post(**fields) -> dict:
+    data = {
+        "name": "gpu0",
+        "backend": "cuda",
+        "enabled": "on",
+        "order": "1",
+        "port": "",
+        "devices": "GPU-1234",
+        "env": "",
+        **inline_management("state", 0),
+    }
+    data.update(fields)
+    return data
+
+
+def test_engine_env_block_keeps_empty_values(admin_client):
+    """KEY= lines are stored as empty strings, not dropped."""
+    response = admin_client.post(
+        reverse("admin:fleet_enginespec_add"),
+        engine_post(env="CUDA_VISIBLE_DEVICES=0\nHIP_VISIBLE_DEVICES=\n# comment\n"),
+    )
+    assert response.status_code == 302, response.content.decode()
+    spec = EngineSpec.objects.get(name="gpu0")
+    assert spec.env == {"CUDA_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": ""}
+    assert spec.effective_capabilities == {"gguf", "transformers", "embedding"}
+
+    change = admin_client.get(reverse("admin:fleet_enginespec_change", args=[spec.pk]))
+    assert "HIP_VISIBLE_DEVICES=" in change.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ("1BAD=x", "Not valid environment variable names"),
+        ("BAD-NAME=x", "Not valid environment variable names"),
+        ("NO_EQUALS_SIGN", "expected KEY=VALUE"),
+        ("A=1\nA=2", "set twice"),
+    ],
+)
+def test_engine_env_block_errors(admin_client, env, message):
+    """Invalid variable names and malformed lines are errors; nothing is saved."""
+    response = admin_client.post(
+        reverse("admin:fleet_enginespec_add"), engine_post(env=env)
+    )
+    assert response.status_code == 200
+    assert message in response.content.decode()
+    assert not EngineSpec.objects.filter(name="gpu0").exists()
+
+
+def test_engine_capability_override(admin_client):
+    """Checked capabilities replace the backend's defaults."""
+    data = engine_post(capabilities=["gguf"])
+    response = admin_client.post(reverse("admin:fleet_enginespec_add"), data)
+    assert response.status_code == 302
+    assert EngineSpec.objects.get(name="gpu0").effective_capabilities == {"gguf"}
+
+
+def test_engine_list_shows_live_state(admin_client):
+    """The engine list shows the supervisor's status, cooling reason and models."""
+    cpu0 = EngineSpec.objects.get(name="cpu0")
+    EngineState.objects.create(
+        spec=cpu0,
+        status="cooling",
+        cooling_reason="cpu 93 °C",
+        resident_models=[{"name": "all-minilm-l6-v2", "memory_mib": 90}],
+    )
+    response = admin_client.get(reverse("admin:fleet_enginespec_changelist"))
+    body = response.content.decode()
+    assert "cooling (cpu 93 °C)" in body
+    assert "all-minilm-l6-v2" in body
+    assert "8780" in body  # base port + order 0
+
+
+def test_engine_list_filters_and_search(admin_client):
+    """Engines can be filtered by backend and found by name."""
+    EngineSpecFactory(name="radeon", backend="vulkan")
+    url = reverse("admin:fleet_enginespec_changelist")
+    body = admin_client.get(url, {"backend__exact": "vulkan"}).content.decode()
+    assert "radeon" in body and ">cpu0<" not in body
+    body = admin_client.get(url, {"q": "cpu"}).content.decode()
+    assert ">cpu0<" in body and "radeon" not in body
