@@ -20,3 +20,22 @@ def model_config_problems(
             f"Path of {model.name!r} does not exist here: {model.resolved_path}."
         )
     return problems
+
+
+def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
+    """Enabled models an engine with these capabilities may load, as engine
+    ModelSpec dicts (paths resolved)."""
+    rows = ModelConfig.objects.filter(enabled=True, format__in=sorted(capabilities))
+    return [
+        {
+            "name": model.name,
+            "format": model.format,
+            "path": str(model.resolved_path),
+            "task": model.task,
+            "batch_window_ms": model.batch_window_ms,
+            "max_batch_size": model.max_batch_size,
+            "keep_alive_s": model.keep_alive_s,
+            "context_length": model.context_length,
+        }
+        for model in rows.order_by("name")
+    ]

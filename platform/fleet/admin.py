@@ -15,6 +15,7 @@ from .models import (
     ThermalSettings,
 )
 from .selectors import engine_port
+from .services import engine_restart_request
 
 
 class EngineStateInline(admin.StackedInline):
@@ -48,6 +49,7 @@ class EngineSpecAdmin(admin.ModelAdmin):
     search_fields = ["name", "devices"]
     list_select_related = ["state"]
     inlines = [EngineStateInline]
+    actions = ["restart_engines"]
     fieldsets = [
         (None, {"fields": ["name", "backend", "enabled", "order", "port"]}),
         ("Devices and environment", {"fields": ["devices", "env", "capabilities"]}),
@@ -62,9 +64,24 @@ class EngineSpecAdmin(admin.ModelAdmin):
         state = getattr(spec, "state", None)
         if state is None:
             return "never started"
+        if state.in_crash_loop:
+            return f"crash loop (next try {state.backoff_until:%H:%M:%S} UTC)"
         if state.cooling_reason:
             return f"{state.status} ({state.cooling_reason})"
         return state.status
+
+    @admin.action(description="Restart engine")
+    def restart_engines(self, request: HttpRequest, queryset) -> None:
+        specs = list(queryset)
+        for spec in specs:
+            engine_restart_request(spec=spec)
+        names = ", ".join(spec.name for spec in specs)
+        self.message_user(
+            request,
+            f"Restart requested for {names}; the supervisor restarts "
+            "within a few seconds.",
+            messages.SUCCESS,
+        )
 
     @admin.display(description="heartbeat")
     def heartbeat(self, spec: EngineSpec):

@@ -85,6 +85,12 @@ class EngineSpec(models.Model):
         validators=PORT_VALIDATORS,
         help_text="Fixed loopback port. Empty: the server's base port + order.",
     )
+    restart_requested_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="Set by the admin's restart action; the supervisor acts on it.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -145,6 +151,11 @@ class EngineState(models.Model):
     queue_depth = models.PositiveIntegerField(default=0)
     cooling_reason = models.CharField(max_length=200, blank=True)
     restart_count = models.PositiveIntegerField(default=0)
+    backoff_until = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="Crash loop: the next respawn waits until then.",
+    )
     last_error = models.TextField(blank=True)
 
     class Meta:
@@ -152,6 +163,10 @@ class EngineState(models.Model):
 
     def __str__(self) -> str:
         return f"{self.spec.name}: {self.status}"
+
+    @property
+    def in_crash_loop(self) -> bool:
+        return self.status == EngineStatus.CRASHED and self.backoff_until is not None
 
     @property
     def resident_model_names(self) -> list[str]:

@@ -1,5 +1,6 @@
 """Reads of fleet data: engines as routing sees them, ports, effective limits."""
 
+import json
 from dataclasses import dataclass
 
 from routing.compat import EngineView
@@ -43,3 +44,66 @@ def engine_limits(*, spec: EngineSpec) -> EngineLimits:
         max_slots_per_model=(override and override.max_slots_per_model)
         or defaults.max_slots_per_model,
     )
+
+
+@dataclass(frozen=True)
+class DesiredEngine:
+    """An enabled spec as the supervisor should run it."""
+
+    spec_id: int
+    name: str
+    port: int
+    backend: str
+    env: dict[str, str]
+    devices: str
+    restart_requested_at: object
+    config: dict
+
+    @property
+    def spawn_key(self) -> str:
+        """What forces a restart when it changes (unlike limits, pushed live)."""
+        return json.dumps(
+            [self.name, self.port, self.backend, self.env, self.devices],
+            sort_keys=True,
+        )
+
+    @property
+    def config_key(self) -> str:
+        return json.dumps(self.config, sort_keys=True)
+
+
+def engines_desired() -> list[DesiredEngine]:
+    """Every enabled engine with the configuration it should be running."""
+    from catalog.selectors import models_servable_by
+
+    server = ServerSettings.load()
+    desired = []
+    for spec in EngineSpec.objects.filter(enabled=True).order_by("order", "name"):
+        limits = engine_limits(spec=spec)
+        config = {
+            "name": spec.name,
+            "port": engine_port(spec=spec, server=server),
+            "backend": spec.backend,
+            "limits": {
+                "max_parallel_requests": limits.max_parallel_requests,
+                "max_slots_per_model": limits.max_slots_per_model,
+                "queue_limit": server.queue_limit,
+                "queue_timeout_s": server.queue_timeout_s,
+                "models_max": server.models_max,
+                "memory_margin_mib": server.memory_margin_mib,
+            },
+            "models": models_servable_by(capabilities=spec.effective_capabilities),
+        }
+        desired.append(
+            DesiredEngine(
+                spec_id=spec.pk,
+                name=spec.name,
+                port=config["port"],
+                backend=spec.backend,
+                env=dict(spec.env),
+                devices=spec.devices,
+                restart_requested_at=spec.restart_requested_at,
+                config=config,
+            )
+        )
+    return desired

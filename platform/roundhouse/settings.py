@@ -62,6 +62,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (front, supervisor, worker) share one SQLite file: wait
     # for a writer instead of failing at once with "database is locked".
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # Tests run supervisors in child processes: their database must be a file
+    # those processes can open, not SQLite's default in-memory test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(RUN_DIR / "test.sqlite3")}
 
 # REDIS_URL: when set, the channel layer and the Celery broker use this Redis
 # (needed for more than one front process or host). Unset: in-memory channel

@@ -1,0 +1,257 @@
+"""Clients of an engine: asyncio for the web process, blocking for Celery, the
+supervisor and scripts. Both speak engines/protocol.py and raise one error type
+per failure."""
+
+import asyncio
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import LOOPBACK
+from .protocol import (
+    CONTROL_TIMEOUT_S,
+    MAX_FRAME_BYTES,
+    ErrorCode,
+    ProtocolError,
+    decode_array,
+    decode_message,
+    encode_message,
+    read_frame,
+    recv_frame,
+)
+
+# Model work (a first load, a big batch) can take a while; control frames cannot.
+REQUEST_TIMEOUT_S = 120.0
+CONTROL_KINDS = frozenset({"ping", "state", "configure", "shutdown", "unload"})
+
+
+class EngineError(Exception):
+    """Any failure talking to an engine."""
+
+
+class EngineUnreachable(EngineError):
+    """Nothing answers on the engine's port (not started, or gone)."""
+
+
+class EngineTimeout(EngineError):
+    """The engine accepted the request but did not answer in time."""
+
+
+class EngineDied(EngineError):
+    """The connection dropped before the answer arrived: the engine died or was
+    killed mid-request."""
+
+
+class EngineRequestError(EngineError):
+    """The engine answered with an error code (see protocol.ErrorCode)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class EngineUnauthorized(EngineRequestError):
+    """The engine refused the token."""
+
+
+def _raise_for_error(reply: dict[str, Any]) -> None:
+    if reply.get("status") == "ok":
+        return
+    code = str(reply.get("code", ErrorCode.INTERNAL))
+    message = str(reply.get("message", "engine error"))
+    if code == ErrorCode.UNAUTHORIZED:
+        raise EngineUnauthorized(code, message)
+    raise EngineRequestError(code, message)
+
+
+def _timeout_for(kind: str, timeout: float | None) -> float:
+    if timeout is not None:
+        return timeout
+    return CONTROL_TIMEOUT_S if kind in CONTROL_KINDS else REQUEST_TIMEOUT_S
+
+
+def _embeddings(reply: dict[str, Any], array: bytes | None) -> np.ndarray:
+    if reply.get("encoding") == "json":
+        return np.asarray(reply["embeddings"], dtype=np.float32)
+    if array is None:
+        raise EngineRequestError(ErrorCode.INTERNAL, "embedding payload missing")
+    return decode_array(array)
+
+
+# -- connection files -----------------------------------------------------------
+
+
+def connection_file(run_dir: Path | str, name: str) -> Path:
+    """Where the supervisor leaves an engine's port and token (mode 0600)."""
+    return Path(run_dir) / "engines" / f"{name}.json"
+
+
+def write_connection_file(
+    run_dir: Path | str, *, name: str, port: int, token: str, pid: int | None = None
+) -> Path:
+    """Write an engine's connection details readable by this user only."""
+    path = connection_file(run_dir, name)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump({"name": name, "port": port, "token": token, "pid": pid}, handle)
+    os.replace(partial, path)
+    return path
+
+
+def read_connection_file(run_dir: Path | str, name: str) -> dict[str, Any]:
+    path = connection_file(run_dir, name)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EngineUnreachable(
+            f"engine {name!r} has no connection file in {path.parent}: is the "
+            "supervisor running? (manage.py supervise)"
+        ) from None
+
+
+# -- asyncio client -------------------------------------------------------------
+
+
+class AsyncEngineClient:
+    """An asyncio client: one short connection per request."""
+
+    def __init__(self, *, port: int, token: str, name: str = "") -> None:
+        self.port = port
+        self.name = name or f"port {port}"
+        self._token = token
+
+    @classmethod
+    def for_engine(cls, run_dir: Path | str, name: str) -> "AsyncEngineClient":
+        info = read_connection_file(run_dir, name)
+        return cls(port=info["port"], token=info["token"], name=name)
+
+    async def request(
+        self, message: dict[str, Any], *, timeout: float | None = None
+    ) -> tuple[dict[str, Any], bytes | None]:
+        """Send one request; returns the reply and its array payload, if any."""
+        kind = str(message.get("kind", ""))
+        limit = _timeout_for(kind, timeout)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(LOOPBACK, self.port), CONTROL_TIMEOUT_S
+            )
+        except (OSError, TimeoutError) as error:
+            raise EngineUnreachable(f"engine {self.name}: {error}") from None
+        try:
+            writer.write(encode_message({**message, "token": self._token}))
+            await writer.drain()
+            reply, array = await asyncio.wait_for(self._read_reply(reader), limit)
+        except TimeoutError:
+            raise EngineTimeout(
+                f"engine {self.name}: no answer in {limit:g} s"
+            ) from None
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
+            raise EngineDied(
+                f"engine {self.name} dropped the request: {error}"
+            ) from None
+        finally:
+            writer.close()
+        _raise_for_error(reply)
+        return reply, array
+
+    async def _read_reply(self, reader) -> tuple[dict[str, Any], bytes | None]:
+        payload = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
+        if payload is None:
+            raise ConnectionError("connection closed before the answer")
+        reply = decode_message(payload)
+        array = None
+        if reply.get("encoding") == "npy":
+            array = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
+            if array is None:
+                raise ConnectionError("connection closed before the array")
+        return reply, array
+
+    async def call(self, kind: str, **fields: Any) -> dict[str, Any]:
+        reply, _ = await self.request({"kind": kind, **fields})
+        return reply
+
+    async def ping(self) -> dict[str, Any]:
+        return await self.call("ping")
+
+    async def state(self) -> dict[str, Any]:
+        return await self.call("state")
+
+    async def embed(
+        self, model: str, texts: list[str], *, encoding: str = "npy"
+    ) -> np.ndarray:
+        reply, array = await self.request(
+            {"kind": "embed", "model": model, "texts": texts, "encoding": encoding}
+        )
+        return _embeddings(reply, array)
+
+
+# -- blocking client ----------------------------------------------------------------
+
+
+class EngineClient:
+    """A blocking client for Celery workers, the supervisor and scripts."""
+
+    def __init__(self, *, port: int, token: str, name: str = "") -> None:
+        self.port = port
+        self.name = name or f"port {port}"
+        self._token = token
+
+    @classmethod
+    def for_engine(cls, run_dir: Path | str, name: str) -> "EngineClient":
+        info = read_connection_file(run_dir, name)
+        return cls(port=info["port"], token=info["token"], name=name)
+
+    def request(
+        self, message: dict[str, Any], *, timeout: float | None = None
+    ) -> tuple[dict[str, Any], bytes | None]:
+        """Send one request; returns the reply and its array payload, if any."""
+        kind = str(message.get("kind", ""))
+        limit = _timeout_for(kind, timeout)
+        try:
+            sock = socket.create_connection((LOOPBACK, self.port), CONTROL_TIMEOUT_S)
+        except OSError as error:
+            raise EngineUnreachable(f"engine {self.name}: {error}") from None
+        with sock:
+            sock.settimeout(limit)
+            try:
+                sock.sendall(encode_message({**message, "token": self._token}))
+                reply = decode_message(recv_frame(sock))
+                array = recv_frame(sock) if reply.get("encoding") == "npy" else None
+            except TimeoutError:
+                raise EngineTimeout(
+                    f"engine {self.name}: no answer in {limit:g} s"
+                ) from None
+            except (ConnectionError, OSError) as error:
+                raise EngineDied(
+                    f"engine {self.name} dropped the request: {error}"
+                ) from None
+            except ProtocolError as error:
+                raise EngineRequestError(error.code, error.message) from None
+        _raise_for_error(reply)
+        return reply, array
+
+    def call(self, kind: str, **fields: Any) -> dict[str, Any]:
+        reply, _ = self.request({"kind": kind, **fields})
+        return reply
+
+    def ping(self) -> dict[str, Any]:
+        return self.call("ping")
+
+    def state(self) -> dict[str, Any]:
+        return self.call("state")
+
+    def embed(
+        self, model: str, texts: list[str], *, encoding: str = "npy"
+    ) -> np.ndarray:
+        reply, array = self.request(
+            {"kind": "embed", "model": model, "texts": texts, "encoding": encoding}
+        )
+        return _embeddings(reply, array)

@@ -1,0 +1,87 @@
+"""Writes of fleet data, and starting the fleet on demand."""
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from django.conf import settings
+from django.db import DatabaseError
+from django.utils import timezone
+
+from engines.client import EngineClient, EngineError
+
+from .models import EngineSpec, EngineState
+from .supervisor_lock import SupervisorLock, popen_detached_kwargs
+
+log = logging.getLogger("roundhouse.fleet")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_restart_request(*, spec: EngineSpec) -> None:
+    """Ask the supervisor to restart this engine (it polls the database)."""
+    spec.restart_requested_at = timezone.now()
+    spec.save(update_fields=["restart_requested_at"])
+
+
+def engine_state_record(*, spec_id: int, **fields) -> None:
+    """Store what the supervisor saw of an engine (supervisor only)."""
+    try:
+        EngineState.objects.update_or_create(spec_id=spec_id, defaults=fields)
+    except DatabaseError as error:
+        # A spec deleted under us, or the database briefly unavailable: the next
+        # poll writes again.
+        log.warning("could not record state of engine %s: %s", spec_id, error)
+
+
+class FleetStartError(RuntimeError):
+    """The supervisor could not be started or its engines did not come up."""
+
+
+def fleet_ensure(*, timeout_s: float = 180.0, run_dir: Path | None = None) -> str:
+    """Make sure a supervisor runs on this host; start one in the background if not.
+
+    First instance wins: when a supervisor already holds the lock this returns
+    at once ("attached"). Otherwise it starts `manage.py supervise` in a new
+    session with its own log, waits until every enabled engine answers `ping`, and
+    returns "started". Scripts, Celery workers and `supervise --ensure` share it.
+    """
+    run_dir = Path(run_dir or settings.RUN_DIR)
+    lock = SupervisorLock(run_dir)
+    if lock.is_held():
+        return "attached"
+    log_path = run_dir / "logs" / "supervisor.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), "supervise"],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            **popen_detached_kwargs(),
+        )
+    names = list(EngineSpec.objects.filter(enabled=True).values_list("name", flat=True))
+    deadline = time.monotonic() + timeout_s
+    waiting = set(names)
+    while waiting:
+        if process.poll() is not None and not lock.is_held():
+            raise FleetStartError(
+                f"the supervisor exited with code {process.returncode}; see {log_path}"
+            )
+        for name in list(waiting):
+            try:
+                EngineClient.for_engine(run_dir, name).ping()
+                waiting.discard(name)
+            except EngineError:
+                pass
+        if waiting and time.monotonic() > deadline:
+            raise FleetStartError(
+                f"engines {', '.join(sorted(waiting))} did not answer within "
+                f"{timeout_s:g} s; see {log_path}"
+            )
+        if waiting:
+            time.sleep(0.25)
+    return "started"

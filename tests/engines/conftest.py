@@ -1,0 +1,126 @@
+"""Real engine processes on loopback for the engine tests."""
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from engines.client import AsyncEngineClient, EngineClient, EngineError
+from engines.config import CONFIG_ENV, TOKEN_ENV
+from tests.conftest import ROOT
+
+EMBEDDER = "all-minilm-l6-v2"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def embedder_spec(**overrides) -> dict:
+    return {
+        "name": EMBEDDER,
+        "format": "embedding",
+        "task": "embedding",
+        "path": str(Path(settings.MODELS_DIR) / "all-MiniLM-L6-v2"),
+        "batch_window_ms": 5.0,
+        "max_batch_size": 64,
+        **overrides,
+    }
+
+
+@dataclass
+class EngineProcess:
+    """An engine started the way the supervisor starts one."""
+
+    process: subprocess.Popen
+    port: int
+    token: str
+    log_path: Path
+
+    def client(self) -> EngineClient:
+        return EngineClient(port=self.port, token=self.token)
+
+    def aclient(self) -> AsyncEngineClient:
+        return AsyncEngineClient(port=self.port, token=self.token)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.client().call("shutdown")
+            except EngineError:
+                self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_engine(
+    log_dir: Path, *, models: list[dict], preload=(), wait_ready: bool = True
+) -> EngineProcess:
+    port, token = free_port(), secrets.token_hex(32)
+    config = {"name": "test", "port": port, "models": models, "preload": list(preload)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        CONFIG_ENV: json.dumps(config),
+        TOKEN_ENV: token,
+    }
+    log_path = log_dir / f"engine-{port}.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "engines.serve"],
+            cwd=ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    engine = EngineProcess(process, port, token, log_path)
+    if not wait_ready:
+        return engine
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if engine.client().ping()["phase"] == "ready":
+                return engine
+        except EngineError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            engine.stop()
+            pytest.fail(f"engine did not start:\n{engine.log()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def embed_engine(tmp_path_factory):
+    """One engine with the bundled MiniLM embedder resident, for a test module."""
+    engine = start_engine(
+        tmp_path_factory.mktemp("engine"), models=[embedder_spec()], preload=[EMBEDDER]
+    )
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_embedder():
+    """The same model encoded in-process: what the engine must return."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(
+        str(Path(settings.MODELS_DIR) / "all-MiniLM-L6-v2"), device="cpu"
+    )

@@ -1,0 +1,197 @@
+"""A real engine process on loopback serving the bundled MiniLM embedder."""
+
+import asyncio
+import socket
+import struct
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from engines.client import (
+    EngineClient,
+    EngineError,
+    EngineRequestError,
+    EngineUnauthorized,
+)
+from engines.protocol import (
+    HEADER,
+    MAX_FRAME_BYTES,
+    decode_message,
+    encode_message,
+    recv_frame,
+)
+from tests.engines.conftest import EMBEDDER
+
+
+def raw_exchange(port: int, data: bytes) -> dict:
+    """Send raw bytes, return the one reply message."""
+    with socket.create_connection(("127.0.0.1", port), 5) as sock:
+        sock.sendall(data)
+        return decode_message(recv_frame(sock))
+
+
+def test_embed_round_trip_matches_in_process_encoding(embed_engine, reference_embedder):
+    """Rows from the engine equal encoding the same texts in this process."""
+    texts = ["The quick brown fox", "jumps over the lazy dog", "naïve café ☕"]
+    rows = embed_engine.client().embed(EMBEDDER, texts)
+    expected = reference_embedder.encode(texts, convert_to_numpy=True)
+    assert rows.shape == (3, 384) and rows.dtype == np.float32
+    np.testing.assert_allclose(rows, expected, atol=1e-5)
+
+    as_json = embed_engine.client().embed(EMBEDDER, texts, encoding="json")
+    np.testing.assert_allclose(as_json, rows, atol=1e-6)
+
+
+def test_concurrent_callers_each_get_their_own_rows(embed_engine, reference_embedder):
+    """64 concurrent callers with different texts: each gets exactly its own
+    vectors, and the engine served them in shared batches."""
+    texts = [f"caller {i} asks about topic {i * 7 % 13}" for i in range(64)]
+    # Some callers send two texts, to check slicing of uneven requests.
+    requests = [
+        [text] if i % 3 else [text, text.upper()] for i, text in enumerate(texts)
+    ]
+    before = embed_engine.client().state()["models"][0]["batches"]
+
+    async def everyone():
+        client = embed_engine.aclient()
+        return await asyncio.gather(*(client.embed(EMBEDDER, r) for r in requests))
+
+    results = asyncio.run(everyone())
+    for request, rows in zip(requests, results, strict=True):
+        expected = reference_embedder.encode(request, convert_to_numpy=True)
+        np.testing.assert_allclose(rows, expected, atol=1e-5)
+    state = embed_engine.client().state()["models"][0]
+    assert state["batches"] - before < len(requests)
+    assert state["largest_batch"] > 1
+
+
+def test_unknown_model(embed_engine):
+    """A model the engine was not given is `unknown_model`."""
+    with pytest.raises(EngineRequestError) as error:
+        embed_engine.client().embed("no-such-model", ["x"])
+    assert error.value.code == "unknown_model"
+
+
+@pytest.mark.parametrize(
+    "token",
+    [None, "", "wrong", "short", "0" * 64, 12345, ["list"]],
+    ids=["missing", "empty", "wrong", "short", "same-length", "number", "list"],
+)
+def test_bad_tokens_are_unauthorized(embed_engine, token):
+    """Every request without the exact token is refused as unauthorized."""
+    message = {"kind": "ping"}
+    if token is not None:
+        message["token"] = token
+    reply = raw_exchange(embed_engine.port, encode_message(message))
+    assert reply == {
+        "status": "error",
+        "code": "unauthorized",
+        "message": "missing or wrong token",
+    }
+    with pytest.raises(EngineUnauthorized):
+        EngineClient(port=embed_engine.port, token="wrong").ping()
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        (b"{not json", "malformed JSON"),
+        (b"\xff\xfe", "malformed JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'"text"', "must be a JSON object"),
+    ],
+)
+def test_malformed_frames_are_bad_requests(embed_engine, payload, needle):
+    """Undecodable payloads get `bad_request`; the engine keeps serving."""
+    reply = raw_exchange(embed_engine.port, HEADER.pack(len(payload)) + payload)
+    assert reply["code"] == "bad_request" and needle in reply["message"]
+    assert embed_engine.client().ping()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"kind": 7}, "wrong type"),
+        ({"kind": "teleport"}, "unknown kind"),
+        ({"kind": "embed", "model": EMBEDDER}, "missing field 'texts'"),
+        ({"kind": "embed", "model": EMBEDDER, "texts": "hello"}, "wrong type"),
+        ({"kind": "embed", "model": EMBEDDER, "texts": [1, 2]}, "must be strings"),
+        ({"kind": "embed", "model": EMBEDDER, "texts": []}, "empty"),
+        ({"kind": "embed", "model": 3, "texts": ["x"]}, "wrong type"),
+        ({"kind": "embed", "model": EMBEDDER, "texts": ["x"] * 10_001}, "cap"),
+        ({"kind": "embed", "model": EMBEDDER, "texts": ["x" * 300_000]}, "cap"),
+        ({"kind": "configure", "config": []}, "wrong type"),
+        ({"kind": "configure", "config": {"models": [{}]}}, "bad configuration"),
+    ],
+)
+def test_wrong_types_are_bad_requests(embed_engine, fields, needle):
+    """Authenticated requests of the wrong shape get `bad_request`."""
+    client = embed_engine.client()
+    with pytest.raises(EngineRequestError) as error:
+        client.request(fields)
+    assert error.value.code == "bad_request"
+    assert needle in error.value.message
+    assert client.ping()["status"] == "ok"
+
+
+def test_oversized_header_closes_the_connection_unread(embed_engine):
+    """A header announcing more than the cap closes the connection at once, and
+    the engine allocates nothing for it."""
+    process = psutil.Process(embed_engine.process.pid)
+    before = process.memory_info().rss
+    for size in (MAX_FRAME_BYTES + 1, 2**40, 2**64 - 1):
+        with socket.create_connection(("127.0.0.1", embed_engine.port), 5) as sock:
+            sock.sendall(struct.pack(">Q", size))
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # closed, no reply
+    after = process.memory_info().rss
+    assert after - before < 8 * 2**20
+    assert embed_engine.client().ping()["status"] == "ok"
+    assert "exceeds the" in embed_engine.log()
+
+
+def test_engine_listens_on_loopback_only(embed_engine):
+    """Every listening socket of the engine is on 127.0.0.1."""
+    process = psutil.Process(embed_engine.process.pid)
+    listening = [c for c in process.net_connections("inet") if c.status == "LISTEN"]
+    assert listening
+    assert {conn.laddr.ip for conn in listening} == {"127.0.0.1"}
+    assert {conn.laddr.port for conn in listening} == {embed_engine.port}
+
+
+def test_engine_binds_before_loading(tmp_path):
+    """The port answers while the preloaded model is still loading, so a prober
+    never sees it free and starts a second engine."""
+    from tests.engines.conftest import embedder_spec, start_engine
+
+    engine = start_engine(
+        tmp_path, models=[embedder_spec()], preload=[EMBEDDER], wait_ready=False
+    )
+    phases = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "ready" not in phases:
+            try:
+                phases.append(engine.client().state()["phase"])
+            except EngineError:
+                assert engine.process.poll() is None, engine.log()
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+    assert phases[0] == "loading"
+    assert phases[-1] == "ready"
+
+
+def test_idle_engine_uses_no_cpu(embed_engine):
+    """An idle engine sleeps on events: almost no CPU time over a few seconds
+    (a polling loop would burn a whole core)."""
+    embed_engine.client().embed(EMBEDDER, ["warm up the batch loop"])
+    process = psutil.Process(embed_engine.process.pid)
+    time.sleep(0.5)
+    before = process.cpu_times()
+    time.sleep(3)
+    after = process.cpu_times()
+    used = (after.user - before.user) + (after.system - before.system)
+    assert used < 0.3, f"idle engine used {used:.2f} s of CPU in 3 s"
