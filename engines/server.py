@@ -320,8 +320,10 @@ class EngineServer:
             )
         limits = self.config.limits
         # Embedding requests are cheap to hold: the queue admits queue_limit
-        # batches' worth of texts before answering `overloaded`.
-        if model.batcher.queued_items + len(texts) > (
+        # batches' worth of texts before answering `overloaded` (an empty queue
+        # takes any request the caps allow, however big).
+        queued = model.batcher.queued_items
+        if queued and queued + len(texts) > (
             limits.queue_limit * model.batcher.max_batch_size
         ):
             raise ProtocolError(ErrorCode.OVERLOADED, "the embedding queue is full")

@@ -11,9 +11,10 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from engines.client import EngineClient, EngineError
+from engines.launch import popen_detached_kwargs
 
 from .models import EngineSpec, EngineState
-from .supervisor_lock import SupervisorLock, popen_detached_kwargs
+from .supervisor_lock import SupervisorLock
 
 log = logging.getLogger("roundhouse.fleet")
 

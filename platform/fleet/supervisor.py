@@ -2,13 +2,11 @@
 respawns the ones that die, writes their state to the database and applies admin
 changes without a restart. One per host (see supervisor_lock)."""
 
-import json
 import logging
 import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,19 +22,14 @@ from engines.client import (
     connection_file,
     write_connection_file,
 )
-from engines.config import CONFIG_ENV, OFFLINE_ENV, TOKEN_ENV
+from engines.launch import spawn_engine
 
 from .models import EngineStatus
 from .selectors import DesiredEngine, engines_desired
 from .services import engine_state_record
-from .supervisor_lock import SupervisorLock, popen_detached_kwargs
+from .supervisor_lock import SupervisorLock
 
 log = logging.getLogger("roundhouse.supervisor")
-
-ROOT = Path(__file__).resolve().parents[2]
-
-# Never handed to an engine: it needs none of the web side's secrets.
-SCRUBBED_ENV = ("SECRET_KEY", "DATABASE_URL", "ROUNDHOUSE_ADMIN_PASSWORD")
 
 
 @dataclass
@@ -187,27 +180,12 @@ class Supervisor:
         wanted = engine.desired
         engine.token = secrets.token_hex(32)
         engine.log_path = self.run_dir / "logs" / f"engine-{wanted.name}.log"
-        env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
-        for key, value in OFFLINE_ENV.items():
-            env.setdefault(key, value)
-        env.update(wanted.env)  # empty values are set empty, not dropped
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
+        engine.process = spawn_engine(
+            config=wanted.config,
+            token=engine.token,
+            log_path=engine.log_path,
+            spec_env=wanted.env,
         )
-        env[CONFIG_ENV] = json.dumps(wanted.config, sort_keys=True)
-        env[TOKEN_ENV] = engine.token
-        argv = [sys.executable, "-m", "engines.serve"]
-        argv += ["--name", wanted.name, "--port", str(wanted.port)]
-        with open(engine.log_path, "ab") as log_file:
-            engine.process = subprocess.Popen(
-                argv,
-                cwd=ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                **popen_detached_kwargs(),
-            )
         write_connection_file(
             self.run_dir,
             name=wanted.name,

@@ -4,8 +4,6 @@ processes are spawned portably."""
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -62,17 +60,3 @@ class SupervisorLock:
             return True
         probe.release()
         return False
-
-
-def popen_detached_kwargs() -> dict:
-    """Popen arguments for a child in its own session / process group.
-
-    POSIX: a new session, so a Ctrl-C in the parent's terminal is not delivered
-    to it directly (its parent decides). Windows: CREATE_NO_WINDOW alone (with
-    DETACHED_PROCESS it is an invalid combination) plus a new process group, and
-    handles stay inheritable so redirected output keeps working.
-    """
-    if sys.platform == "win32":
-        flags = subprocess.CREATE_NO_WINDOW | subprocess.CREATE_NEW_PROCESS_GROUP
-        return {"creationflags": flags, "close_fds": False}
-    return {"start_new_session": True, "close_fds": True}

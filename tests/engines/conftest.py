@@ -1,11 +1,8 @@
 """Real engine processes on loopback for the engine tests."""
 
-import json
-import os
 import secrets
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +11,7 @@ import pytest
 from django.conf import settings
 
 from engines.client import AsyncEngineClient, EngineClient, EngineError
-from engines.config import CONFIG_ENV, TOKEN_ENV
-from tests.conftest import ROOT
+from engines.launch import spawn_engine
 
 EMBEDDER = "all-minilm-l6-v2"
 
@@ -74,22 +70,8 @@ def start_engine(
 ) -> EngineProcess:
     port, token = free_port(), secrets.token_hex(32)
     config = {"name": "test", "port": port, "models": models, "preload": list(preload)}
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        CONFIG_ENV: json.dumps(config),
-        TOKEN_ENV: token,
-    }
     log_path = log_dir / f"engine-{port}.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "engines.serve"],
-            cwd=ROOT,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = spawn_engine(config=config, token=token, log_path=log_path)
     engine = EngineProcess(process, port, token, log_path)
     if not wait_ready:
         return engine

@@ -195,3 +195,28 @@ def test_idle_engine_uses_no_cpu(embed_engine):
     after = process.cpu_times()
     used = (after.user - before.user) + (after.system - before.system)
     assert used < 0.3, f"idle engine used {used:.2f} s of CPU in 3 s"
+
+
+def test_full_queue_answers_overloaded_and_configure_applies_live(embed_engine):
+    """Limits pushed with `configure` apply at once: with room for one queued
+    batch of one text, a burst gets `overloaded` for the excess, the rest rows."""
+    from tests.engines.conftest import embedder_spec
+
+    client = embed_engine.client()
+    tight = {"limits": {"queue_limit": 1}, "models": [embedder_spec(max_batch_size=1)]}
+    client.call("configure", config=tight)
+
+    async def burst():
+        aclient = embed_engine.aclient()
+        calls = [aclient.embed(EMBEDDER, [f"text {i}"]) for i in range(30)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    try:
+        results = asyncio.run(burst())
+    finally:
+        client.call("configure", config={"limits": {}, "models": [embedder_spec()]})
+    refused = [r for r in results if isinstance(r, EngineRequestError)]
+    served = [r for r in results if isinstance(r, np.ndarray)]
+    assert refused and all(r.code == "overloaded" for r in refused)
+    assert served and all(r.shape == (1, 384) for r in served)
+    assert len(refused) + len(served) == 30

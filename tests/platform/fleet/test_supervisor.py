@@ -1,0 +1,318 @@
+"""`manage.py supervise` as a real process, with real engines on loopback and the
+bundled MiniLM embedder. The supervisor reads and writes the test database."""
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+from django.db import connection
+from django.urls import reverse
+
+from catalog.models import ModelConfig
+from engines.client import EngineClient, EngineDied, EngineUnauthorized
+from fleet.models import ConcurrencySettings, EngineSpec, EngineState, ServerSettings
+from fleet.supervisor_lock import SupervisorLock
+from tests.conftest import ROOT
+
+EMBEDDER = "all-minilm-l6-v2"
+BIG_BATCH = [
+    f"sentence number {i} about engines, batches and slots" for i in range(6000)
+]
+
+
+def database_url() -> str:
+    """The test database, as the supervisor process must reach it."""
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    return f"postgres://{auth}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+
+
+def free_port_block(size: int = 4) -> int:
+    """A base port with `size` free ports after it."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + size > 65535:
+            continue
+        try:
+            for port in range(base, base + size):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port block")
+
+
+def wait_for(predicate, *, timeout: float = 120, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def state_of(name: str) -> EngineState | None:
+    return EngineState.objects.filter(spec__name=name).first()
+
+
+@dataclass
+class Fleet:
+    run_dir: Path
+    env: dict
+    base_port: int
+    processes: list = field(default_factory=list)
+
+    def command(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "manage.py", "supervise", *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def start(self) -> subprocess.Popen:
+        log = open(self.run_dir / "supervisor-test.log", "ab")  # noqa: SIM115
+        process = subprocess.Popen(
+            [sys.executable, "manage.py", "supervise"],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.processes.append(process)
+        return process
+
+    def client(self, name: str = "cpu0") -> EngineClient:
+        return EngineClient.for_engine(self.run_dir, name)
+
+    def ready(self, name: str = "cpu0", *, other_than: int | None = None) -> int:
+        """Wait until the engine is ready (with a new pid if asked); its pid."""
+
+        def check():
+            state = state_of(name)
+            if state and state.status == "ready" and state.pid != other_than:
+                return state.pid
+            return None
+
+        return wait_for(check, what=f"{name} ready")
+
+    def logs(self) -> str:
+        return "\n".join(
+            path.read_text(errors="replace") for path in self.run_dir.rglob("*.log")
+        )
+
+
+@pytest.fixture
+def fleet(transactional_db, tmp_path, settings):
+    """Rows for one cpu engine serving MiniLM, and the supervisor's environment."""
+    base_port = free_port_block()
+    server = ServerSettings.load()
+    server.base_port = base_port
+    server.save()
+    EngineSpec.objects.get_or_create(name="cpu0", defaults={"backend": "cpu"})
+    ModelConfig.objects.get_or_create(
+        name=EMBEDDER,
+        defaults={
+            "format": "embedding",
+            "task": "embedding",
+            "path": "all-MiniLM-L6-v2",
+        },
+    )
+    ConcurrencySettings.load()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "ROUNDHOUSE_RUN_DIR": str(run_dir),
+        "ROUNDHOUSE_MODELS_DIR": str(settings.MODELS_DIR),
+        "SECRET_KEY": "supervisor-tests-not-secret",
+    }
+    fleet = Fleet(run_dir=run_dir, env=env, base_port=base_port)
+    yield fleet
+    for process in fleet.processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    holder = SupervisorLock(run_dir)
+    info = holder.info_path
+    if info.exists():
+        os.kill(json.loads(info.read_text())["pid"], signal.SIGTERM)
+    for process in fleet.processes:
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    wait_for(lambda: not holder.is_held(), timeout=60, what="supervisor gone")
+    # Nothing of this test may outlive it.
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "engines.serve" in cmdline and any(
+            f"--port {port}" in cmdline for port in range(base_port, base_port + 4)
+        ):
+            proc.kill()
+
+
+def embed_in_background(client: EngineClient, texts: list[str]) -> dict:
+    """Run one embed request in a thread; its outcome lands in the dict."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["rows"] = client.embed(EMBEDDER, texts)
+        except Exception as error:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    outcome["thread"] = thread
+    return outcome
+
+
+def wait_until_batch_runs(client: EngineClient) -> None:
+    wait_for(
+        lambda: client.state()["slots_in_use"] > 0, timeout=30, what="batch running"
+    )
+
+
+def test_second_supervisor_refused_and_killed_engine_respawned(fleet):
+    """One supervisor per host; a SIGKILLed engine is respawned with a fresh
+    token, the restart is counted, and the request it was serving fails with
+    EngineDied. The token is only in the 0600 connection file."""
+    supervisor = fleet.start()
+    first_pid = fleet.ready()
+
+    second = fleet.command()
+    assert second.returncode != 0
+    assert f"already running (pid {supervisor.pid}" in second.stderr
+    ensure = fleet.command("--ensure")
+    assert ensure.returncode == 0 and "supervisor attached" in ensure.stdout
+
+    # The secret: a 0600 file, never argv, logs or the database.
+    info_path = fleet.run_dir / "engines" / "cpu0.json"
+    assert stat.S_IMODE(info_path.stat().st_mode) == 0o600
+    token = json.loads(info_path.read_text())["token"]
+    assert len(token) == 64
+    for pid in (supervisor.pid, first_pid):
+        assert token not in " ".join(psutil.Process(pid).cmdline())
+    rows = [
+        json.dumps(list(model.objects.values()), default=str)
+        for model in (EngineSpec, EngineState, ModelConfig, ServerSettings)
+    ]
+    assert not any(token in row for row in rows)
+
+    client = fleet.client()
+    client.call("load", model=EMBEDDER)
+    in_flight = embed_in_background(client, BIG_BATCH)
+    wait_until_batch_runs(client)
+    os.kill(first_pid, signal.SIGKILL)
+    in_flight["thread"].join(60)
+    assert isinstance(in_flight.get("error"), EngineDied), in_flight
+
+    new_pid = fleet.ready(other_than=first_pid)
+    state = state_of("cpu0")
+    assert state.restart_count == 1
+    assert "exited with code -9" in state.last_error
+    assert fleet.client().ping()["pid"] == new_pid
+    with pytest.raises(EngineUnauthorized):  # the old run's token is dead
+        EngineClient(port=state.port, token=token).ping()
+    assert token not in fleet.logs()
+
+
+def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
+    """Started with --ensure; then limits are pushed live, an env change and the
+    admin's restart action restart the engine, a new spec is spawned, a disabled
+    one is stopped, and an engine that cannot start shows a crash loop."""
+    ensure = fleet.command("--ensure")
+    assert ensure.returncode == 0, ensure.stderr
+    assert "supervisor started" in ensure.stdout
+    assert fleet.client().ping()["status"] == "ok"  # engines answer on return
+    pid = fleet.ready()
+
+    concurrency = ConcurrencySettings.load()
+    concurrency.max_parallel_requests = 7
+    concurrency.save()
+    wait_for(
+        lambda: fleet.client().state()["limits"]["max_parallel_requests"] == 7,
+        what="limits pushed",
+    )
+    assert state_of("cpu0").pid == pid  # no restart for limits
+
+    spec = EngineSpec.objects.get(name="cpu0")
+    spec.env = {"ROUNDHOUSE_PROBE": "", "OMP_NUM_THREADS": "1"}
+    spec.save()
+    pid = fleet.ready(other_than=pid)
+    engine_env = psutil.Process(pid).environ()
+    assert engine_env["ROUNDHOUSE_PROBE"] == ""  # empty values are honoured
+    assert engine_env["OMP_NUM_THREADS"] == "1"
+    assert "SECRET_KEY" not in engine_env and "DATABASE_URL" not in engine_env
+
+    response = admin_client.post(
+        reverse("admin:fleet_enginespec_changelist"),
+        {"action": "restart_engines", "_selected_action": [spec.pk]},
+    )
+    assert response.status_code == 302
+    pid = fleet.ready(other_than=pid)
+
+    EngineSpec.objects.create(name="cpu1", backend="cpu", order=1)
+    fleet.ready("cpu1")
+    assert fleet.client("cpu1").ping()["engine"] == "cpu1"
+    cpu1_pid = state_of("cpu1").pid
+    EngineSpec.objects.filter(name="cpu1").update(enabled=False)
+    wait_for(lambda: state_of("cpu1").status == "stopped", what="cpu1 stopped")
+    assert not psutil.pid_exists(cpu1_pid) or (
+        psutil.Process(cpu1_pid).status() == psutil.STATUS_ZOMBIE
+    )
+    assert not (fleet.run_dir / "engines" / "cpu1.json").exists()
+
+    with socket.socket() as squatter:  # the port a new engine wants is taken
+        squatter.bind(("127.0.0.1", fleet.base_port + 3))
+        squatter.listen()
+        EngineSpec.objects.create(
+            name="blocked", backend="cpu", order=2, port=fleet.base_port + 3
+        )
+        state = wait_for(
+            lambda: (s := state_of("blocked")) and s.in_crash_loop and s,
+            what="crash loop",
+        )
+        assert "crash loop" in state.last_error
+        assert "address already in use" in state.last_error.lower()
+        body = admin_client.get(reverse("admin:fleet_enginespec_changelist"))
+        assert "crash loop (next try" in body.content.decode()
+    assert state_of("cpu0").pid == pid  # the others kept serving
+
+
+def test_sigterm_drains_in_flight_work_and_exits_cleanly(fleet):
+    """SIGTERM: the request in flight completes, engines stop, exit code 0."""
+    supervisor = fleet.start()
+    pid = fleet.ready()
+    client = fleet.client()
+    client.call("load", model=EMBEDDER)
+    in_flight = embed_in_background(client, BIG_BATCH)
+    wait_until_batch_runs(client)
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(120) == 0
+    in_flight["thread"].join(60)
+    assert "error" not in in_flight, in_flight
+    assert in_flight["rows"].shape == (len(BIG_BATCH), 384)
+    assert not psutil.pid_exists(pid)
+    assert state_of("cpu0").status == "stopped"
+    assert not SupervisorLock(fleet.run_dir).is_held()
