@@ -120,8 +120,8 @@ def read_connection_file(run_dir: Path | str, name: str) -> dict[str, Any]:
 # -- asyncio client -------------------------------------------------------------
 
 
-class AsyncEngineClient:
-    """An asyncio client: one short connection per request."""
+class _EngineAddress:
+    """Where an engine listens and the token it wants."""
 
     def __init__(self, *, port: int, token: str, name: str = "") -> None:
         self.port = port
@@ -129,9 +129,14 @@ class AsyncEngineClient:
         self._token = token
 
     @classmethod
-    def for_engine(cls, run_dir: Path | str, name: str) -> "AsyncEngineClient":
+    def for_engine(cls, run_dir: Path | str, name: str):
+        """A client for a supervised engine, from its connection file."""
         info = read_connection_file(run_dir, name)
         return cls(port=info["port"], token=info["token"], name=name)
+
+
+class AsyncEngineClient(_EngineAddress):
+    """An asyncio client: one short connection per request."""
 
     async def request(
         self, message: dict[str, Any], *, timeout: float | None = None
@@ -196,18 +201,8 @@ class AsyncEngineClient:
 # -- blocking client ----------------------------------------------------------------
 
 
-class EngineClient:
+class EngineClient(_EngineAddress):
     """A blocking client for Celery workers, the supervisor and scripts."""
-
-    def __init__(self, *, port: int, token: str, name: str = "") -> None:
-        self.port = port
-        self.name = name or f"port {port}"
-        self._token = token
-
-    @classmethod
-    def for_engine(cls, run_dir: Path | str, name: str) -> "EngineClient":
-        info = read_connection_file(run_dir, name)
-        return cls(port=info["port"], token=info["token"], name=name)
 
     def request(
         self, message: dict[str, Any], *, timeout: float | None = None

@@ -25,6 +25,13 @@ OFFLINE_ENV = {
 LOOPBACK = "127.0.0.1"
 
 
+def _from_known_fields(cls, data: dict[str, Any]):
+    """Build a dataclass from a dict, ignoring keys it does not know (a newer
+    supervisor may send more than this engine understands)."""
+    known = {item.name for item in fields(cls)}
+    return cls(**{key: value for key, value in data.items() if key in known})
+
+
 @dataclass
 class Limits:
     """Admission limits, pushed again by `configure` when the admin changes."""
@@ -38,8 +45,7 @@ class Limits:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Limits":
-        known = {item.name for item in fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
+        return _from_known_fields(cls, data)
 
 
 @dataclass
@@ -57,8 +63,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
-        known = {item.name for item in fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
+        return _from_known_fields(cls, data)
 
 
 @dataclass

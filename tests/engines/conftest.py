@@ -69,7 +69,14 @@ def start_engine(
     log_dir: Path, *, models: list[dict], preload=(), wait_ready: bool = True
 ) -> EngineProcess:
     port, token = free_port(), secrets.token_hex(32)
-    config = {"name": "test", "port": port, "models": models, "preload": list(preload)}
+    config = {
+        "name": "test",
+        "port": port,
+        # Not a field engines honour: they bind 127.0.0.1 whatever they are told.
+        "host": "0.0.0.0",  # noqa: S104
+        "models": models,
+        "preload": list(preload),
+    }
     log_path = log_dir / f"engine-{port}.log"
     process = spawn_engine(config=config, token=token, log_path=log_path)
     engine = EngineProcess(process, port, token, log_path)

@@ -14,6 +14,7 @@ from engines.client import (
     EngineError,
     EngineRequestError,
     EngineUnauthorized,
+    EngineUnreachable,
 )
 from engines.protocol import (
     HEADER,
@@ -153,7 +154,8 @@ def test_oversized_header_closes_the_connection_unread(embed_engine):
 
 
 def test_engine_listens_on_loopback_only(embed_engine):
-    """Every listening socket of the engine is on 127.0.0.1."""
+    """Every listening socket of the engine is on 127.0.0.1, although its
+    configuration asked for 0.0.0.0."""
     process = psutil.Process(embed_engine.process.pid)
     listening = [c for c in process.net_connections("inet") if c.status == "LISTEN"]
     assert listening
@@ -220,3 +222,19 @@ def test_full_queue_answers_overloaded_and_configure_applies_live(embed_engine):
     assert refused and all(r.code == "overloaded" for r in refused)
     assert served and all(r.shape == (1, 384) for r in served)
     assert len(refused) + len(served) == 30
+
+
+def test_client_errors_name_the_failure(embed_engine):
+    """No listener: EngineUnreachable. Wrong token: EngineUnauthorized (async too)."""
+    from tests.engines.conftest import free_port
+
+    with pytest.raises(EngineUnreachable):
+        EngineClient(port=free_port(), token="x").ping()
+
+    async def wrong_token():
+        from engines.client import AsyncEngineClient
+
+        await AsyncEngineClient(port=embed_engine.port, token="x").ping()
+
+    with pytest.raises(EngineUnauthorized):
+        asyncio.run(wrong_token())

@@ -196,7 +196,8 @@ def wait_until_batch_runs(client: EngineClient) -> None:
 def test_second_supervisor_refused_and_killed_engine_respawned(fleet):
     """One supervisor per host; a SIGKILLed engine is respawned with a fresh
     token, the restart is counted, and the request it was serving fails with
-    EngineDied. The token is only in the 0600 connection file."""
+    EngineDied; a frozen engine is replaced too. The token is only in the 0600
+    connection file."""
     supervisor = fleet.start()
     first_pid = fleet.ready()
 
@@ -235,6 +236,13 @@ def test_second_supervisor_refused_and_killed_engine_respawned(fleet):
     with pytest.raises(EngineUnauthorized):  # the old run's token is dead
         EngineClient(port=state.port, token=token).ping()
     assert token not in fleet.logs()
+
+    # An engine that is alive but silent is killed and respawned too.
+    os.kill(new_pid, signal.SIGSTOP)
+    fleet.ready(other_than=new_pid)
+    state = state_of("cpu0")
+    assert state.restart_count == 2
+    assert "stopped answering" in state.last_error
 
 
 def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
