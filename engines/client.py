@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import socket
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ from .protocol import (
 
 # Model work (a first load, a big batch) can take a while; control frames cannot.
 REQUEST_TIMEOUT_S = 120.0
-CONTROL_KINDS = frozenset({"ping", "state", "configure", "shutdown", "unload"})
+CONTROL_KINDS = frozenset(
+    {"ping", "state", "configure", "shutdown", "unload", "cancel"}
+)
 
 
 class EngineError(Exception):
@@ -197,6 +200,46 @@ class AsyncEngineClient(_EngineAddress):
         )
         return _embeddings(reply, array)
 
+    async def generate(self, model: str, **fields: Any) -> dict[str, Any]:
+        """The whole answer: text, finish_reason, usage, request_id."""
+        return await self.call("generate", model=model, **fields)
+
+    async def generate_stream(
+        self, model: str, *, timeout: float | None = None, **fields: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Frames as the engine decodes: start, token..., then done. Closing the
+        iterator early hangs up, which cancels the request in the engine."""
+        limit = timeout or REQUEST_TIMEOUT_S
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(LOOPBACK, self.port), CONTROL_TIMEOUT_S
+            )
+        except (OSError, TimeoutError) as error:
+            raise EngineUnreachable(f"engine {self.name}: {error}") from None
+        message = {"kind": "generate_stream", "model": model, **fields}
+        try:
+            writer.write(encode_message({**message, "token": self._token}))
+            await writer.drain()
+            while True:
+                try:
+                    payload = await asyncio.wait_for(read_frame(reader), limit)
+                except TimeoutError:
+                    raise EngineTimeout(f"engine {self.name}: stream stalled") from None
+                except (ConnectionError, OSError) as error:
+                    raise EngineDied(f"engine {self.name}: {error}") from None
+                if payload is None:
+                    raise EngineDied(f"engine {self.name} closed the stream")
+                frame = decode_message(payload)
+                _raise_for_error(frame)
+                yield frame
+                if frame.get("event") == "done":
+                    return
+        finally:
+            writer.close()
+
+    async def cancel(self, request_id: str) -> bool:
+        return (await self.call("cancel", request_id=request_id))["cancelled"]
+
 
 # -- blocking client ----------------------------------------------------------------
 
@@ -250,3 +293,35 @@ class EngineClient(_EngineAddress):
             {"kind": "embed", "model": model, "texts": texts, "encoding": encoding}
         )
         return _embeddings(reply, array)
+
+    def generate(self, model: str, **fields: Any) -> dict[str, Any]:
+        """The whole answer: text, finish_reason, usage, request_id."""
+        return self.call("generate", model=model, **fields)
+
+    def generate_stream(
+        self, model: str, *, timeout: float | None = None, **fields: Any
+    ) -> Iterator[dict[str, Any]]:
+        """Frames as the engine decodes: start, token..., then done. Closing the
+        generator early hangs up, which cancels the request in the engine."""
+        try:
+            sock = socket.create_connection((LOOPBACK, self.port), CONTROL_TIMEOUT_S)
+        except OSError as error:
+            raise EngineUnreachable(f"engine {self.name}: {error}") from None
+        message = {"kind": "generate_stream", "model": model, **fields}
+        with sock:
+            sock.settimeout(timeout or REQUEST_TIMEOUT_S)
+            try:
+                sock.sendall(encode_message({**message, "token": self._token}))
+                while True:
+                    frame = decode_message(recv_frame(sock))
+                    _raise_for_error(frame)
+                    yield frame
+                    if frame.get("event") == "done":
+                        return
+            except TimeoutError:
+                raise EngineTimeout(f"engine {self.name}: stream stalled") from None
+            except (ConnectionError, OSError) as error:
+                raise EngineDied(f"engine {self.name}: {error}") from None
+
+    def cancel(self, request_id: str) -> bool:
+        return self.call("cancel", request_id=request_id)["cancelled"]

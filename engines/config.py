@@ -42,6 +42,7 @@ class Limits:
     queue_timeout_s: float = 60.0
     models_max: int = 3
     memory_margin_mib: int = 512
+    threads: int = 0  # compute threads per model; 0: one per core
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Limits":
@@ -60,6 +61,9 @@ class ModelSpec:
     max_batch_size: int = 64
     keep_alive_s: int = 300
     context_length: int | None = None
+    slots: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    chat_template: str = ""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":

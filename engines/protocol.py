@@ -30,7 +30,18 @@ MAX_PROMPT_CHARS = 256 * 1024
 # engine that is wedged or gone.
 CONTROL_TIMEOUT_S = 2.0
 
-KINDS = ("ping", "state", "load", "unload", "embed", "configure", "shutdown")
+KINDS = (
+    "ping",
+    "state",
+    "load",
+    "unload",
+    "embed",
+    "generate",
+    "generate_stream",
+    "cancel",
+    "configure",
+    "shutdown",
+)
 
 
 class ErrorCode(enum.StrEnum):
@@ -210,8 +221,18 @@ def validate_request(message: dict[str, Any]) -> str:
     kind = _require(message, "kind", str)
     if kind not in KINDS:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown kind {kind!r}")
-    if kind in ("load", "unload", "embed"):
+    if kind in ("load", "unload", "embed", "generate", "generate_stream"):
         _require(message, "model", str)
+    if kind in ("generate", "generate_stream"):
+        if ("prompt" in message) == ("messages" in message):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "send exactly one of `prompt` and `messages`"
+            )
+        _require(message, "prompt", str, optional=True)
+        _require(message, "messages", list, optional=True)
+        _require(message, "request_id", str, optional=True)
+    if kind == "cancel":
+        _require(message, "request_id", str)
     if kind == "embed":
         texts = _require(message, "texts", list)
         if not texts:

@@ -2,6 +2,7 @@
 number of connections, with the models resident in this process."""
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -16,6 +17,7 @@ import psutil
 
 from .batching import MicroBatcher
 from .config import LOOPBACK, EngineConfig, Limits, ModelSpec
+from .generation import GenerationBackend, GenerationRequest, GenerationRunner
 from .protocol import (
     MAX_FRAME_BYTES,
     ErrorCode,
@@ -29,6 +31,7 @@ from .protocol import (
     read_frame,
     validate_request,
 )
+from .textgen import SamplingParams
 
 log = logging.getLogger("roundhouse.engine")
 
@@ -40,37 +43,68 @@ Reply = tuple[dict[str, Any], bytes | None]
 
 @dataclass
 class ResidentModel:
-    """A model loaded in this engine, with its batcher and measured memory."""
+    """A model loaded in this engine: an embedder with its micro-batcher, or a
+    generator with its decode thread; and its measured memory."""
 
     spec: ModelSpec
     backend: Any
-    batcher: MicroBatcher
     executor: ThreadPoolExecutor
     memory_mib: float
+    batcher: MicroBatcher | None = None
+    runner: GenerationRunner | None = None
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
 
+    @property
+    def queued(self) -> int:
+        if self.runner is not None:
+            return self.runner.queued
+        return self.batcher.queued_requests
+
+    @property
+    def busy(self) -> int:
+        return self.runner.busy if self.runner is not None else self.batcher.running
+
     def describe(self) -> dict[str, Any]:
-        return {
+        described = {
             "name": self.spec.name,
             "format": self.spec.format,
             "memory_mib": round(self.memory_mib, 1),
             "loaded_at": self.loaded_at,
             "idle_s": round(time.monotonic() - self.last_used, 1),
-            "queued": self.batcher.queued_requests,
-            "batches": self.batcher.stats.batches,
-            "batched_items": self.batcher.stats.items,
-            "largest_batch": self.batcher.stats.largest,
+            "queued": self.queued,
+            "busy": self.busy,
         }
+        if self.batcher is not None:
+            described.update(
+                batches=self.batcher.stats.batches,
+                batched_items=self.batcher.stats.items,
+                largest_batch=self.batcher.stats.largest,
+            )
+        if self.runner is not None:
+            described.update(slots=self.runner.backend.n_slots, steps=self.runner.steps)
+        return described
 
 
-def _load_backend(spec: ModelSpec, backend: str):
+def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
     """Construct a model backend (imports the ML library on first use)."""
     if spec.format == "embedding":
         from .backends.embedding import EmbeddingBackend
 
         return EmbeddingBackend(
             spec.path, backend=backend, batch_size=spec.max_batch_size
+        )
+    if spec.format == "gguf":
+        from .backends.gguf import LlamaBackend
+
+        return LlamaBackend(
+            spec.path,
+            n_slots=spec.slots or limits.max_slots_per_model,
+            context_length=spec.context_length,
+            n_threads=limits.threads or None,
+            gpu=backend in ("cuda", "rocm", "vulkan"),
+            chat_template=spec.chat_template,
+            sampling_defaults=spec.sampling,
         )
     raise ProtocolError(
         ErrorCode.BAD_REQUEST,
@@ -96,6 +130,7 @@ class EngineServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._generations: dict[str, GenerationRunner] = {}
         self.started_at = time.time()
         self.port: int | None = None
 
@@ -156,12 +191,17 @@ class EngineServer:
                     return
                 if payload is None:
                     return
-                await self._answer(payload, writer)
+                await self._answer(payload, reader, writer)
         finally:
             self._writers.discard(writer)
             writer.close()
 
-    async def _answer(self, payload: bytes, writer: asyncio.StreamWriter) -> None:
+    async def _answer(
+        self,
+        payload: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
         self._inflight += 1
         self._idle.clear()
         after: Callable[[], None] | None = None
@@ -170,6 +210,9 @@ class EngineServer:
                 message = decode_message(payload)
                 self._authenticate(message)
                 kind = validate_request(message)
+                if kind in ("generate", "generate_stream"):
+                    await self._serve_generation(message, reader, writer)
+                    return
                 handler: Callable[[dict], Awaitable[Reply]] = getattr(
                     self, f"handle_{kind}"
                 )
@@ -236,7 +279,7 @@ class EngineServer:
         log.info("loading %s from %s", spec.name, spec.path)
         try:
             backend = await loop.run_in_executor(
-                executor, _load_backend, spec, self.config.backend
+                executor, _load_backend, spec, self.config.backend, self.config.limits
             )
         except ProtocolError:
             executor.shutdown(wait=False)
@@ -248,26 +291,41 @@ class EngineServer:
                 ErrorCode.INTERNAL, f"loading {spec.name!r} failed: {error}"
             ) from error
         memory_mib = max(process.memory_info().rss - before, 0) / 2**20
-        batcher = MicroBatcher(
-            backend.encode,
-            executor=executor,
-            window_s=spec.batch_window_ms / 1000,
-            max_batch_size=spec.max_batch_size,
-            queue_timeout_s=self.config.limits.queue_timeout_s,
-        )
-        model = ResidentModel(spec, backend, batcher, executor, memory_mib)
+        model = ResidentModel(spec, backend, executor, memory_mib)
+        limits = self.config.limits
+        if isinstance(backend, GenerationBackend):
+            model.runner = GenerationRunner(
+                backend,
+                name=spec.name,
+                queue_limit=limits.queue_limit,
+                queue_timeout_s=limits.queue_timeout_s,
+            )
+        else:
+            model.batcher = MicroBatcher(
+                backend.encode,
+                executor=executor,
+                window_s=spec.batch_window_ms / 1000,
+                max_batch_size=spec.max_batch_size,
+                queue_timeout_s=limits.queue_timeout_s,
+            )
         self.models[spec.name] = model
         log.info("loaded %s (%.0f MiB)", spec.name, memory_mib)
         return model
 
     async def _unload(self, model: ResidentModel) -> None:
         self.models.pop(model.spec.name, None)
-        await model.batcher.close()
+        if model.batcher is not None:
+            await model.batcher.close()
+        if model.runner is not None:
+            # Running requests finish first; the decode thread then frees the model.
+            await asyncio.get_running_loop().run_in_executor(
+                model.executor, model.runner.close
+            )
         model.executor.shutdown(wait=True)
         log.info("unloaded %s", model.spec.name)
 
     def _queued_requests(self) -> int:
-        return sum(model.batcher.queued_requests for model in self.models.values())
+        return sum(model.queued for model in self.models.values())
 
     # -- request kinds ----------------------------------------------------------
 
@@ -290,9 +348,7 @@ class EngineServer:
             "models": [model.describe() for model in self.models.values()],
             "loading": sorted(self._loading),
             "queue_depth": self._queued_requests(),
-            "slots_in_use": sum(
-                model.batcher.running for model in self.models.values()
-            ),
+            "slots_in_use": sum(model.busy for model in self.models.values()),
             "cooling_reason": "",
             "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
             "limits": vars(self.config.limits),
@@ -314,7 +370,7 @@ class EngineServer:
     async def handle_embed(self, message: dict) -> Reply:
         texts: list[str] = message["texts"]
         model = await self.ensure_loaded(message["model"])
-        if model.spec.format != "embedding":
+        if model.batcher is None:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not embed"
             )
@@ -357,6 +413,10 @@ class EngineServer:
         for name, model in self.models.items():
             spec = self.config.models.get(name, model.spec)
             model.spec = spec
+            if model.runner is not None:
+                model.runner.queue_limit = limits.queue_limit
+                model.runner.queue_timeout_s = limits.queue_timeout_s
+                continue
             model.batcher.configure(
                 window_s=spec.batch_window_ms / 1000,
                 max_batch_size=spec.max_batch_size,
@@ -364,6 +424,92 @@ class EngineServer:
             )
         log.info("configuration updated")
         return {"status": "ok"}, None
+
+    async def handle_cancel(self, message: dict) -> Reply:
+        runner = self._generations.get(message["request_id"])
+        found = runner is not None and runner.cancel(message["request_id"])
+        return {"status": "ok", "cancelled": found}, None
+
+    async def _serve_generation(
+        self,
+        message: dict,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """Run one generation, writing its frames: for generate_stream a start
+        frame, one frame per text chunk and a final frame; for generate one
+        frame with the whole text. A caller that hangs up is cancelled."""
+        stream = message["kind"] == "generate_stream"
+        model = await self.ensure_loaded(message["model"])
+        if model.runner is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not generate"
+            )
+        backend = model.runner.backend
+        params = SamplingParams.from_request(message, model.spec.sampling)
+        prompt_tokens = backend.tokenize(backend.render_prompt(message))
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict] = asyncio.Queue()
+        request = GenerationRequest(
+            prompt_tokens=prompt_tokens,
+            params=params,
+            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        )
+        if message.get("request_id"):
+            request.id = message["request_id"]
+        if request.id in self._generations:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id already in use")
+        model.runner.submit(request)
+        self._generations[request.id] = model.runner
+        model.last_used = time.monotonic()
+        # The caller sends nothing while its request runs: end of stream on the
+        # connection means it went away.
+        hangup = asyncio.ensure_future(reader.read(1))
+        parts: list[str] = []
+        try:
+            if stream:
+                await self._write(
+                    writer, {"status": "ok", "event": "start", "request_id": request.id}
+                )
+            while True:
+                next_event = asyncio.ensure_future(events.get())
+                await asyncio.wait(
+                    {next_event, hangup}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not next_event.done():
+                    next_event.cancel()
+                    model.runner.cancel(request.id)
+                    log.info("caller of %s went away: cancelled", request.id)
+                    return
+                event = next_event.result()
+                if event["event"] == "token":
+                    if stream:
+                        await self._write(writer, {"status": "ok", **event})
+                    else:
+                        parts.append(event["text"])
+                    continue
+                if event["event"] == "error":
+                    reply = error_frame(event["code"], event["message"])
+                else:
+                    reply = {"status": "ok", **event, "request_id": request.id}
+                    if not stream:
+                        reply["text"] = "".join(parts)
+                await self._write(writer, reply)
+                return
+        except (ConnectionError, OSError):
+            model.runner.cancel(request.id)
+        finally:
+            # Settle the watcher before the connection reads its next frame (two
+            # readers on one stream is an error).
+            hangup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await hangup
+            model.last_used = time.monotonic()
+            self._generations.pop(request.id, None)
+
+    async def _write(self, writer: asyncio.StreamWriter, message: dict) -> None:
+        writer.write(encode_message(message))
+        await writer.drain()
 
     async def handle_shutdown(self, message: dict) -> Reply:
         log.info("shutdown requested")

@@ -1,8 +1,50 @@
-"""GGUF models through llama.cpp (llama-cpp-python). Imported only in engines."""
+"""GGUF models through llama.cpp's low-level API (llama-cpp-python's ctypes
+bindings), with continuous batching: one context, one sequence id per slot, and
+every active slot's next token in one llama_decode batch."""
 
+import ctypes
+import logging
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
+import numpy as np
+
+from ..generation import GenerationBackend, GenerationRequest
+from ..protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
+from ..textgen import SamplingParams, TextStream, render_chat, validate_messages
+
+log = logging.getLogger("roundhouse.engine.gguf")
+
+# Prompt tokens evaluated per step across all slots. A long prompt is fed in
+# chunks of this size, so running streams wait at most one chunk per token.
+BATCH_TOKENS = 256
+DEFAULT_CONTEXT = 2048
+# Repeat/frequency/presence penalties look at this many previous tokens.
+PENALTY_WINDOW = 64
+
+_backend_ready = False
+# llama.cpp calls the log callback for the life of the process: the ctypes object
+# must never be collected (a collected callback crashes the process).
+_LOG_CALLBACK: Any = None
+
+
+@llama_cpp.llama_log_callback
+def _forward_log(level: int, text: bytes, user_data: Any) -> None:
+    # ggml log levels: 3 = warning, 4 = error; everything below is noise here.
+    if level in (3, 4) and text:
+        log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+
+def _init_llama_cpp() -> None:
+    global _backend_ready, _LOG_CALLBACK
+    if not _backend_ready:
+        _LOG_CALLBACK = _forward_log
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
 
 
 def system_info() -> str:
@@ -11,7 +53,359 @@ def system_info() -> str:
 
 
 def load(path: Path | str, *, n_ctx: int = 2048, n_threads: int | None = None):
-    """Load a GGUF model for inference on this engine's devices."""
+    """Load a GGUF model with llama-cpp-python's high-level class (used by the
+    decode smoke test; engines use LlamaBackend)."""
+    _init_llama_cpp()
     return llama_cpp.Llama(
         model_path=str(path), n_ctx=n_ctx, n_threads=n_threads, verbose=False
     )
+
+
+@dataclass
+class _Slot:
+    """One session: a sequence id in the shared context and private state."""
+
+    seq: int
+    request: GenerationRequest | None = None
+    sampler: Any = None
+    todo: list[int] = field(default_factory=list)
+    n_past: int = 0
+    next_token: int | None = None
+    generated: int = 0
+    unsent_tokens: int = 0
+    unsent_logprobs: list = field(default_factory=list)
+    stream: TextStream = field(default_factory=TextStream)
+
+
+class LlamaBackend(GenerationBackend):
+    """A GGUF model with `n_slots` sessions over one llama.cpp context."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        n_slots: int,
+        context_length: int | None = None,
+        n_threads: int | None = None,
+        gpu: bool = False,
+        chat_template: str = "",
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
+        _init_llama_cpp()
+        self.n_slots = n_slots
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.model = self.ctx = self.batch = None
+        self.slots: list[_Slot] = []
+        try:
+            self._create(path, context_length, n_threads, gpu, chat_template)
+        except Exception:
+            self.close()  # release whatever was created before the failure
+            raise
+
+    def _create(self, path, context_length, n_threads, gpu, chat_template) -> None:
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 999 if gpu else 0
+        self.model = llama_cpp.llama_model_load_from_file(
+            str(path).encode("utf-8"), params
+        )
+        if not self.model:
+            raise ProtocolError(ErrorCode.INTERNAL, f"llama.cpp cannot load {path}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        trained = llama_cpp.llama_model_n_ctx_train(self.model)
+        self.ctx_per_slot = min(context_length or DEFAULT_CONTEXT, trained or 2**31)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = self.ctx_per_slot * self.n_slots
+        cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
+        cparams.n_seq_max = self.n_slots
+        threads = n_threads or os.cpu_count() or 1
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = True
+        cparams.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise ProtocolError(
+                ErrorCode.INSUFFICIENT_MEMORY,
+                f"cannot create a {cparams.n_ctx}-token context for {path}",
+            )
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
+        self.slots = [_Slot(seq=index) for index in range(self.n_slots)]
+        own = llama_cpp.llama_model_chat_template(self.model, None)
+        self.chat_template = chat_template or (own.decode("utf-8") if own else "")
+        self.bos_text = self._token_text(llama_cpp.llama_vocab_bos(self.vocab))
+        self.eos_text = self._token_text(llama_cpp.llama_vocab_eos(self.vocab))
+
+    # -- prompts -----------------------------------------------------------------
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        raw = llama_cpp.llama_vocab_get_text(self.vocab, token)
+        return raw.decode("utf-8", "replace") if raw else ""
+
+    def render_prompt(self, message: dict[str, Any]) -> str:
+        if "messages" in message:
+            if not self.chat_template:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    "this model has no chat template: send a completion prompt, or "
+                    "set a chat template for it in the admin",
+                )
+            messages = validate_messages(message["messages"])
+            return render_chat(
+                self.chat_template,
+                messages,
+                bos_token=self.bos_text,
+                eos_token=self.eos_text,
+            )
+        prompt = message.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "send `prompt` (a string) or `messages`"
+            )
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt exceeds the cap")
+        return prompt
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab)) and not (
+            self.bos_text and text.startswith(self.bos_text)
+        )
+        capacity = len(data) + 8
+        tokens = (llama_cpp.llama_token * capacity)()
+        count = llama_cpp.llama_tokenize(
+            self.vocab, data, len(data), tokens, capacity, add_bos, True
+        )
+        if count < 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "prompt cannot be tokenized")
+        return list(tokens[:count])
+
+    def _piece(self, token: int) -> bytes:
+        buffer = ctypes.create_string_buffer(64)
+        size = llama_cpp.llama_token_to_piece(self.vocab, token, buffer, 64, 0, False)
+        if size < 0:
+            buffer = ctypes.create_string_buffer(-size)
+            size = llama_cpp.llama_token_to_piece(
+                self.vocab, token, buffer, -size, 0, False
+            )
+        return buffer.raw[:size]
+
+    # -- slots ---------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return sum(slot.request is None for slot in self.slots)
+
+    def active(self) -> int:
+        return self.n_slots - self.free_slots()
+
+    def running_ids(self) -> set[str]:
+        return {slot.request.id for slot in self.slots if slot.request is not None}
+
+    def admit(self, request: GenerationRequest) -> None:
+        slot = next(slot for slot in self.slots if slot.request is None)
+        limit = self.ctx_per_slot - 1
+        if len(request.prompt_tokens) >= limit:
+            request.finish(
+                {
+                    "event": "error",
+                    "code": "bad_request",
+                    "message": f"the prompt has {len(request.prompt_tokens)} tokens; "
+                    f"this model's context holds {self.ctx_per_slot}",
+                }
+            )
+            return
+        slot.request = request
+        slot.sampler = self._sampler(request.params)
+        slot.todo = list(request.prompt_tokens)
+        slot.n_past = 0
+        slot.next_token = None
+        slot.generated = slot.unsent_tokens = 0
+        slot.unsent_logprobs = []
+        slot.stream = TextStream(stop=request.params.stop)
+
+    def _sampler(self, params: SamplingParams):
+        """llama.cpp's native sampler chain for one request (no Python loop over
+        the vocabulary)."""
+        chain = llama_cpp.llama_sampler_chain_init(
+            llama_cpp.llama_sampler_chain_default_params()
+        )
+        add = llama_cpp.llama_sampler_chain_add
+        if (
+            params.repeat_penalty != 1.0
+            or params.frequency_penalty
+            or params.presence_penalty
+        ):
+            add(
+                chain,
+                llama_cpp.llama_sampler_init_penalties(
+                    self.n_vocab,
+                    PENALTY_WINDOW,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                ),
+            )
+        if params.temperature <= 0:
+            add(chain, llama_cpp.llama_sampler_init_greedy())
+            return chain
+        if params.top_k > 0:
+            add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0:
+            add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+        add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
+        seed = params.seed if params.seed is not None else 0xFFFFFFFF  # random
+        add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    # -- decoding --------------------------------------------------------------------
+
+    def _add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        batch = self.batch
+        index = batch.n_tokens
+        batch.token[index] = token
+        batch.pos[index] = pos
+        batch.n_seq_id[index] = 1
+        batch.seq_id[index][0] = seq
+        batch.logits[index] = logits
+        batch.n_tokens = index + 1
+        return index
+
+    def step(self) -> None:
+        """Running slots add their last token; slots still reading their prompt
+        fill the rest of the batch with prompt chunks; one llama_decode; then each
+        slot that produced logits samples its next token."""
+        self.batch.n_tokens = 0
+        outputs: list[tuple[_Slot, int]] = []
+        for slot in self.slots:
+            if slot.request is not None and slot.next_token is not None:
+                index = self._add(slot.next_token, slot.n_past, slot.seq, True)
+                slot.n_past += 1
+                slot.next_token = None
+                outputs.append((slot, index))
+        for slot in self.slots:
+            room = BATCH_TOKENS - self.batch.n_tokens
+            if slot.request is None or not slot.todo or room <= 0:
+                continue
+            chunk, slot.todo = slot.todo[:room], slot.todo[room:]
+            for offset, token in enumerate(chunk):
+                last = not slot.todo and offset == len(chunk) - 1
+                index = self._add(token, slot.n_past, slot.seq, last)
+                slot.n_past += 1
+            if not slot.todo:
+                outputs.append((slot, index))
+        if self.batch.n_tokens == 0:
+            return
+        code = llama_cpp.llama_decode(self.ctx, self.batch)
+        if code != 0:
+            for slot, _ in outputs:
+                self._fail(slot, f"llama_decode returned {code}")
+            return
+        for slot, index in outputs:
+            params = slot.request.params
+            logits = self._logits(index) if params.logprobs else None
+            token = llama_cpp.llama_sampler_sample(slot.sampler, self.ctx, index)
+            if logits is not None:
+                slot.unsent_logprobs.append(
+                    self._logprob_entry(logits, token, params.top_logprobs)
+                )
+            self._accept(slot, token)
+
+    def _logits(self, index: int) -> np.ndarray:
+        pointer = llama_cpp.llama_get_logits_ith(self.ctx, index)
+        logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        return logits.astype(np.float64)
+
+    def _logprob_entry(self, logits: np.ndarray, token: int, top: int) -> dict:
+        """The chosen token's log-probability under the raw logits (before
+        sampling transforms), with the `top` most likely alternatives."""
+        peak = logits.max()
+        logprobs = logits - (peak + np.log(np.exp(logits - peak).sum()))
+        entry = {"token": token, "logprob": float(logprobs[token])}
+        if top:
+            best = np.argpartition(-logprobs, top)[:top]
+            best = best[np.argsort(-logprobs[best])]
+            entry["top"] = [[int(t), float(logprobs[t])] for t in best]
+        return entry
+
+    def _accept(self, slot: _Slot, token: int) -> None:
+        params = slot.request.params
+        if not params.ignore_eos and llama_cpp.llama_vocab_is_eog(self.vocab, token):
+            self._finish(slot, "stop")
+            return
+        slot.generated += 1
+        slot.unsent_tokens += 1
+        text = slot.stream.feed(self._piece(token))
+        if text:
+            self._emit_text(slot, text)
+        if slot.stream.stopped:
+            self._finish(slot, "stop")
+        elif (
+            slot.generated >= params.max_tokens or slot.n_past + 1 >= self.ctx_per_slot
+        ):
+            self._finish(slot, "length")
+        else:
+            slot.next_token = token
+
+    def _emit_text(self, slot: _Slot, text: str) -> None:
+        """Send a text chunk with the count (and log-probs) of its tokens."""
+        event = {"event": "token", "text": text, "tokens": slot.unsent_tokens}
+        if slot.unsent_logprobs:
+            event["logprobs"] = slot.unsent_logprobs
+        slot.request.emit(event)
+        slot.unsent_tokens = 0
+        slot.unsent_logprobs = []
+
+    def _finish(self, slot: _Slot, reason: str) -> None:
+        request = slot.request
+        tail = "" if reason == "cancelled" else slot.stream.finish()
+        if tail or slot.unsent_tokens:
+            self._emit_text(slot, tail)
+        request.finish(
+            {
+                "event": "done",
+                "finish_reason": reason,
+                "usage": {
+                    "prompt_tokens": len(request.prompt_tokens),
+                    "completion_tokens": slot.generated,
+                },
+            }
+        )
+        self._release(slot)
+
+    def _fail(self, slot: _Slot, message: str) -> None:
+        slot.request.finish({"event": "error", "code": "internal", "message": message})
+        self._release(slot)
+
+    def _release(self, slot: _Slot) -> None:
+        """Clear the slot's KV and sampler so the next request starts clean."""
+        llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+        if slot.sampler is not None:
+            llama_cpp.llama_sampler_free(slot.sampler)
+        slot.request = slot.sampler = slot.next_token = None
+        slot.todo = []
+
+    def cancel(self, request_id: str) -> bool:
+        for slot in self.slots:
+            if slot.request is not None and slot.request.id == request_id:
+                self._finish(slot, "cancelled")
+                return True
+        return False
+
+    def close(self) -> None:
+        for slot in self.slots:
+            if slot.request is not None:
+                self._finish(slot, "cancelled")
+        self.slots = []
+        if self.batch is not None:
+            llama_cpp.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None

@@ -36,6 +36,9 @@ def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
             "max_batch_size": model.max_batch_size,
             "keep_alive_s": model.keep_alive_s,
             "context_length": model.context_length,
+            "slots": model.slots,
+            "sampling": model.sampling,
+            "chat_template": model.chat_template,
         }
         for model in rows.order_by("name")
     ]

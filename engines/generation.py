@@ -1,0 +1,246 @@
+"""Continuous batching for generation models: the backend interface, requests,
+and the one decode thread per model that runs them."""
+
+import abc
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import ErrorCode, ProtocolError
+from .textgen import SamplingParams
+
+log = logging.getLogger("roundhouse.engine.generation")
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class GenerationRequest:
+    """One generation: its prompt tokens, sampling, and where its events go.
+
+    `emit` is called from the decode thread with event dicts:
+    {"event": "token", "text": ..., "tokens": n} any number of times, then exactly
+    one {"event": "done", "finish_reason": ..., "usage": {...}} or
+    {"event": "error", "code": ..., "message": ...}.
+    """
+
+    prompt_tokens: list[int]
+    params: SamplingParams
+    emit: Callable[[dict[str, Any]], None]
+    id: str = field(default_factory=lambda: f"gen-{next(_ids)}")
+    queued_at: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+    def finish(self, event: dict[str, Any]) -> None:
+        """Deliver the final event once (later calls are ignored)."""
+        if not self.finished:
+            self.finished = True
+            self.emit(event)
+
+
+class GenerationBackend(abc.ABC):
+    """What the decode thread needs of a model (llama.cpp, transformers).
+
+    A backend owns `n_slots` sessions created at load: weights are shared, while
+    each slot's KV cache, sampler, RNG and stream state are private. All methods
+    but `tokenize` and `render_prompt` run on the decode thread only.
+    """
+
+    n_slots: int
+
+    @abc.abstractmethod
+    def render_prompt(self, message: dict[str, Any]) -> str:
+        """The prompt text of a request (`prompt`, or `messages` through the chat
+        template); bad_request when the model cannot serve it."""
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def free_slots(self) -> int: ...
+
+    @abc.abstractmethod
+    def admit(self, request: GenerationRequest) -> None:
+        """Put a request into a free slot (its prompt is evaluated by step())."""
+
+    @abc.abstractmethod
+    def active(self) -> int:
+        """Slots with a request in them."""
+
+    @abc.abstractmethod
+    def step(self) -> None:
+        """One batched forward pass over every active slot; emits events and frees
+        the slots whose requests ended."""
+
+    @abc.abstractmethod
+    def cancel(self, request_id: str) -> bool:
+        """End a request now with finish reason `cancelled`; its slot is freed."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the model and every slot."""
+
+
+class GenerationRunner:
+    """Runs one backend on its own thread: FIFO admission into free slots, then
+    decode steps until no slot is busy, then sleep until work arrives.
+
+    Every llama_decode (or forward pass) of a model happens on this one thread,
+    so no two compete for the cores, and requests join or leave the running
+    batch between steps.
+    """
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        *,
+        name: str,
+        queue_limit: int,
+        queue_timeout_s: float,
+    ) -> None:
+        self.backend = backend
+        self.name = name
+        self.queue_limit = queue_limit
+        self.queue_timeout_s = queue_timeout_s
+        self._pending: deque[GenerationRequest] = deque()
+        self._cancels: set[str] = set()
+        self._known: set[str] = set()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.steps = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"decode-{name}", daemon=True
+        )
+        self._thread.start()
+
+    # -- called from the event loop ------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request, or refuse it at once when the queue is full."""
+        with self._wake:
+            if self._stopping:
+                raise ProtocolError(ErrorCode.CANCELLED, "model is unloading")
+            if len(self._pending) >= self.queue_limit:
+                raise ProtocolError(
+                    ErrorCode.OVERLOADED,
+                    f"{len(self._pending)} requests already wait for {self.name}",
+                )
+            self._pending.append(request)
+            self._known.add(request.id)
+            self._wake.notify()
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask for a request to end; True when this runner knows it."""
+        with self._wake:
+            if request_id not in self._known:
+                return False
+            self._cancels.add(request_id)
+            self._wake.notify()
+            return True
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    @property
+    def busy(self) -> int:
+        return self.backend.active()
+
+    def close(self) -> None:
+        """Finish running requests, refuse queued ones, stop the thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+        self.backend.close()
+
+    # -- the decode thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (
+                    self._stopping
+                    or self._cancels
+                    or (self._pending and self.backend.free_slots())
+                    or self.backend.active()
+                ):
+                    self._wake.wait()
+                cancels, self._cancels = self._cancels, set()
+                admitted = self._take_admissible()
+                if self._stopping:
+                    refused, self._pending = list(self._pending), deque()
+                else:
+                    refused = []
+            for request in refused:
+                request.finish(
+                    {"event": "error", "code": "cancelled", "message": "unloading"}
+                )
+            for request_id in cancels:
+                if not self._cancel_queued(request_id):
+                    self.backend.cancel(request_id)
+            for request in admitted:
+                self.backend.admit(request)
+            if self.backend.active():
+                try:
+                    self.backend.step()
+                except Exception:
+                    log.exception("decode step of %s failed", self.name)
+                self.steps += 1
+            self._forget_finished()
+            if self._stopping and not self.backend.active():
+                return
+
+    def _take_admissible(self) -> list[GenerationRequest]:
+        """FIFO: the oldest queued requests for the free slots; overdue ones are
+        refused instead (caller holds the lock)."""
+        admitted: list[GenerationRequest] = []
+        free = self.backend.free_slots()
+        now = time.monotonic()
+        while self._pending and len(admitted) < free:
+            request = self._pending.popleft()
+            if now - request.queued_at > self.queue_timeout_s:
+                request.finish(
+                    {
+                        "event": "error",
+                        "code": "overloaded",
+                        "message": f"waited more than {self.queue_timeout_s:g} s",
+                    }
+                )
+                continue
+            admitted.append(request)
+        return admitted
+
+    def _cancel_queued(self, request_id: str) -> bool:
+        with self._wake:
+            for request in self._pending:
+                if request.id == request_id:
+                    self._pending.remove(request)
+                    request.finish(
+                        {
+                            "event": "done",
+                            "finish_reason": "cancelled",
+                            "usage": {
+                                "prompt_tokens": len(request.prompt_tokens),
+                                "completion_tokens": 0,
+                            },
+                        }
+                    )
+                    return True
+        return False
+
+    def _forget_finished(self) -> None:
+        with self._wake:
+            waiting = {request.id for request in self._pending}
+            self._known = {
+                rid for rid in self._known if rid in waiting or self._running(rid)
+            }
+
+    def _running(self, request_id: str) -> bool:
+        running = getattr(self.backend, "running_ids", None)
+        return request_id in running() if running else False

@@ -1,0 +1,191 @@
+"""Backend-independent parts of text generation: sampling parameters, chat
+templates, and the stream of text a slot hands back (UTF-8 reassembly and stop
+strings). Pure Python: no ML library."""
+
+import codecs
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
+
+MAX_STOP_STRINGS = 8
+MAX_MESSAGES = 1000
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; defaults come from the model's admin settings."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    # Log-probabilities of each generated token, and of the `top_logprobs` most
+    # likely alternatives (0-20), computed from the raw logits.
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @classmethod
+    def from_request(
+        cls, message: dict[str, Any], defaults: dict[str, Any] | None = None
+    ) -> "SamplingParams":
+        """Request fields over model defaults over ours, each checked."""
+        merged = {**(defaults or {}), **message}
+        values: dict[str, Any] = {}
+        floats = ("temperature", "top_p", "min_p", "repeat_penalty")
+        signed = ("presence_penalty", "frequency_penalty")
+        for name in floats + signed:
+            if name in merged and merged[name] is not None:
+                value = merged[name]
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise _bad(f"{name} must be a number")
+                if name in floats and value < 0:
+                    raise _bad(f"{name} must not be negative")
+                values[name] = float(value)
+        for name in ("top_k", "max_tokens", "seed"):
+            if name in merged and merged[name] is not None:
+                value = merged[name]
+                if isinstance(value, bool) or not isinstance(value, int):
+                    if isinstance(value, float) and value.is_integer():
+                        value = int(value)
+                    else:
+                        raise _bad(f"{name} must be an integer")
+                if value < 0 or (name == "max_tokens" and value == 0):
+                    raise _bad(f"{name} must be positive")
+                values[name] = value
+        if values.get("top_p", 1.0) > 1.0:
+            raise _bad("top_p must be at most 1")
+        stop = merged.get("stop") or ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(
+            isinstance(item, str) and item for item in stop
+        ):
+            raise _bad("stop must be a non-empty string or a list of them")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise _bad(f"at most {MAX_STOP_STRINGS} stop strings")
+        values["stop"] = tuple(stop)
+        for name in ("ignore_eos", "logprobs"):
+            if name in merged:
+                if not isinstance(merged[name], bool):
+                    raise _bad(f"{name} must be true or false")
+                values[name] = merged[name]
+        if merged.get("top_logprobs") is not None:
+            top = merged["top_logprobs"]
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+                raise _bad("top_logprobs must be an integer from 0 to 20")
+            values["top_logprobs"] = top
+        return cls(**values)
+
+
+def validate_messages(messages: object) -> list[dict[str, str]]:
+    """Chat messages: a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise _bad(f"at most {MAX_MESSAGES} messages")
+    total = 0
+    for item in messages:
+        if not isinstance(item, dict):
+            raise _bad("each message must be an object")
+        role, content = item.get("role"), item.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise _bad("each message needs a string role and content")
+        total += len(content)
+    if total > MAX_PROMPT_CHARS:
+        raise _bad(f"messages exceed the cap of {MAX_PROMPT_CHARS} characters")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def render_chat(
+    template: str,
+    messages: list[dict[str, str]],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+) -> str:
+    """Apply a model's Jinja chat template (sandboxed) for a new assistant turn."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except TemplateError as error:
+        raise _bad(f"chat template failed: {error}") from None
+
+
+@dataclass
+class TextStream:
+    """Turns a slot's token bytes into text chunks safe to send.
+
+    Bytes are decoded incrementally (a token may end inside a UTF-8 character),
+    and text that could be the start of a stop string is held back until it is
+    known not to be one. When a stop string appears, the text before it is the
+    last chunk and the stream is finished.
+    """
+
+    stop: tuple[str, ...] = ()
+    text: str = ""
+    stopped: bool = False
+    _pending: str = ""
+    _decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
+    )
+
+    def feed(self, piece: bytes) -> str:
+        """Add a token's bytes; return the text that may be sent now."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.decode(piece)
+        return self._release()
+
+    def finish(self) -> str:
+        """The held-back text, at the end of generation."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.decode(b"", final=True)
+        out, self._pending = self._pending, ""
+        self.text += out
+        return out
+
+    def _release(self) -> str:
+        for stop in self.stop:
+            at = self._pending.find(stop)
+            if at >= 0:
+                out = self._pending[:at]
+                self._pending = ""
+                self.stopped = True
+                self.text += out
+                return out
+        hold = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(self._pending)), 0, -1):
+                if self._pending.endswith(stop[:size]):
+                    hold = max(hold, size)
+                    break
+        cut = len(self._pending) - hold
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        self.text += out
+        return out
