@@ -154,11 +154,16 @@ class TextStream:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
     )
 
-    def feed(self, piece: bytes) -> str:
-        """Add a token's bytes; return the text that may be sent now."""
+    def decode_bytes(self, piece: bytes) -> str:
+        """A token's bytes as text; a character split across tokens comes out
+        whole with the token that completes it."""
+        return self._decoder.decode(piece)
+
+    def feed_text(self, text: str) -> str:
+        """Add decoded text; return the text that may be sent now."""
         if self.stopped:
             return ""
-        self._pending += self._decoder.decode(piece)
+        self._pending += text
         return self._release()
 
     def finish(self) -> str:

@@ -5,16 +5,15 @@ every active slot's next token in one llama_decode batch."""
 import ctypes
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import numpy as np
 
-from ..generation import GenerationBackend, GenerationRequest
+from ..generation import Slot, SlotBackend, logprob_entry
 from ..protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
-from ..textgen import SamplingParams, TextStream, render_chat, validate_messages
+from ..textgen import SamplingParams, render_chat, validate_messages
 
 log = logging.getLogger("roundhouse.engine.gguf")
 
@@ -61,23 +60,7 @@ def load(path: Path | str, *, n_ctx: int = 2048, n_threads: int | None = None):
     )
 
 
-@dataclass
-class _Slot:
-    """One session: a sequence id in the shared context and private state."""
-
-    seq: int
-    request: GenerationRequest | None = None
-    sampler: Any = None
-    todo: list[int] = field(default_factory=list)
-    n_past: int = 0
-    next_token: int | None = None
-    generated: int = 0
-    unsent_tokens: int = 0
-    unsent_logprobs: list = field(default_factory=list)
-    stream: TextStream = field(default_factory=TextStream)
-
-
-class LlamaBackend(GenerationBackend):
+class LlamaBackend(SlotBackend):
     """A GGUF model with `n_slots` sessions over one llama.cpp context."""
 
     def __init__(
@@ -95,7 +78,7 @@ class LlamaBackend(GenerationBackend):
         self.n_slots = n_slots
         self.sampling_defaults = dict(sampling_defaults or {})
         self.model = self.ctx = self.batch = None
-        self.slots: list[_Slot] = []
+        self.slots: list[Slot] = []
         try:
             self._create(path, context_length, n_threads, gpu, chat_template)
         except Exception:
@@ -130,7 +113,7 @@ class LlamaBackend(GenerationBackend):
             )
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
-        self.slots = [_Slot(seq=index) for index in range(self.n_slots)]
+        self.slots = [Slot(index=index) for index in range(self.n_slots)]
         own = llama_cpp.llama_model_chat_template(self.model, None)
         self.chat_template = chat_template or (own.decode("utf-8") if own else "")
         self.bos_text = self._token_text(llama_cpp.llama_vocab_bos(self.vocab))
@@ -194,36 +177,20 @@ class LlamaBackend(GenerationBackend):
 
     # -- slots ---------------------------------------------------------------------
 
-    def free_slots(self) -> int:
-        return sum(slot.request is None for slot in self.slots)
+    def _open(self, slot: Slot) -> None:
+        slot.state = self._sampler(slot.request.params)  # the slot's sampler chain
 
-    def active(self) -> int:
-        return self.n_slots - self.free_slots()
+    def _close(self, slot: Slot) -> None:
+        """Clear the slot's KV and sampler so the next request starts clean."""
+        llama_cpp.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
+        if slot.state is not None:
+            llama_cpp.llama_sampler_free(slot.state)
 
-    def running_ids(self) -> set[str]:
-        return {slot.request.id for slot in self.slots if slot.request is not None}
+    def _is_end(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
-    def admit(self, request: GenerationRequest) -> None:
-        slot = next(slot for slot in self.slots if slot.request is None)
-        limit = self.ctx_per_slot - 1
-        if len(request.prompt_tokens) >= limit:
-            request.finish(
-                {
-                    "event": "error",
-                    "code": "bad_request",
-                    "message": f"the prompt has {len(request.prompt_tokens)} tokens; "
-                    f"this model's context holds {self.ctx_per_slot}",
-                }
-            )
-            return
-        slot.request = request
-        slot.sampler = self._sampler(request.params)
-        slot.todo = list(request.prompt_tokens)
-        slot.n_past = 0
-        slot.next_token = None
-        slot.generated = slot.unsent_tokens = 0
-        slot.unsent_logprobs = []
-        slot.stream = TextStream(stop=request.params.stop)
+    def _text_of(self, slot: Slot, token: int) -> str:
+        return slot.stream.decode_bytes(self._piece(token))
 
     def _sampler(self, params: SamplingParams):
         """llama.cpp's native sampler chain for one request (no Python loop over
@@ -279,10 +246,10 @@ class LlamaBackend(GenerationBackend):
         fill the rest of the batch with prompt chunks; one llama_decode; then each
         slot that produced logits samples its next token."""
         self.batch.n_tokens = 0
-        outputs: list[tuple[_Slot, int]] = []
+        outputs: list[tuple[Slot, int]] = []
         for slot in self.slots:
             if slot.request is not None and slot.next_token is not None:
-                index = self._add(slot.next_token, slot.n_past, slot.seq, True)
+                index = self._add(slot.next_token, slot.n_past, slot.index, True)
                 slot.n_past += 1
                 slot.next_token = None
                 outputs.append((slot, index))
@@ -293,7 +260,7 @@ class LlamaBackend(GenerationBackend):
             chunk, slot.todo = slot.todo[:room], slot.todo[room:]
             for offset, token in enumerate(chunk):
                 last = not slot.todo and offset == len(chunk) - 1
-                index = self._add(token, slot.n_past, slot.seq, last)
+                index = self._add(token, slot.n_past, slot.index, last)
                 slot.n_past += 1
             if not slot.todo:
                 outputs.append((slot, index))
@@ -302,103 +269,26 @@ class LlamaBackend(GenerationBackend):
         code = llama_cpp.llama_decode(self.ctx, self.batch)
         if code != 0:
             for slot, _ in outputs:
-                self._fail(slot, f"llama_decode returned {code}")
+                self.fail(slot, f"llama_decode returned {code}")
             return
         for slot, index in outputs:
             params = slot.request.params
-            logits = self._logits(index) if params.logprobs else None
-            token = llama_cpp.llama_sampler_sample(slot.sampler, self.ctx, index)
-            if logits is not None:
-                slot.unsent_logprobs.append(
-                    self._logprob_entry(logits, token, params.top_logprobs)
-                )
-            self._accept(slot, token)
+            logprobs = self._logprobs(index) if params.logprobs else None
+            token = llama_cpp.llama_sampler_sample(slot.state, self.ctx, index)
+            entry = None
+            if logprobs is not None:
+                entry = logprob_entry(logprobs, token, params.top_logprobs)
+            self.accept(slot, token, entry)
 
-    def _logits(self, index: int) -> np.ndarray:
+    def _logprobs(self, index: int) -> np.ndarray:
         pointer = llama_cpp.llama_get_logits_ith(self.ctx, index)
         logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
-        return logits.astype(np.float64)
-
-    def _logprob_entry(self, logits: np.ndarray, token: int, top: int) -> dict:
-        """The chosen token's log-probability under the raw logits (before
-        sampling transforms), with the `top` most likely alternatives."""
+        logits = logits.astype(np.float64)
         peak = logits.max()
-        logprobs = logits - (peak + np.log(np.exp(logits - peak).sum()))
-        entry = {"token": token, "logprob": float(logprobs[token])}
-        if top:
-            best = np.argpartition(-logprobs, top)[:top]
-            best = best[np.argsort(-logprobs[best])]
-            entry["top"] = [[int(t), float(logprobs[t])] for t in best]
-        return entry
-
-    def _accept(self, slot: _Slot, token: int) -> None:
-        params = slot.request.params
-        if not params.ignore_eos and llama_cpp.llama_vocab_is_eog(self.vocab, token):
-            self._finish(slot, "stop")
-            return
-        slot.generated += 1
-        slot.unsent_tokens += 1
-        text = slot.stream.feed(self._piece(token))
-        if text:
-            self._emit_text(slot, text)
-        if slot.stream.stopped:
-            self._finish(slot, "stop")
-        elif (
-            slot.generated >= params.max_tokens or slot.n_past + 1 >= self.ctx_per_slot
-        ):
-            self._finish(slot, "length")
-        else:
-            slot.next_token = token
-
-    def _emit_text(self, slot: _Slot, text: str) -> None:
-        """Send a text chunk with the count (and log-probs) of its tokens."""
-        event = {"event": "token", "text": text, "tokens": slot.unsent_tokens}
-        if slot.unsent_logprobs:
-            event["logprobs"] = slot.unsent_logprobs
-        slot.request.emit(event)
-        slot.unsent_tokens = 0
-        slot.unsent_logprobs = []
-
-    def _finish(self, slot: _Slot, reason: str) -> None:
-        request = slot.request
-        tail = "" if reason == "cancelled" else slot.stream.finish()
-        if tail or slot.unsent_tokens:
-            self._emit_text(slot, tail)
-        request.finish(
-            {
-                "event": "done",
-                "finish_reason": reason,
-                "usage": {
-                    "prompt_tokens": len(request.prompt_tokens),
-                    "completion_tokens": slot.generated,
-                },
-            }
-        )
-        self._release(slot)
-
-    def _fail(self, slot: _Slot, message: str) -> None:
-        slot.request.finish({"event": "error", "code": "internal", "message": message})
-        self._release(slot)
-
-    def _release(self, slot: _Slot) -> None:
-        """Clear the slot's KV and sampler so the next request starts clean."""
-        llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
-        if slot.sampler is not None:
-            llama_cpp.llama_sampler_free(slot.sampler)
-        slot.request = slot.sampler = slot.next_token = None
-        slot.todo = []
-
-    def cancel(self, request_id: str) -> bool:
-        for slot in self.slots:
-            if slot.request is not None and slot.request.id == request_id:
-                self._finish(slot, "cancelled")
-                return True
-        return False
+        return logits - (peak + np.log(np.exp(logits - peak).sum()))
 
     def close(self) -> None:
-        for slot in self.slots:
-            if slot.request is not None:
-                self._finish(slot, "cancelled")
+        self.cancel_all()
         self.slots = []
         if self.batch is not None:
             llama_cpp.llama_batch_free(self.batch)
