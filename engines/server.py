@@ -106,10 +106,21 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
             chat_template=spec.chat_template,
             sampling_defaults=spec.sampling,
         )
+    if spec.format == "transformers":
+        from .backends.hf import TransformersBackend
+
+        return TransformersBackend(
+            spec.path,
+            n_slots=spec.slots or limits.max_slots_per_model,
+            context_length=spec.context_length,
+            n_threads=limits.threads or None,
+            device="cuda" if backend in ("cuda", "rocm") else "cpu",
+            chat_template=spec.chat_template,
+            sampling_defaults=spec.sampling,
+        )
     raise ProtocolError(
         ErrorCode.BAD_REQUEST,
-        f"model {spec.name!r} has format {spec.format!r}, which this engine "
-        "version does not serve yet",
+        f"model {spec.name!r} has format {spec.format!r}, which engines do not serve",
     )
 
 

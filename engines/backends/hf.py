@@ -1,0 +1,263 @@
+"""Causal language models through transformers (a local folder, or a GGUF file
+dequantized by transformers), with continuous batching of our own: each slot
+keeps its own KV cache; every step stacks the running slots' caches (left-padded
+to a common length, masked) into one batched forward pass and splits the new
+entries back. Prompts are prefilled alone, in chunks, between decode steps."""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from ..generation import Slot, SlotBackend, logprob_entry
+from ..protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
+from ..textgen import SamplingParams, render_chat, validate_messages
+
+# Prompt tokens prefilled per step: bounds how long running streams wait.
+PREFILL_CHUNK = 128
+DEFAULT_CONTEXT = 2048
+
+
+class _Kv:
+    """A slot's private KV cache: per layer, keys and values [1, H, T, D]."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[-2] if self.layers else 0
+
+
+class _SlotState:
+    def __init__(self, params: SamplingParams) -> None:
+        self.kv = _Kv()
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+        self.ids: list[int] = []  # generated so far, for penalties and detokenizing
+        self.text = ""  # decoded text of `ids`
+
+
+class TransformersBackend(SlotBackend):
+    """A transformers causal LM with `n_slots` sessions sharing its weights."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        n_slots: int,
+        context_length: int | None = None,
+        n_threads: int | None = None,
+        device: str = "cpu",
+        chat_template: str = "",
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
+        self.n_slots = n_slots
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.device = torch.device(device)
+        if n_threads:
+            torch.set_num_threads(n_threads)
+        path = Path(path)
+        source, extra = (
+            (path.parent, {"gguf_file": path.name})
+            if path.suffix == ".gguf"
+            else (path, {})
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            source, local_files_only=True, **extra
+        )
+        self.model = AutoModelForCausalLM.from_pretrained(
+            source, local_files_only=True, dtype=torch.float32, **extra
+        ).to(self.device)
+        self.model.eval()
+        trained = getattr(self.model.config, "max_position_embeddings", None)
+        self.ctx_per_slot = min(context_length or DEFAULT_CONTEXT, trained or 2**31)
+        self.chat_template = chat_template or (self.tokenizer.chat_template or "")
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.end_tokens = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.slots = [Slot(index=index) for index in range(n_slots)]
+
+    # -- prompts ---------------------------------------------------------------
+
+    def render_prompt(self, message: dict[str, Any]) -> str:
+        if "messages" in message:
+            if not self.chat_template:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    "this model has no chat template: send a completion prompt, or "
+                    "set a chat template for it in the admin",
+                )
+            return render_chat(
+                self.chat_template,
+                validate_messages(message["messages"]),
+                bos_token=self.tokenizer.bos_token or "",
+                eos_token=self.tokenizer.eos_token or "",
+            )
+        prompt = message.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "send `prompt` (a string) or `messages`"
+            )
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt exceeds the cap")
+        return prompt
+
+    def tokenize(self, text: str) -> list[int]:
+        bos = self.tokenizer.bos_token
+        add_special = not (bos and text.startswith(bos))
+        return self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
+
+    # -- slot hooks ------------------------------------------------------------
+
+    def _open(self, slot: Slot) -> None:
+        slot.state = _SlotState(slot.request.params)
+
+    def _close(self, slot: Slot) -> None:
+        pass  # the slot's tensors go with its state
+
+    def _is_end(self, token: int) -> bool:
+        return token in self.end_tokens
+
+    def _text_of(self, slot: Slot, token: int) -> str:
+        state: _SlotState = slot.state
+        state.ids.append(token)
+        text = self.tokenizer.decode(state.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a character still split across tokens
+            return ""
+        new, state.text = text[len(state.text) :], text
+        return new
+
+    # -- decoding --------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Prefill one chunk of one waiting prompt, then one batched decode step
+        over every slot that has a token to feed."""
+        prefilling = next(
+            (s for s in self.slots if s.request is not None and s.todo), None
+        )
+        if prefilling is not None:
+            self._prefill(prefilling)
+        running = [
+            s for s in self.slots if s.request is not None and s.next_token is not None
+        ]
+        if running:
+            self._decode(running)
+
+    def _forward(self, input_ids, kv_layers, attention_mask=None, position_ids=None):
+        cache = DynamicCache(ddp_cache_data=kv_layers or None, config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            cache=cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+        )
+        layers = [(layer.keys, layer.values) for layer in out.cache.layers]
+        return out.logits[:, -1, :], layers
+
+    def _prefill(self, slot: Slot) -> None:
+        state: _SlotState = slot.state
+        chunk, slot.todo = slot.todo[:PREFILL_CHUNK], slot.todo[PREFILL_CHUNK:]
+        start = state.kv.length
+        ids = torch.tensor([chunk], device=self.device)
+        positions = torch.arange(start, start + len(chunk), device=self.device)[None]
+        mask = torch.ones((1, start + len(chunk)), dtype=torch.long, device=self.device)
+        logits, state.kv.layers = self._forward(
+            ids, state.kv.layers, attention_mask=mask, position_ids=positions
+        )
+        slot.n_past = state.kv.length
+        if not slot.todo:
+            self._sample([slot], logits)
+
+    def _decode(self, running: list[Slot]) -> None:
+        lengths = [slot.state.kv.length for slot in running]
+        longest = max(lengths)
+        layers = []
+        for index in range(len(running[0].state.kv.layers)):
+            keys, values = [], []
+            for slot, length in zip(running, lengths, strict=True):
+                k, v = slot.state.kv.layers[index]
+                pad = longest - length
+                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            layers.append((torch.cat(keys), torch.cat(values)))
+        mask = torch.zeros((len(running), longest + 1), dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, longest - length :] = 1
+        ids = torch.tensor([[slot.next_token] for slot in running])
+        positions = torch.tensor([[length] for length in lengths])
+        logits, new_layers = self._forward(
+            ids.to(self.device),
+            layers,
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+        )
+        for row, (slot, length) in enumerate(zip(running, lengths, strict=True)):
+            cut = longest - length
+            slot.state.kv.layers = [
+                (k[row : row + 1, :, cut:], v[row : row + 1, :, cut:])
+                for k, v in new_layers
+            ]
+            slot.n_past = length + 1
+            slot.next_token = None
+        self._sample(running, logits)
+
+    def _sample(self, slots: list[Slot], logits: torch.Tensor) -> None:
+        for row, slot in enumerate(slots):
+            params = slot.request.params
+            raw = logits[row].float()
+            token = self._choose(slot, raw, params)
+            entry = None
+            if params.logprobs:
+                logprobs = torch.log_softmax(raw.double(), dim=-1).cpu().numpy()
+                entry = logprob_entry(logprobs, token, params.top_logprobs)
+            self.accept(slot, token, entry)
+
+    def _choose(self, slot: Slot, logits: torch.Tensor, params: SamplingParams) -> int:
+        """Penalties, then greedy or temperature / top-k / top-p / min-p sampling
+        with the slot's own random generator."""
+        state: _SlotState = slot.state
+        logits = logits.clone()
+        if state.ids and (
+            params.repeat_penalty != 1.0
+            or params.frequency_penalty
+            or params.presence_penalty
+        ):
+            seen = torch.tensor(state.ids[-64:])
+            counts = torch.bincount(seen, minlength=logits.shape[-1]).float()
+            present = counts > 0
+            scored = logits[present]
+            logits[present] = torch.where(
+                scored > 0,
+                scored / params.repeat_penalty,
+                scored * params.repeat_penalty,
+            )
+            logits -= (
+                counts * params.frequency_penalty + present * params.presence_penalty
+            )
+        if params.temperature <= 0:
+            return int(torch.argmax(logits))
+        if params.top_k > 0:
+            kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+            logits[logits < kth] = -float("inf")
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.min_p > 0:
+            probs[probs < params.min_p * probs.max()] = 0
+        if params.top_p < 1.0:
+            ordered, order = torch.sort(probs, descending=True)
+            outside = ordered.cumsum(-1) - ordered > params.top_p
+            ordered[outside] = 0
+            probs = torch.zeros_like(probs).scatter(0, order, ordered)
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=state.generator))
+
+    def close(self) -> None:
+        self.cancel_all()
+        self.slots = []
+        self.model = None
