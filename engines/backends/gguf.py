@@ -19,7 +19,7 @@ log = logging.getLogger("roundhouse.engine.gguf")
 
 # Prompt tokens evaluated per step across all slots. A long prompt is fed in
 # chunks of this size, so running streams wait at most one chunk per token.
-BATCH_TOKENS = 256
+BATCH_TOKENS = 512
 DEFAULT_CONTEXT = 2048
 # Repeat/frequency/presence penalties look at this many previous tokens.
 PENALTY_WINDOW = 64
