@@ -92,13 +92,41 @@ class GenerationBackend(abc.ABC):
         """Free the model and every slot."""
 
 
-class GenerationRunner:
-    """Runs one backend on its own thread: FIFO admission into free slots, then
-    decode steps until no slot is busy, then sleep until work arrives.
+class DecodeThread:
+    """The engine's one decode thread: it steps every generation model in turn.
 
-    Every llama_decode (or forward pass) of a model happens on this one thread,
-    so no two compete for the cores, and requests join or leave the running
-    batch between steps.
+    Every llama_decode (or forward pass) of the engine happens on this thread, so
+    two models never run compute-bound work at once and oversubscribe the cores.
+    It sleeps on a condition when no model has work (no polling).
+    """
+
+    def __init__(self) -> None:
+        self.wake = threading.Condition()
+        self.runners: list[GenerationRunner] = []
+        self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
+        self._thread.start()
+
+    def add(self, runner: "GenerationRunner") -> None:
+        with self.wake:
+            self.runners.append(runner)
+
+    def _run(self) -> None:
+        while True:
+            with self.wake:
+                while not any(runner.has_work() for runner in self.runners):
+                    self.wake.wait()
+                runners = list(self.runners)
+            for runner in runners:
+                if runner.tick():  # closed: its model is freed on this thread
+                    with self.wake:
+                        self.runners.remove(runner)
+
+
+class GenerationRunner:
+    """Admission and stepping for one generation model: FIFO admission of queued
+    requests into free slots, cancels, then one decode step of its running slots;
+    requests join or leave the running batch between steps. Runs on the engine's
+    DecodeThread.
     """
 
     def __init__(
@@ -108,21 +136,21 @@ class GenerationRunner:
         name: str,
         queue_limit: int,
         queue_timeout_s: float,
+        decoder: DecodeThread,
     ) -> None:
         self.backend = backend
         self.name = name
         self.queue_limit = queue_limit
         self.queue_timeout_s = queue_timeout_s
+        self._decoder = decoder
+        self._wake = decoder.wake
         self._pending: deque[GenerationRequest] = deque()
         self._cancels: set[str] = set()
         self._known: set[str] = set()
-        self._wake = threading.Condition()
         self._stopping = False
+        self._closed = threading.Event()
         self.steps = 0
-        self._thread = threading.Thread(
-            target=self._run, name=f"decode-{name}", daemon=True
-        )
-        self._thread.start()
+        decoder.add(self)
 
     # -- called from the event loop ------------------------------------------
 
@@ -138,7 +166,7 @@ class GenerationRunner:
                 )
             self._pending.append(request)
             self._known.add(request.id)
-            self._wake.notify()
+            self._wake.notify_all()
 
     def cancel(self, request_id: str) -> bool:
         """Ask for a request to end; True when this runner knows it."""
@@ -146,7 +174,7 @@ class GenerationRunner:
             if request_id not in self._known:
                 return False
             self._cancels.add(request_id)
-            self._wake.notify()
+            self._wake.notify_all()
             return True
 
     @property
@@ -158,49 +186,52 @@ class GenerationRunner:
         return self.backend.active()
 
     def close(self) -> None:
-        """Finish running requests, refuse queued ones, stop the thread."""
+        """Finish running requests, refuse queued ones, free the model (blocks)."""
         with self._wake:
             self._stopping = True
-            self._wake.notify()
-        self._thread.join()
-        self.backend.close()
+            self._wake.notify_all()
+        self._closed.wait()
 
-    # -- the decode thread ---------------------------------------------------------
+    # -- on the decode thread ------------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not (
-                    self._stopping
-                    or self._cancels
-                    or (self._pending and self.backend.free_slots())
-                    or self.backend.active()
-                ):
-                    self._wake.wait()
-                cancels, self._cancels = self._cancels, set()
-                admitted = self._take_admissible()
-                if self._stopping:
-                    refused, self._pending = list(self._pending), deque()
-                else:
-                    refused = []
-            for request in refused:
-                request.finish(
-                    {"event": "error", "code": "cancelled", "message": "unloading"}
-                )
-            for request_id in cancels:
-                if not self._cancel_queued(request_id):
-                    self.backend.cancel(request_id)
-            for request in admitted:
-                self.backend.admit(request)
-            if self.backend.active():
-                try:
-                    self.backend.step()
-                except Exception:
-                    log.exception("decode step of %s failed", self.name)
-                self.steps += 1
-            self._forget_finished()
-            if self._stopping and not self.backend.active():
-                return
+    def has_work(self) -> bool:
+        """Something to do now (caller holds the lock)."""
+        return bool(
+            self._stopping
+            or self._cancels
+            or (self._pending and self.backend.free_slots())
+            or self.backend.active()
+        )
+
+    def tick(self) -> bool:
+        """Admit, cancel, and run one step. True once closed and freed."""
+        with self._wake:
+            cancels, self._cancels = self._cancels, set()
+            admitted = self._take_admissible()
+            refused: list[GenerationRequest] = []
+            if self._stopping:
+                refused, self._pending = list(self._pending), deque()
+        for request in refused:
+            request.finish(
+                {"event": "error", "code": "cancelled", "message": "model unloading"}
+            )
+        for request_id in cancels:
+            if not self._cancel_queued(request_id):
+                self.backend.cancel(request_id)
+        for request in admitted:
+            self.backend.admit(request)
+        if self.backend.active():
+            try:
+                self.backend.step()
+            except Exception:
+                log.exception("decode step of %s failed", self.name)
+            self.steps += 1
+        self._forget_finished()
+        if self._stopping and not self.backend.active():
+            self.backend.close()
+            self._closed.set()
+            return True
+        return False
 
     def _take_admissible(self) -> list[GenerationRequest]:
         """FIFO: the oldest queued requests for the free slots; overdue ones are

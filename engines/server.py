@@ -17,7 +17,12 @@ import psutil
 
 from .batching import MicroBatcher
 from .config import LOOPBACK, EngineConfig, Limits, ModelSpec
-from .generation import GenerationBackend, GenerationRequest, GenerationRunner
+from .generation import (
+    DecodeThread,
+    GenerationBackend,
+    GenerationRequest,
+    GenerationRunner,
+)
 from .protocol import (
     MAX_FRAME_BYTES,
     ErrorCode,
@@ -142,6 +147,7 @@ class EngineServer:
         self._idle.set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._generations: dict[str, GenerationRunner] = {}
+        self._decoder: DecodeThread | None = None  # started with the first LLM
         self.started_at = time.time()
         self.port: int | None = None
 
@@ -305,11 +311,14 @@ class EngineServer:
         model = ResidentModel(spec, backend, executor, memory_mib)
         limits = self.config.limits
         if isinstance(backend, GenerationBackend):
+            if self._decoder is None:
+                self._decoder = DecodeThread()
             model.runner = GenerationRunner(
                 backend,
                 name=spec.name,
                 queue_limit=limits.queue_limit,
                 queue_timeout_s=limits.queue_timeout_s,
+                decoder=self._decoder,
             )
         else:
             model.batcher = MicroBatcher(

@@ -35,6 +35,7 @@ def llm_engine(tmp_path_factory):
         models=[
             gguf_spec(SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", slots=8),
             gguf_spec(GEMMA, "gemma-3-270m-q4_k_m.gguf", task="completion", slots=2),
+            gguf_spec("broken", "all-MiniLM-L6-v2/config.json"),
         ],
         preload=[SMOL, GEMMA],
     )
@@ -241,3 +242,36 @@ def test_many_streams_share_the_decode_loop(llm_engine):
     assert all(r and r["finish_reason"] == "length" for r in results)
     assert all(r["usage"]["completion_tokens"] == 16 for r in results)
     wait_idle(llm_engine, SMOL)
+
+
+def test_two_models_stream_at_once(llm_engine):
+    """Streams on two resident models interleave on the engine's decode thread."""
+
+    async def both():
+        client = llm_engine.aclient()
+
+        async def run(model, **fields):
+            stream = client.generate_stream(
+                model, max_tokens=12, ignore_eos=True, **fields
+            )
+            return [frame async for frame in stream][-1]
+
+        return await asyncio.gather(
+            run(SMOL, messages=chat("Tell me a story.")),
+            run(GEMMA, prompt="Once upon a time"),
+        )
+
+    for done in asyncio.run(both()):
+        assert done["finish_reason"] == "length"
+        assert done["usage"]["completion_tokens"] == 12
+
+
+def test_a_model_that_fails_to_load_leaves_the_engine_serving(llm_engine):
+    """A file llama.cpp cannot load is an error for that request only."""
+    client = llm_engine.client()
+    with pytest.raises(EngineRequestError) as error:
+        client.generate("broken", prompt="hello")
+    assert error.value.code == "internal"
+    assert "cannot load" in error.value.message
+    assert client.generate(SMOL, prompt="Hi", max_tokens=2)["usage"]
+    assert "broken" not in [m["name"] for m in client.state()["models"]]
