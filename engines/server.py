@@ -23,6 +23,7 @@ from .generation import (
     GenerationRequest,
     GenerationRunner,
 )
+from .memory import estimate_model_mib
 from .protocol import (
     MAX_FRAME_BYTES,
     ErrorCode,
@@ -55,6 +56,7 @@ class ResidentModel:
     backend: Any
     executor: ThreadPoolExecutor
     memory_mib: float
+    estimated_mib: float | None = None
     batcher: MicroBatcher | None = None
     runner: GenerationRunner | None = None
     loaded_at: float = field(default_factory=time.time)
@@ -75,6 +77,7 @@ class ResidentModel:
             "name": self.spec.name,
             "format": self.spec.format,
             "memory_mib": round(self.memory_mib, 1),
+            "estimated_mib": self.estimated_mib and round(self.estimated_mib, 1),
             "loaded_at": self.loaded_at,
             "idle_s": round(time.monotonic() - self.last_used, 1),
             "queued": self.queued,
@@ -309,6 +312,11 @@ class EngineServer:
             ) from error
         memory_mib = max(process.memory_info().rss - before, 0) / 2**20
         model = ResidentModel(spec, backend, executor, memory_mib)
+        try:
+            slots = getattr(backend, "n_slots", 1)
+            model.estimated_mib = estimate_model_mib(spec, slots=slots)
+        except (OSError, ValueError, KeyError) as error:
+            log.warning("no memory estimate for %s: %s", spec.name, error)
         limits = self.config.limits
         if isinstance(backend, GenerationBackend):
             if self._decoder is None:
