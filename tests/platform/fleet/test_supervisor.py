@@ -137,6 +137,16 @@ def fleet(transactional_db, tmp_path, settings):
             "path": "all-MiniLM-L6-v2",
         },
     )
+    ModelConfig.objects.update_or_create(
+        name="smollm2-135m-instruct",
+        defaults={
+            "format": "gguf",
+            "task": "chat",
+            "path": "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "context_length": 256,
+            "sampling": {"max_tokens": 3, "temperature": 0},
+        },
+    )
     ConcurrencySettings.load()
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
@@ -263,6 +273,13 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
         what="limits pushed",
     )
     assert state_of("cpu0").pid == pid  # no restart for limits
+
+    # The catalog reaches the engine: a chat model with the admin's sampling
+    # defaults (max_tokens 3) answers through the supervised engine.
+    reply = fleet.client().generate(
+        "smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert reply["usage"]["completion_tokens"] <= 3
 
     spec = EngineSpec.objects.get(name="cpu0")
     spec.env = {"ROUNDHOUSE_PROBE": "", "OMP_NUM_THREADS": "1"}
