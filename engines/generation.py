@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import ErrorCode, ProtocolError
-from .textgen import SamplingParams, TextStream
+from .protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
+from .textgen import SamplingParams, TextStream, render_chat, validate_messages
 
 log = logging.getLogger("roundhouse.engine.generation")
 
@@ -302,6 +302,33 @@ class SlotBackend(GenerationBackend):
 
     slots: list[Slot]
     ctx_per_slot: int
+    chat_template: str = ""
+    bos_text: str = ""
+    eos_text: str = ""
+
+    def render_prompt(self, message: dict[str, Any]) -> str:
+        if "messages" in message:
+            if not self.chat_template:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    "this model has no chat template: send a completion prompt, or "
+                    "set a chat template for it in the admin",
+                )
+            messages = validate_messages(message["messages"])
+            return render_chat(
+                self.chat_template,
+                messages,
+                bos_token=self.bos_text,
+                eos_token=self.eos_text,
+            )
+        prompt = message.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "send `prompt` (a string) or `messages`"
+            )
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt exceeds the cap")
+        return prompt
 
     # -- hooks --------------------------------------------------------------------
 

@@ -102,30 +102,22 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
         return EmbeddingBackend(
             spec.path, backend=backend, batch_size=spec.max_batch_size
         )
+    generation = {
+        "n_slots": spec.slots or limits.max_slots_per_model,
+        "context_length": spec.context_length,
+        "n_threads": limits.threads or None,
+        "chat_template": spec.chat_template,
+    }
     if spec.format == "gguf":
         from .backends.gguf import LlamaBackend
 
-        return LlamaBackend(
-            spec.path,
-            n_slots=spec.slots or limits.max_slots_per_model,
-            context_length=spec.context_length,
-            n_threads=limits.threads or None,
-            gpu=backend in ("cuda", "rocm", "vulkan"),
-            chat_template=spec.chat_template,
-            sampling_defaults=spec.sampling,
-        )
+        gpu = backend in ("cuda", "rocm", "vulkan")
+        return LlamaBackend(spec.path, gpu=gpu, **generation)
     if spec.format == "transformers":
         from .backends.hf import TransformersBackend
 
-        return TransformersBackend(
-            spec.path,
-            n_slots=spec.slots or limits.max_slots_per_model,
-            context_length=spec.context_length,
-            n_threads=limits.threads or None,
-            device="cuda" if backend in ("cuda", "rocm") else "cpu",
-            chat_template=spec.chat_template,
-            sampling_defaults=spec.sampling,
-        )
+        device = "cuda" if backend in ("cuda", "rocm") else "cpu"
+        return TransformersBackend(spec.path, device=device, **generation)
     raise ProtocolError(
         ErrorCode.BAD_REQUEST,
         f"model {spec.name!r} has format {spec.format!r}, which engines do not serve",

@@ -12,8 +12,8 @@ import llama_cpp
 import numpy as np
 
 from ..generation import Slot, SlotBackend, logprob_entry
-from ..protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
-from ..textgen import SamplingParams, render_chat, validate_messages
+from ..protocol import ErrorCode, ProtocolError
+from ..textgen import SamplingParams
 
 log = logging.getLogger("roundhouse.engine.gguf")
 
@@ -72,11 +72,9 @@ class LlamaBackend(SlotBackend):
         n_threads: int | None = None,
         gpu: bool = False,
         chat_template: str = "",
-        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         _init_llama_cpp()
         self.n_slots = n_slots
-        self.sampling_defaults = dict(sampling_defaults or {})
         self.model = self.ctx = self.batch = None
         self.slots: list[Slot] = []
         try:
@@ -126,30 +124,6 @@ class LlamaBackend(SlotBackend):
             return ""
         raw = llama_cpp.llama_vocab_get_text(self.vocab, token)
         return raw.decode("utf-8", "replace") if raw else ""
-
-    def render_prompt(self, message: dict[str, Any]) -> str:
-        if "messages" in message:
-            if not self.chat_template:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    "this model has no chat template: send a completion prompt, or "
-                    "set a chat template for it in the admin",
-                )
-            messages = validate_messages(message["messages"])
-            return render_chat(
-                self.chat_template,
-                messages,
-                bos_token=self.bos_text,
-                eos_token=self.eos_text,
-            )
-        prompt = message.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "send `prompt` (a string) or `messages`"
-            )
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt exceeds the cap")
-        return prompt
 
     def tokenize(self, text: str) -> list[int]:
         data = text.encode("utf-8")

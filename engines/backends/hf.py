@@ -5,14 +5,12 @@ to a common length, masked) into one batched forward pass and splits the new
 entries back. Prompts are prefilled alone, in chunks, between decode steps."""
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..generation import Slot, SlotBackend, logprob_entry
-from ..protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
-from ..textgen import SamplingParams, render_chat, validate_messages
+from ..textgen import SamplingParams
 
 # Prompt tokens prefilled per step: bounds how long running streams wait.
 PREFILL_CHUNK = 128
@@ -54,10 +52,8 @@ class TransformersBackend(SlotBackend):
         n_threads: int | None = None,
         device: str = "cpu",
         chat_template: str = "",
-        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.n_slots = n_slots
-        self.sampling_defaults = dict(sampling_defaults or {})
         self.device = torch.device(device)
         if n_threads:
             torch.set_num_threads(n_threads)
@@ -77,6 +73,8 @@ class TransformersBackend(SlotBackend):
         trained = getattr(self.model.config, "max_position_embeddings", None)
         self.ctx_per_slot = min(context_length or DEFAULT_CONTEXT, trained or 2**31)
         self.chat_template = chat_template or (self.tokenizer.chat_template or "")
+        self.bos_text = self.tokenizer.bos_token or ""
+        self.eos_text = self.tokenizer.eos_token or ""
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -84,29 +82,6 @@ class TransformersBackend(SlotBackend):
         self.slots = [Slot(index=index) for index in range(n_slots)]
 
     # -- prompts ---------------------------------------------------------------
-
-    def render_prompt(self, message: dict[str, Any]) -> str:
-        if "messages" in message:
-            if not self.chat_template:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    "this model has no chat template: send a completion prompt, or "
-                    "set a chat template for it in the admin",
-                )
-            return render_chat(
-                self.chat_template,
-                validate_messages(message["messages"]),
-                bos_token=self.tokenizer.bos_token or "",
-                eos_token=self.tokenizer.eos_token or "",
-            )
-        prompt = message.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "send `prompt` (a string) or `messages`"
-            )
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt exceeds the cap")
-        return prompt
 
     def tokenize(self, text: str) -> list[int]:
         bos = self.tokenizer.bos_token
