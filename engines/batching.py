@@ -47,8 +47,11 @@ class MicroBatcher:
         window_s: float,
         max_batch_size: int,
         queue_timeout_s: float = 60.0,
+        allowed: asyncio.Event | None = None,
     ) -> None:
         self._process = process
+        # Cleared while the engine cools: queued requests wait for it.
+        self._allowed = allowed
         self._executor = executor
         self.window_s = window_s
         self.max_batch_size = max_batch_size
@@ -89,6 +92,8 @@ class MicroBatcher:
             await self._wakeup.wait()
             if self.window_s > 0:
                 await asyncio.sleep(self.window_s)
+            if self._allowed is not None:
+                await self._allowed.wait()
             batch = self._take()
             if not self._pending:
                 self._wakeup.clear()

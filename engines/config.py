@@ -22,6 +22,11 @@ OFFLINE_ENV = {
     "TQDM_DISABLE": "1",
 }
 
+# ROUNDHOUSE_THERMAL_FILE: read temperatures from this JSON file instead of the
+# machine's sensors (engines/thermal.py FileProbe). For machines without sensors
+# and for tests; unset in production.
+THERMAL_FILE_ENV = "ROUNDHOUSE_THERMAL_FILE"
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -80,6 +85,10 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     models: dict[str, ModelSpec] = field(default_factory=dict)
     preload: list[str] = field(default_factory=list)
+    # Thermal thresholds (engines/thermal.py Thresholds) and the GPUs this engine
+    # owns (UUIDs or indices): only those pause it.
+    thermal: dict[str, Any] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
@@ -93,6 +102,8 @@ class EngineConfig:
                 for item in data.get("models", [])
             },
             preload=list(data.get("preload", [])),
+            thermal=dict(data.get("thermal", {})),
+            devices=[str(device) for device in data.get("devices", [])],
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,6 +114,8 @@ class EngineConfig:
             "limits": asdict(self.limits),
             "models": [asdict(model) for model in self.models.values()],
             "preload": list(self.preload),
+            "thermal": dict(self.thermal),
+            "devices": list(self.devices),
         }
 
     def to_json(self) -> str:

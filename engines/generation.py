@@ -100,9 +100,14 @@ class DecodeThread:
     It sleeps on a condition when no model has work (no polling).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allowed: threading.Event | None = None) -> None:
         self.wake = threading.Condition()
         self.runners: list[GenerationRunner] = []
+        # Cleared while the engine cools: the step in progress finishes, no new
+        # step starts, new requests wait in their queues.
+        self.allowed = allowed or threading.Event()
+        if allowed is None:
+            self.allowed.set()
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
 
@@ -116,10 +121,13 @@ class DecodeThread:
                 while not any(runner.has_work() for runner in self.runners):
                     self.wake.wait()
                 runners = list(self.runners)
+            allowed = self.allowed.is_set()
             for runner in runners:
-                if runner.tick():  # closed: its model is freed on this thread
+                if runner.tick(step=allowed):  # closed: its model is freed here
                     with self.wake:
                         self.runners.remove(runner)
+            if not allowed:
+                self.allowed.wait(0.5)  # cooling: cancels are still handled
 
 
 class GenerationRunner:
@@ -203,11 +211,13 @@ class GenerationRunner:
             or self.backend.active()
         )
 
-    def tick(self) -> bool:
-        """Admit, cancel, and run one step. True once closed and freed."""
+    def tick(self, *, step: bool = True) -> bool:
+        """Cancel, admit and run one step (only cancels while `step` is False,
+        unless the model is closing). True once closed and freed."""
+        step = step or self._stopping
         with self._wake:
             cancels, self._cancels = self._cancels, set()
-            admitted = self._take_admissible()
+            admitted = self._take_admissible() if step else []
             refused: list[GenerationRequest] = []
             if self._stopping:
                 refused, self._pending = list(self._pending), deque()
@@ -220,7 +230,7 @@ class GenerationRunner:
                 self.backend.cancel(request_id)
         for request in admitted:
             self.backend.admit(request)
-        if self.backend.active():
+        if step and self.backend.active():
             try:
                 self.backend.step()
             except Exception:

@@ -6,6 +6,7 @@ import contextlib
 import hmac
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ import numpy as np
 import psutil
 
 from .batching import MicroBatcher
-from .config import LOOPBACK, EngineConfig, Limits, ModelSpec
+from .config import LOOPBACK, THERMAL_FILE_ENV, EngineConfig, Limits, ModelSpec
 from .generation import (
     DecodeThread,
     GenerationBackend,
@@ -38,6 +39,7 @@ from .protocol import (
     validate_request,
 )
 from .textgen import SamplingParams
+from .thermal import READ_INTERVAL_S, ThermalGate, Thresholds, default_probes
 
 log = logging.getLogger("roundhouse.engine")
 
@@ -143,6 +145,18 @@ class EngineServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self._generations: dict[str, GenerationRunner] = {}
         self._decoder: DecodeThread | None = None  # started with the first LLM
+        self.thermal = ThermalGate(
+            default_probes(os.environ.get(THERMAL_FILE_ENV)),
+            thresholds=Thresholds.from_dict(config.thermal),
+            devices=config.devices,
+        )
+        # Set while the engine may compute; cleared while it cools. One for the
+        # decode thread, one for the embedding batchers on the event loop.
+        self._allowed = threading.Event()
+        self._allowed.set()
+        self._allowed_async = asyncio.Event()
+        self._allowed_async.set()
+        self._thermal_task: asyncio.Task | None = None
         self.started_at = time.time()
         self.port: int | None = None
 
@@ -156,6 +170,7 @@ class EngineServer:
         )
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("engine %s listening on %s:%s", self.config.name, LOOPBACK, self.port)
+        self._thermal_task = asyncio.create_task(self._watch_temperature())
         for name in self.config.preload:
             try:
                 await self.ensure_loaded(name)
@@ -175,6 +190,9 @@ class EngineServer:
         """Stop accepting, let requests in flight finish, close everything."""
         if self._server is not None:
             self._server.close()
+        if self._thermal_task is not None:
+            self._thermal_task.cancel()
+        self._set_allowed(True)  # in-flight work finishes even if hot
         try:
             await asyncio.wait_for(self._idle.wait(), DRAIN_TIMEOUT_S)
         except TimeoutError:
@@ -184,6 +202,32 @@ class EngineServer:
         for model in list(self.models.values()):
             await self._unload(model)
         log.info("engine %s stopped", self.config.name)
+
+    # -- thermal ----------------------------------------------------------------
+
+    async def _watch_temperature(self) -> None:
+        """Read the probes about once a second (off the loop: nvidia-smi may be
+        slow) and pause or resume all work of this engine."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                reason = await loop.run_in_executor(None, self.thermal.update)
+            except Exception:  # a broken sensor must not stop the engine
+                log.exception("reading temperatures failed")
+                reason = ""
+            if reason and self._allowed.is_set():
+                log.warning("cooling: %s", reason)
+            elif not reason and not self._allowed.is_set():
+                log.info("cooled down: resuming")
+            self._set_allowed(not reason)
+            await asyncio.sleep(READ_INTERVAL_S)
+
+    def _set_allowed(self, allowed: bool) -> None:
+        for event in (self._allowed, self._allowed_async):
+            if allowed:
+                event.set()
+            else:
+                event.clear()
 
     # -- connections ----------------------------------------------------------
 
@@ -312,7 +356,7 @@ class EngineServer:
         limits = self.config.limits
         if isinstance(backend, GenerationBackend):
             if self._decoder is None:
-                self._decoder = DecodeThread()
+                self._decoder = DecodeThread(self._allowed)
             model.runner = GenerationRunner(
                 backend,
                 name=spec.name,
@@ -327,6 +371,7 @@ class EngineServer:
                 window_s=spec.batch_window_ms / 1000,
                 max_batch_size=spec.max_batch_size,
                 queue_timeout_s=limits.queue_timeout_s,
+                allowed=self._allowed_async,
             )
         self.models[spec.name] = model
         log.info("loaded %s (%.0f MiB)", spec.name, memory_mib)
@@ -369,7 +414,7 @@ class EngineServer:
             "loading": sorted(self._loading),
             "queue_depth": self._queued_requests(),
             "slots_in_use": sum(model.busy for model in self.models.values()),
-            "cooling_reason": "",
+            "cooling_reason": self.thermal.reason,
             "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
             "limits": vars(self.config.limits),
         }, None
@@ -430,6 +475,13 @@ class EngineServer:
                 ErrorCode.BAD_REQUEST, f"bad configuration: {error!r}"
             ) from None
         self.config.limits, self.config.models = limits, models
+        if "thermal" in config or "devices" in config:
+            self.config.thermal = dict(config.get("thermal", self.config.thermal))
+            self.config.devices = [str(d) for d in config.get("devices", [])]
+            self.thermal.configure(
+                thresholds=Thresholds.from_dict(self.config.thermal),
+                devices=self.config.devices,
+            )
         for name, model in self.models.items():
             spec = self.config.models.get(name, model.spec)
             model.spec = spec

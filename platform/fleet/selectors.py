@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from routing.compat import EngineView
 
-from .models import ConcurrencySettings, EngineSpec, ServerSettings
+from .models import ConcurrencySettings, EngineSpec, ServerSettings, ThermalSettings
 
 
 def engine_views() -> dict[str, EngineView]:
@@ -72,11 +72,27 @@ class DesiredEngine:
         return json.dumps(self.config, sort_keys=True)
 
 
+def thermal_thresholds() -> dict:
+    """ThermalSettings and its per-vendor overrides, as engines read them."""
+    settings = ThermalSettings.load()
+    return {
+        "cpu_high": settings.cpu_high,
+        "cpu_resume": settings.cpu_resume,
+        "gpu_high": settings.gpu_high,
+        "gpu_resume": settings.gpu_resume,
+        "overrides": {
+            row.vendor: {"high": row.high, "resume": row.resume}
+            for row in settings.overrides.all()
+        },
+    }
+
+
 def engines_desired() -> list[DesiredEngine]:
     """Every enabled engine with the configuration it should be running."""
     from catalog.selectors import models_servable_by
 
     server = ServerSettings.load()
+    thermal = thermal_thresholds()
     desired = []
     for spec in EngineSpec.objects.filter(enabled=True).order_by("order", "name"):
         limits = engine_limits(spec=spec)
@@ -93,6 +109,8 @@ def engines_desired() -> list[DesiredEngine]:
                 "memory_margin_mib": server.memory_margin_mib,
             },
             "models": models_servable_by(capabilities=spec.effective_capabilities),
+            "thermal": thermal,
+            "devices": spec.device_list,
         }
         desired.append(
             DesiredEngine(

@@ -164,9 +164,9 @@ class Supervisor:
     def _push_config(self, engine: RunningEngine) -> None:
         config = engine.desired.config
         try:
+            live = ("limits", "models", "thermal", "devices")
             self._client(engine).call(
-                "configure",
-                config={"limits": config["limits"], "models": config["models"]},
+                "configure", config={key: config[key] for key in live}
             )
         except EngineError as error:
             log.warning("configure %s failed: %s", engine.desired.name, error)

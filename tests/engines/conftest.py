@@ -66,7 +66,12 @@ class EngineProcess:
 
 
 def start_engine(
-    log_dir: Path, *, models: list[dict], preload=(), wait_ready: bool = True
+    log_dir: Path,
+    *,
+    models: list[dict],
+    preload=(),
+    wait_ready: bool = True,
+    devices=(),
 ) -> EngineProcess:
     port, token = free_port(), secrets.token_hex(32)
     config = {
@@ -76,6 +81,7 @@ def start_engine(
         "host": "0.0.0.0",  # noqa: S104
         "models": models,
         "preload": list(preload),
+        "devices": list(devices),
     }
     log_path = log_dir / f"engine-{port}.log"
     process = spawn_engine(config=config, token=token, log_path=log_path)

@@ -20,7 +20,13 @@ from django.urls import reverse
 
 from catalog.models import ModelConfig
 from engines.client import EngineClient, EngineDied, EngineUnauthorized
-from fleet.models import ConcurrencySettings, EngineSpec, EngineState, ServerSettings
+from fleet.models import (
+    ConcurrencySettings,
+    EngineSpec,
+    EngineState,
+    ServerSettings,
+    ThermalSettings,
+)
 from fleet.supervisor_lock import SupervisorLock
 from tests.conftest import ROOT
 
@@ -76,6 +82,7 @@ class Fleet:
     run_dir: Path
     env: dict
     base_port: int
+    temperatures: Path
     processes: list = field(default_factory=list)
 
     def command(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -150,14 +157,19 @@ def fleet(transactional_db, tmp_path, settings):
     ConcurrencySettings.load()
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
+    temperatures = tmp_path / "temperatures.json"
+    temperatures.write_text(json.dumps({"cpu": 50}))
     env = {
+        "ROUNDHOUSE_THERMAL_FILE": str(temperatures),
         **os.environ,
         "DATABASE_URL": database_url(),
         "ROUNDHOUSE_RUN_DIR": str(run_dir),
         "ROUNDHOUSE_MODELS_DIR": str(settings.MODELS_DIR),
         "SECRET_KEY": "supervisor-tests-not-secret",
     }
-    fleet = Fleet(run_dir=run_dir, env=env, base_port=base_port)
+    fleet = Fleet(
+        run_dir=run_dir, env=env, base_port=base_port, temperatures=temperatures
+    )
     yield fleet
     for process in fleet.processes:
         if process.poll() is None:
@@ -280,6 +292,19 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
         "smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
     )
     assert reply["usage"]["completion_tokens"] <= 3
+
+    # A hot CPU shows as `cooling` with its reason in the admin; raising the
+    # threshold there resumes the engine without a restart.
+    fleet.temperatures.write_text(json.dumps({"cpu": 93}))
+    wait_for(lambda: state_of("cpu0").status == "cooling", what="cooling")
+    assert "CPU (cpu) at 93 °C" in state_of("cpu0").cooling_reason
+    body = admin_client.get(reverse("admin:fleet_enginespec_changelist"))
+    assert "cooling (CPU (cpu) at 93 °C" in body.content.decode()
+    thermal = ThermalSettings.load()
+    thermal.cpu_high, thermal.cpu_resume = 99, 95
+    thermal.save()
+    wait_for(lambda: state_of("cpu0").status == "ready", what="resumed")
+    assert state_of("cpu0").pid == pid
 
     spec = EngineSpec.objects.get(name="cpu0")
     spec.env = {"ROUNDHOUSE_PROBE": "", "OMP_NUM_THREADS": "1"}

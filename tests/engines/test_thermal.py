@@ -1,0 +1,149 @@
+"""Thermal protection. This machine has no GPU and maybe no sensors, so the tests
+drive the engines' probe interface from a temperature file (FileProbe), the way
+ROUNDHOUSE_THERMAL_FILE does in production-like runs."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from engines.thermal import FileProbe, ThermalGate, Thresholds
+from tests.engines.conftest import start_engine
+
+TINY = "tiny-llama"
+
+
+def write_temperatures(path: Path, *, cpu: float, gpus=()) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(
+        json.dumps(
+            {
+                "cpu": cpu,
+                "gpus": [{"id": i, "vendor": v, "celsius": c} for i, v, c in gpus],
+            }
+        )
+    )
+    os.replace(partial, path)
+
+
+def gate_for(path: Path, devices=("GPU-A",), **thresholds) -> ThermalGate:
+    return ThermalGate(
+        [FileProbe(path)], thresholds=Thresholds(**thresholds), devices=devices
+    )
+
+
+def test_cpu_pause_and_resume_with_hysteresis(tmp_path):
+    """Pause at high; stay paused between resume and high; resume below resume."""
+    temps = tmp_path / "t.json"
+    gate = gate_for(temps)
+    steps = [(70, False), (90, True), (85, True), (80, True), (79, False)]
+    for step, (celsius, cooling) in enumerate(steps):
+        write_temperatures(temps, cpu=celsius)
+        reason = gate.update(now=10.0 * (step + 1))  # a fresh read each time
+        assert bool(reason) is cooling, (celsius, reason)
+    write_temperatures(temps, cpu=95)
+    assert "CPU (cpu) at 95 °C" in gate.update(now=100.0)
+
+
+def test_only_own_gpus_and_vendor_thresholds_count(tmp_path):
+    """A hot card of another engine is ignored; each vendor has its thresholds."""
+    temps = tmp_path / "t.json"
+    write_temperatures(temps, cpu=50, gpus=[("GPU-B", "nvidia", 99)])
+    assert gate_for(temps).update() == ""
+    write_temperatures(temps, cpu=50, gpus=[("GPU-A", "amd", 90)])
+    assert "GPU GPU-A (amd) at 90 °C" in gate_for(temps).update()
+    relaxed = gate_for(temps, overrides={"amd": {"high": 95, "resume": 92}})
+    assert relaxed.update() == ""
+
+
+def test_a_vanished_sensor_does_not_pause_forever(tmp_path):
+    temps = tmp_path / "t.json"
+    gate = gate_for(temps)
+    write_temperatures(temps, cpu=95)
+    assert gate.update(now=1000.0)
+    temps.unlink()
+    assert gate.update(now=2000.0) == ""
+
+
+@pytest.fixture
+def two_engines(tmp_path, tiny_llama, monkeypatch):
+    """Two engines reading one temperature file: gpu0 owns GPU-A, cpu0 no GPU."""
+    temps = tmp_path / "temps.json"
+    write_temperatures(temps, cpu=50, gpus=[("GPU-A", "nvidia", 50)])
+    monkeypatch.setenv("ROUNDHOUSE_THERMAL_FILE", str(temps))
+    model = {
+        "name": TINY,
+        "format": "transformers",
+        "path": str(tiny_llama),
+        "context_length": 256,
+        "slots": 2,
+    }
+    engines = {}
+    for name, devices in (("gpu0", ["GPU-A"]), ("cpu0", [])):
+        engines[name] = start_engine(
+            tmp_path / name, models=[model], preload=[TINY], devices=devices
+        )
+    yield temps, engines
+    for engine in engines.values():
+        engine.stop()
+
+
+def cooling(engine) -> str:
+    return engine.client().state()["cooling_reason"]
+
+
+def wait_until(predicate, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_hot_gpu_pauses_its_engine_and_hot_cpu_pauses_all(two_engines):
+    """GPU-A hot: only gpu0 cools. CPU hot: both cool; a request waits, nothing
+    decodes, and it completes once the CPU is below its resume threshold."""
+    temps, engines = two_engines
+    gpu0, cpu0 = engines["gpu0"], engines["cpu0"]
+
+    write_temperatures(temps, cpu=50, gpus=[("GPU-A", "nvidia", 90)])
+    wait_until(lambda: "GPU GPU-A (nvidia) at 90 °C" in cooling(gpu0))
+    assert cooling(cpu0) == ""
+    assert cpu0.client().generate(TINY, prompt="the cat", max_tokens=3)["usage"]
+
+    write_temperatures(temps, cpu=95, gpus=[("GPU-A", "nvidia", 50)])
+    wait_until(lambda: "CPU" in cooling(cpu0) and "CPU" in cooling(gpu0))
+    stream = cpu0.client().generate_stream(
+        TINY, prompt="ships", max_tokens=5, ignore_eos=True
+    )
+    assert next(stream)["event"] == "start"
+    state = cpu0.client().state()
+    steps = state["models"][0]["steps"]
+    time.sleep(1.5)
+    state = cpu0.client().state()
+    assert state["models"][0]["steps"] == steps  # paused: no decode step ran
+    assert state["queue_depth"] == 1  # the request waits in the queue
+
+    write_temperatures(temps, cpu=85)  # below high, above resume: still cooling
+    time.sleep(1.5)
+    assert "cooling until below 80" in cooling(cpu0)
+    write_temperatures(temps, cpu=60)
+    frames = list(stream)
+    assert frames[-1]["finish_reason"] == "length"
+    assert cooling(cpu0) == ""
+    wait_until(lambda: cooling(gpu0) == "")  # it reads the file on its own clock
+
+
+def test_vendor_override_pushed_live_changes_the_verdict(two_engines):
+    """An AMD card at 90 °C pauses at the default 85; an override of 95 for AMD
+    pushed with `configure` resumes the engine without a restart."""
+    temps, engines = two_engines
+    gpu0 = engines["gpu0"]
+    write_temperatures(temps, cpu=50, gpus=[("GPU-A", "amd", 90)])
+    wait_until(lambda: "GPU GPU-A (amd)" in cooling(gpu0))
+    pid = gpu0.client().ping()["pid"]
+    thermal = {"overrides": {"amd": {"high": 95, "resume": 92}}}
+    gpu0.client().call("configure", config={"thermal": thermal, "devices": ["GPU-A"]})
+    wait_until(lambda: cooling(gpu0) == "")
+    assert gpu0.client().ping()["pid"] == pid
