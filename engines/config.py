@@ -67,6 +67,9 @@ class ModelSpec:
     keep_alive_s: int = 300
     context_length: int | None = None
     slots: int | None = None
+    # Memory measured after an earlier load (the supervisor stores it in the
+    # catalog); used instead of the estimate when known.
+    measured_mib: float | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     chat_template: str = ""
 

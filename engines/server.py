@@ -59,6 +59,7 @@ class ResidentModel:
     executor: ThreadPoolExecutor
     memory_mib: float
     estimated_mib: float | None = None
+    inflight: int = 0  # requests holding this model: it is never evicted then
     batcher: MicroBatcher | None = None
     runner: GenerationRunner | None = None
     loaded_at: float = field(default_factory=time.time)
@@ -82,6 +83,7 @@ class ResidentModel:
             "estimated_mib": self.estimated_mib and round(self.estimated_mib, 1),
             "loaded_at": self.loaded_at,
             "idle_s": round(time.monotonic() - self.last_used, 1),
+            "inflight": self.inflight,
             "queued": self.queued,
             "busy": self.busy,
         }
@@ -135,7 +137,7 @@ class EngineServer:
         self.config = config
         self._token = token.encode("utf-8")
         self.models: dict[str, ResidentModel] = {}
-        self._load_locks: dict[str, asyncio.Lock] = {}
+        self._residency = asyncio.Lock()
         self._loading: set[str] = set()
         self._server: asyncio.Server | None = None
         self._stop = asyncio.Event()
@@ -157,6 +159,8 @@ class EngineServer:
         self._allowed_async = asyncio.Event()
         self._allowed_async.set()
         self._thermal_task: asyncio.Task | None = None
+        # Notified when a model becomes idle or leaves: loads waiting for room.
+        self._room = asyncio.Condition()
         self.started_at = time.time()
         self.port: int | None = None
 
@@ -220,7 +224,19 @@ class EngineServer:
             elif not reason and not self._allowed.is_set():
                 log.info("cooled down: resuming")
             self._set_allowed(not reason)
+            await self._expire_idle()
             await asyncio.sleep(READ_INTERVAL_S)
+
+    async def _expire_idle(self) -> None:
+        """Unload models idle longer than their keep-alive (0: no time limit)."""
+        now = time.monotonic()
+        for model in list(self.models.values()):
+            keep = model.spec.keep_alive_s
+            if keep and model.inflight == 0 and now - model.last_used > keep:
+                log.info("unloading %s: idle for %d s", model.spec.name, keep)
+                await self._unload(model)
+                async with self._room:
+                    self._room.notify_all()
 
     def _set_allowed(self, allowed: bool) -> None:
         for event in (self._allowed, self._allowed_async):
@@ -317,15 +333,103 @@ class EngineServer:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_MODEL, f"model {name!r} is not configured here"
             )
-        lock = self._load_locks.setdefault(name, asyncio.Lock())
-        async with lock:
+        # One residency decision at a time: two loads deciding at once could
+        # both count the same free memory or the same free place under models-max.
+        async with self._residency:
             if name in self.models:
                 return self.models[name]
             self._loading.add(name)
             try:
+                await self._make_room(spec)
                 return await self._load(spec)
             finally:
                 self._loading.discard(name)
+
+    @contextlib.asynccontextmanager
+    async def using(self, name: str):
+        """Lease a resident model for one request: loaded if needed, and never
+        evicted while leased."""
+        model = await self.ensure_loaded(name)
+        model.inflight += 1  # no await since the lookup: eviction cannot slip in
+        model.last_used = time.monotonic()
+        try:
+            yield model
+        finally:
+            model.inflight -= 1
+            model.last_used = time.monotonic()
+            if model.inflight == 0:
+                async with self._room:
+                    self._room.notify_all()
+
+    async def _make_room(self, spec: ModelSpec) -> None:
+        """Evict idle models, least recently used first, until `spec` fits in
+        memory (host available minus the margin) and under models-max.
+
+        A leased model is never evicted. If room can only come from a busy
+        model, wait (up to the queue timeout) for it to become idle; if the
+        model cannot fit even with every other model gone, fail at once with
+        `insufficient_memory` naming the shortfall.
+        """
+        loop = asyncio.get_running_loop()
+        need = spec.measured_mib or await loop.run_in_executor(
+            None, self._estimate, spec
+        )
+        limits = self.config.limits
+        deadline = time.monotonic() + limits.queue_timeout_s
+        async with self._room:
+            while True:
+                free = psutil.virtual_memory().available / 2**20
+                room = free - limits.memory_margin_mib
+                held = sum(m.memory_mib for m in self.models.values())
+                if need > room + held:
+                    raise ProtocolError(
+                        ErrorCode.INSUFFICIENT_MEMORY,
+                        f"{spec.name} needs about {need:.0f} MiB; at most "
+                        f"{max(room + held, 0):.0f} MiB can be made free "
+                        f"(margin {limits.memory_margin_mib} MiB): short by "
+                        f"{need - room - held:.0f} MiB",
+                    )
+                idle = sorted(
+                    (m for m in self.models.values() if m.inflight == 0),
+                    key=lambda m: m.last_used,
+                )
+                victims: list[ResidentModel] = []
+                while idle and (
+                    room < need or len(self.models) - len(victims) >= limits.models_max
+                ):
+                    victim = idle.pop(0)
+                    victims.append(victim)
+                    room += victim.memory_mib
+                fits = (
+                    room >= need and len(self.models) - len(victims) < limits.models_max
+                )
+                if fits:
+                    for victim in victims:
+                        log.info(
+                            "evicting %s to make room for %s",
+                            victim.spec.name,
+                            spec.name,
+                        )
+                        await self._unload(victim)
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ProtocolError(
+                        ErrorCode.INSUFFICIENT_MEMORY,
+                        f"no room for {spec.name}: the resident models stayed busy "
+                        f"for {limits.queue_timeout_s:g} s",
+                    )
+                try:
+                    await asyncio.wait_for(self._room.wait(), remaining)
+                except TimeoutError:
+                    continue
+
+    def _estimate(self, spec: ModelSpec) -> float:
+        slots = spec.slots or self.config.limits.max_slots_per_model
+        try:
+            return estimate_model_mib(spec, slots=slots)
+        except (OSError, ValueError, KeyError):
+            return 0.0  # unknown: loading will tell
 
     async def _load(self, spec: ModelSpec) -> ResidentModel:
         loop = asyncio.get_running_loop()
@@ -433,8 +537,11 @@ class EngineServer:
         return {"status": "ok"}, None
 
     async def handle_embed(self, message: dict) -> Reply:
+        async with self.using(message["model"]) as model:
+            return await self._embed(model, message)
+
+    async def _embed(self, model: ResidentModel, message: dict) -> Reply:
         texts: list[str] = message["texts"]
-        model = await self.ensure_loaded(message["model"])
         if model.batcher is None:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not embed"
@@ -448,9 +555,7 @@ class EngineServer:
             limits.queue_limit * model.batcher.max_batch_size
         ):
             raise ProtocolError(ErrorCode.OVERLOADED, "the embedding queue is full")
-        model.last_used = time.monotonic()
         rows: np.ndarray = await model.batcher.submit(texts)
-        model.last_used = time.monotonic()
         header = {
             "status": "ok",
             "model": model.spec.name,
@@ -511,8 +616,17 @@ class EngineServer:
         """Run one generation, writing its frames: for generate_stream a start
         frame, one frame per text chunk and a final frame; for generate one
         frame with the whole text. A caller that hangs up is cancelled."""
+        async with self.using(message["model"]) as model:
+            await self._generate(model, message, reader, writer)
+
+    async def _generate(
+        self,
+        model: ResidentModel,
+        message: dict,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
         stream = message["kind"] == "generate_stream"
-        model = await self.ensure_loaded(message["model"])
         if model.runner is None:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not generate"
@@ -533,7 +647,6 @@ class EngineServer:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id already in use")
         model.runner.submit(request)
         self._generations[request.id] = model.runner
-        model.last_used = time.monotonic()
         # The caller sends nothing while its request runs: end of stream on the
         # connection means it went away.
         hangup = asyncio.ensure_future(reader.read(1))
@@ -576,7 +689,6 @@ class EngineServer:
             hangup.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await hangup
-            model.last_used = time.monotonic()
             self._generations.pop(request.id, None)
 
     async def _write(self, writer: asyncio.StreamWriter, message: dict) -> None:

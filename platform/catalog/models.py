@@ -99,7 +99,8 @@ class ModelConfig(models.Model):
     )
     keep_alive_s = models.PositiveIntegerField(
         default=300,
-        help_text="Idle seconds before the model may be evicted (0: evict any time).",
+        help_text="Idle seconds before the model is unloaded (0: it stays until "
+        "its memory is needed).",
     )
     sampling = models.JSONField(
         default=dict,

@@ -37,6 +37,7 @@ def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
             "keep_alive_s": model.keep_alive_s,
             "context_length": model.context_length,
             "slots": model.slots,
+            "measured_mib": model.measured_memory_mib,
             "sampling": model.sampling,
             "chat_template": model.chat_template,
         }

@@ -16,6 +16,7 @@ from pathlib import Path
 from django.db import DatabaseError, close_old_connections
 from django.utils import timezone
 
+from catalog.services import model_memory_record
 from engines.client import (
     EngineClient,
     EngineError,
@@ -284,6 +285,11 @@ class Supervisor:
             engine.ready_since = engine.ready_since or now
             if now - engine.ready_since > self.timing.healthy_after:
                 engine.crash_streak = 0
+        for item in state.get("models", []):
+            try:
+                model_memory_record(name=item["name"], memory_mib=item["memory_mib"])
+            except DatabaseError as error:
+                log.warning("could not store memory of %s: %s", item["name"], error)
         self._record(
             engine,
             status=status,

@@ -1,0 +1,130 @@
+"""Residency in a real engine: LRU eviction under models-max, busy models never
+evicted, waiting for room, never-fits, keep-alive. Three names for the tiny Llama
+the test builds, so loads are fast and real."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from engines.client import EngineRequestError
+from tests.engines.conftest import start_engine
+
+
+def tiny(name: str, path, **extra) -> dict:
+    return {
+        "name": name,
+        "format": "transformers",
+        "path": str(path),
+        "context_length": 256,
+        "slots": 1,
+        **extra,
+    }
+
+
+@pytest.fixture
+def engine(tmp_path, tiny_llama):
+    engine = start_engine(
+        tmp_path,
+        models=[
+            tiny("a", tiny_llama),
+            tiny("b", tiny_llama),
+            tiny("c", tiny_llama),
+            tiny("short-lived", tiny_llama, keep_alive_s=1),
+            {  # slow enough to still be busy while the test looks
+                "name": "slow",
+                "format": "gguf",
+                "path": str(
+                    Path(settings.MODELS_DIR) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+                ),
+                "context_length": 512,
+                "slots": 1,
+            },
+        ],
+    )
+    yield engine
+    engine.stop()
+
+
+def configure(engine, **limits) -> None:
+    engine.client().call("configure", config={"limits": limits})
+
+
+def resident(engine) -> list[str]:
+    return sorted(m["name"] for m in engine.client().state()["models"])
+
+
+def use(engine, name: str) -> None:
+    engine.client().generate(name, prompt="the cat", max_tokens=1)
+
+
+def test_models_max_evicts_the_least_recently_used(engine):
+    """With room for two, loading a third evicts the one used longest ago."""
+    configure(engine, models_max=2)
+    use(engine, "a")
+    use(engine, "b")
+    use(engine, "a")  # b is now the least recently used
+    use(engine, "c")
+    assert resident(engine) == ["a", "c"]
+
+
+def test_a_busy_model_is_never_evicted_the_load_waits(engine):
+    """models-max 1 and `slow` streaming: a request for `b` waits until `slow`
+    is done, then `slow` is evicted and `b` answers."""
+    configure(engine, models_max=1, queue_timeout_s=60)
+    stream = engine.client().generate_stream(
+        "slow", prompt="ships", max_tokens=300, ignore_eos=True
+    )
+    next(stream), next(stream)
+    outcome = {}
+
+    def ask_b():
+        outcome["reply"] = engine.client().generate("b", prompt="hi", max_tokens=2)
+
+    waiter = threading.Thread(target=ask_b)
+    waiter.start()
+    time.sleep(0.5)
+    assert resident(engine) == ["slow"]  # busy: not evicted
+    assert "reply" not in outcome
+    frames = list(stream)
+    assert frames[-1]["finish_reason"] == "length"  # finished undisturbed
+    waiter.join(60)
+    assert outcome["reply"]["usage"]["completion_tokens"] >= 1
+    assert resident(engine) == ["b"]
+
+
+def test_waiting_for_room_is_bounded_by_the_queue_timeout(engine):
+    """If the busy model stays busy past the queue timeout, the load fails."""
+    configure(engine, models_max=1, queue_timeout_s=0.5)
+    stream = engine.client().generate_stream(
+        "slow", prompt="ships", max_tokens=300, ignore_eos=True
+    )
+    next(stream), next(stream)
+    with pytest.raises(EngineRequestError) as error:
+        engine.client().generate("b", prompt="hi", max_tokens=2)
+    assert error.value.code == "insufficient_memory"
+    assert "stayed busy" in error.value.message
+    stream.close()
+
+
+def test_a_model_that_can_never_fit_fails_at_once(engine):
+    """A margin larger than the machine: `insufficient_memory` names the shortfall."""
+    configure(engine, memory_margin_mib=10**7)
+    with pytest.raises(EngineRequestError) as error:
+        use(engine, "a")
+    assert error.value.code == "insufficient_memory"
+    assert "short by" in error.value.message
+    assert resident(engine) == []
+
+
+def test_keep_alive_unloads_an_idle_model(engine):
+    """A model idle past its keep-alive is unloaded; others stay."""
+    use(engine, "a")
+    use(engine, "short-lived")
+    deadline = time.monotonic() + 30
+    while "short-lived" in resident(engine):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert resident(engine) == ["a"]
