@@ -188,7 +188,11 @@ class RoundhouseEngine(Server):
             "port": self.port,
             "models": [model],
             "preload": ["smollm2"],
-            "limits": {"threads": THREADS, "queue_limit": 256},
+            "limits": {
+                "threads": THREADS,
+                "queue_limit": 256,
+                "max_parallel_requests": SLOTS,
+            },
         }
         self.process = spawn_engine(
             config=config, token=self.token, log_path=log_dir / "engine.log"

@@ -109,7 +109,7 @@ class MicroBatcher:
             if request.future.done():  # its caller went away
                 self._pending.popleft()
                 continue
-            if now - request.queued_at > self.queue_timeout_s:
+            if 0 < self.queue_timeout_s < now - request.queued_at:
                 self._pending.popleft()
                 request.future.set_exception(
                     ProtocolError(

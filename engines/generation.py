@@ -100,7 +100,9 @@ class DecodeThread:
     It sleeps on a condition when no model has work (no polling).
     """
 
-    def __init__(self, allowed: threading.Event | None = None) -> None:
+    def __init__(
+        self, allowed: threading.Event | None = None, *, max_parallel: int = 4
+    ) -> None:
         self.wake = threading.Condition()
         self.runners: list[GenerationRunner] = []
         # Cleared while the engine cools: the step in progress finishes, no new
@@ -108,8 +110,16 @@ class DecodeThread:
         self.allowed = allowed or threading.Event()
         if allowed is None:
             self.allowed.set()
+        # Requests this engine runs at once, across its models (admin: max
+        # parallel requests); admission happens on this thread only.
+        self.max_parallel = max_parallel
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
+
+    def parallel_left(self) -> int:
+        """Requests that may still start now under max_parallel."""
+        running = sum(runner.backend.active() for runner in self.runners)
+        return max(self.max_parallel - running, 0)
 
     def add(self, runner: "GenerationRunner") -> None:
         with self.wake:
@@ -163,10 +173,20 @@ class GenerationRunner:
     # -- called from the event loop ------------------------------------------
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request, or refuse it at once when the queue is full."""
+        """Queue a request, or refuse it at once when the queue is full (or, with
+        a queue timeout of zero, when no slot is free right now)."""
         with self._wake:
             if self._stopping:
                 raise ProtocolError(ErrorCode.CANCELLED, "model is unloading")
+            if self.queue_timeout_s <= 0 and (
+                self._pending
+                or not self.backend.free_slots()
+                or not self._decoder.parallel_left()
+            ):
+                raise ProtocolError(
+                    ErrorCode.OVERLOADED,
+                    f"no free slot for {self.name} now (queue timeout is 0)",
+                )
             if len(self._pending) >= self.queue_limit:
                 raise ProtocolError(
                     ErrorCode.OVERLOADED,
@@ -207,7 +227,11 @@ class GenerationRunner:
         return bool(
             self._stopping
             or self._cancels
-            or (self._pending and self.backend.free_slots())
+            or (
+                self._pending
+                and self.backend.free_slots()
+                and self._decoder.parallel_left()
+            )
             or self.backend.active()
         )
 
@@ -247,11 +271,14 @@ class GenerationRunner:
         """FIFO: the oldest queued requests for the free slots; overdue ones are
         refused instead (caller holds the lock)."""
         admitted: list[GenerationRequest] = []
-        free = self.backend.free_slots()
+        free = min(self.backend.free_slots(), self._decoder.parallel_left())
         now = time.monotonic()
         while self._pending and len(admitted) < free:
             request = self._pending.popleft()
-            if now - request.queued_at > self.queue_timeout_s:
+            if (
+                self.queue_timeout_s > 0
+                and now - request.queued_at > self.queue_timeout_s
+            ):
                 request.finish(
                     {
                         "event": "error",

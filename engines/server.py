@@ -460,7 +460,9 @@ class EngineServer:
         limits = self.config.limits
         if isinstance(backend, GenerationBackend):
             if self._decoder is None:
-                self._decoder = DecodeThread(self._allowed)
+                self._decoder = DecodeThread(
+                    self._allowed, max_parallel=limits.max_parallel_requests
+                )
             model.runner = GenerationRunner(
                 backend,
                 name=spec.name,
@@ -580,6 +582,10 @@ class EngineServer:
                 ErrorCode.BAD_REQUEST, f"bad configuration: {error!r}"
             ) from None
         self.config.limits, self.config.models = limits, models
+        if self._decoder is not None:
+            with self._decoder.wake:
+                self._decoder.max_parallel = limits.max_parallel_requests
+                self._decoder.wake.notify_all()
         if "thermal" in config or "devices" in config:
             self.config.thermal = dict(config.get("thermal", self.config.thermal))
             self.config.devices = [str(d) for d in config.get("devices", [])]

@@ -225,8 +225,9 @@ class ServerSettings(SingletonModel):
     )
     queue_timeout_s = models.FloatField(
         default=60.0,
-        validators=[MinValueValidator(0.1)],
-        help_text="Seconds a request may wait for a slot before 'overloaded'.",
+        validators=[MinValueValidator(0)],
+        help_text="Seconds a request may wait for a slot before 'overloaded' "
+        "(0: only if a slot is free now).",
     )
     base_port = models.PositiveIntegerField(
         default=8780,

@@ -72,6 +72,7 @@ def start_engine(
     preload=(),
     wait_ready: bool = True,
     devices=(),
+    limits: dict | None = None,
 ) -> EngineProcess:
     port, token = free_port(), secrets.token_hex(32)
     config = {
@@ -82,6 +83,7 @@ def start_engine(
         "models": models,
         "preload": list(preload),
         "devices": list(devices),
+        "limits": limits or {},
     }
     log_path = log_dir / f"engine-{port}.log"
     process = spawn_engine(config=config, token=token, log_path=log_path)

@@ -38,6 +38,7 @@ def llm_engine(tmp_path_factory):
             gguf_spec("broken", "all-MiniLM-L6-v2/config.json"),
         ],
         preload=[SMOL, GEMMA],
+        limits={"max_parallel_requests": 16},
     )
     yield engine
     engine.stop()
@@ -275,3 +276,50 @@ def test_a_model_that_fails_to_load_leaves_the_engine_serving(llm_engine):
     assert "cannot load" in error.value.message
     assert client.generate(SMOL, prompt="Hi", max_tokens=2)["usage"]
     assert "broken" not in [m["name"] for m in client.state()["models"]]
+
+
+def test_admission_is_fifo_under_max_parallel_and_timeout_zero(llm_engine):
+    """max_parallel_requests 1: requests run one at a time in arrival order; with
+    a queue timeout of 0 a request is refused unless a slot is free right now."""
+    client = llm_engine.client()
+    client.call("configure", config={"limits": {"max_parallel_requests": 1}})
+    finished: list[int] = []
+    try:
+        threads = []
+        for index in range(4):
+
+            def run(index=index):
+                client.generate(
+                    SMOL, prompt=f"Tale {index}", max_tokens=24, ignore_eos=True
+                )
+                finished.append(index)
+
+            threads.append(threading.Thread(target=run))
+            threads[-1].start()
+            deadline = time.monotonic() + 30
+            while model_state(llm_engine, SMOL)["queued"] + model_state(
+                llm_engine, SMOL
+            )["busy"] < index + 1 - len(finished):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert model_state(llm_engine, SMOL)["busy"] <= 1
+        for thread in threads:
+            thread.join(60)
+        assert finished == [0, 1, 2, 3]
+
+        client.call(
+            "configure",
+            config={"limits": {"max_parallel_requests": 1, "queue_timeout_s": 0}},
+        )
+        stream = client.generate_stream(
+            SMOL, prompt="Long", max_tokens=300, ignore_eos=True
+        )
+        next(stream), next(stream)
+        with pytest.raises(EngineRequestError) as error:
+            client.generate(SMOL, prompt="Now?", max_tokens=2)
+        assert error.value.code == "overloaded"
+        assert "queue timeout is 0" in error.value.message
+        stream.close()
+    finally:
+        client.call("configure", config={"limits": {"max_parallel_requests": 16}})
+        wait_idle(llm_engine, SMOL)

@@ -292,6 +292,14 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
         "smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
     )
     assert reply["usage"]["completion_tokens"] <= 3
+    # The memory the load measured is stored in the catalog for the next decision.
+    measured = wait_for(
+        lambda: (
+            ModelConfig.objects.get(name="smollm2-135m-instruct").measured_memory_mib
+        ),
+        what="measured memory stored",
+    )
+    assert measured > 50
 
     # A hot CPU shows as `cooling` with its reason in the admin; raising the
     # threshold there resumes the engine without a restart.
