@@ -2,6 +2,7 @@
 respawns the ones that die, writes their state to the database and applies admin
 changes without a restart. One per host (see supervisor_lock)."""
 
+import contextlib
 import logging
 import os
 import secrets
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 from django.db import DatabaseError, close_old_connections
 from django.utils import timezone
 
@@ -25,7 +27,7 @@ from engines.client import (
 )
 from engines.launch import spawn_engine
 
-from .models import EngineStatus
+from .models import EngineStatus, ServerSettings
 from .selectors import DesiredEngine, engines_desired
 from .services import engine_state_record
 from .supervisor_lock import SupervisorLock
@@ -64,6 +66,7 @@ class RunningEngine:
     handled_restart: object = None
     last_error: str = ""
     log_path: Path = field(default_factory=Path)
+    last_state: dict = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
@@ -79,6 +82,7 @@ class Supervisor:
         self.lock = SupervisorLock(self.run_dir)
         self.engines: dict[int, RunningEngine] = {}
         self.stopping = threading.Event()
+        self.ram_cap_mib: float | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -121,6 +125,8 @@ class Supervisor:
         close_old_connections()
         try:
             desired = {item.spec_id: item for item in engines_desired()}
+            cap_gib = ServerSettings.load().host_ram_cap_gib
+            self.ram_cap_mib = cap_gib * 1024 if cap_gib else None
         except DatabaseError as error:
             log.warning("cannot read engine specs: %s", error)
             return
@@ -271,9 +277,51 @@ class Supervisor:
                     log.warning("engine %s: %s", engine.desired.name, error)
                 continue
             self._answered(engine, state, now)
+        self._enforce_ram_cap()
+
+    def _enforce_ram_cap(self) -> None:
+        """Over the shared host-RAM cap (supervisor + all engines), unload the
+        least recently used idle model, in whichever engine holds it; one per
+        poll, so the next poll measures the effect first."""
+        if not self.ram_cap_mib:
+            return
+        me = psutil.Process()
+        used = me.memory_info().rss
+        for child in me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                used += child.memory_info().rss
+        used_mib = used / 2**20
+        if used_mib <= self.ram_cap_mib:
+            return
+        idle = [
+            (model.get("idle_s", 0), engine, model["name"])
+            for engine in self.engines.values()
+            if engine.alive
+            for model in engine.last_state.get("models", [])
+            if not model.get("inflight") and not model.get("queued")
+        ]
+        if not idle:
+            return
+        _, engine, name = max(idle, key=lambda item: item[0])
+        log.warning(
+            "fleet uses %.0f MiB, over the %.0f MiB host-RAM cap: unloading %s "
+            "from engine %s",
+            used_mib,
+            self.ram_cap_mib,
+            name,
+            engine.desired.name,
+        )
+        try:
+            self._client(engine).call("unload", model=name)
+        except EngineError as error:
+            log.warning("unloading %s failed: %s", name, error)
+        engine.last_state["models"] = [
+            m for m in engine.last_state.get("models", []) if m["name"] != name
+        ]
 
     def _answered(self, engine: RunningEngine, state: dict, now: float) -> None:
         engine.answered_at = now
+        engine.last_state = state
         phase = state.get("phase", "ready")
         if state.get("cooling_reason"):
             status = EngineStatus.COOLING

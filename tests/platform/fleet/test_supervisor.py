@@ -374,3 +374,38 @@ def test_sigterm_drains_in_flight_work_and_exits_cleanly(fleet):
     assert not psutil.pid_exists(pid)
     assert state_of("cpu0").status == "stopped"
     assert not SupervisorLock(fleet.run_dir).is_held()
+
+
+def test_host_ram_cap_evicts_the_least_recently_used_idle_model(fleet):
+    """Over the shared cap (supervisor + every engine), idle models are unloaded,
+    least recently used first, in whichever engine holds them."""
+    EngineSpec.objects.create(name="cpu1", backend="cpu", order=1)
+    fleet.start()
+    fleet.ready("cpu0"), fleet.ready("cpu1")
+    fleet.client("cpu0").call("load", model=EMBEDDER)  # used first: evicted first
+    time.sleep(1.5)
+    fleet.client("cpu1").generate("smollm2-135m-instruct", prompt="Hello", max_tokens=2)
+    server = ServerSettings.load()
+    server.host_ram_cap_gib = 0.5  # far below two engines with torch loaded
+    server.save()
+
+    def unloads() -> list[str]:
+        log = (fleet.run_dir / "supervisor-test.log").read_text(errors="replace")
+        return [
+            line.split("unloading ")[1]
+            for line in log.splitlines()
+            if "host-RAM cap: unloading" in line
+        ]
+
+    wait_for(lambda: len(unloads()) >= 2, what="two evictions")
+    assert unloads()[:2] == [
+        f"{EMBEDDER} from engine cpu0",
+        "smollm2-135m-instruct from engine cpu1",
+    ]
+    wait_for(
+        lambda: (
+            not state_of("cpu0").resident_models
+            and not state_of("cpu1").resident_models
+        ),
+        what="both unloaded",
+    )
