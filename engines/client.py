@@ -27,9 +27,7 @@ from .protocol import (
 
 # Model work (a first load, a big batch) can take a while; control frames cannot.
 REQUEST_TIMEOUT_S = 120.0
-CONTROL_KINDS = frozenset(
-    {"ping", "state", "configure", "shutdown", "unload", "cancel"}
-)
+CONTROL_KINDS = frozenset({"ping", "state", "configure", "shutdown", "cancel"})
 
 
 class EngineError(Exception):

@@ -145,6 +145,7 @@ class EngineServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.Task] = set()
         self._generations: dict[str, GenerationRunner] = {}
         self._decoder: DecodeThread | None = None  # started with the first LLM
         self.thermal = ThermalGate(
@@ -203,6 +204,8 @@ class EngineServer:
             log.warning("drain timed out with %d requests in flight", self._inflight)
         for writer in list(self._writers):
             writer.close()
+        if self._connections:  # let every answer finish flushing
+            await asyncio.wait(list(self._connections), timeout=10)
         for model in list(self.models.values()):
             await self._unload(model)
         log.info("engine %s stopped", self.config.name)
@@ -251,6 +254,7 @@ class EngineServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self._writers.add(writer)
+        self._connections.add(asyncio.current_task())
         try:
             while not self._stop.is_set():
                 try:
@@ -267,6 +271,11 @@ class EngineServer:
         finally:
             self._writers.discard(writer)
             writer.close()
+            # Wait for the transport to flush: an answer still buffered when the
+            # engine exits would reach its caller cut off.
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+            self._connections.discard(asyncio.current_task())
 
     async def _answer(
         self,
@@ -530,12 +539,16 @@ class EngineServer:
         return {"status": "ok", "model": model.describe()}, None
 
     async def handle_unload(self, message: dict) -> Reply:
-        model = self.models.get(message["model"])
-        if model is None:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_MODEL, f"model {message['model']!r} is not resident"
-            )
-        await self._unload(model)
+        """Drain, then unload: requests in flight finish; a new request for the
+        model waits for the residency lock and then loads it again."""
+        async with self._residency:
+            model = self.models.get(message["model"])
+            if model is None:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_MODEL,
+                    f"model {message['model']!r} is not resident",
+                )
+            await self._unload(model)
         return {"status": "ok"}, None
 
     async def handle_embed(self, message: dict) -> Reply:

@@ -128,3 +128,32 @@ def test_keep_alive_unloads_an_idle_model(engine):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert resident(engine) == ["a"]
+
+
+def test_unload_drains_in_flight_work(engine):
+    """`unload` lets the request in flight finish; a request arriving during the
+    drain waits, then gets a freshly loaded model."""
+    stream = engine.client().generate_stream(
+        "slow", prompt="ships", max_tokens=200, ignore_eos=True
+    )
+    next(stream), next(stream)
+    outcome = {}
+    unloader = threading.Thread(
+        target=lambda: outcome.setdefault(
+            "unload", engine.client().call("unload", model="slow")
+        )
+    )
+    unloader.start()
+    time.sleep(0.3)
+    late = threading.Thread(
+        target=lambda: outcome.setdefault(
+            "late", engine.client().generate("slow", prompt="hi", max_tokens=2)
+        )
+    )
+    late.start()
+    frames = list(stream)
+    assert frames[-1]["finish_reason"] == "length"  # not cut off by the unload
+    unloader.join(60), late.join(60)
+    assert outcome["unload"]["status"] == "ok"
+    assert outcome["late"]["usage"]["completion_tokens"] >= 1
+    assert resident(engine) == ["slow"]  # loaded again for the late request
