@@ -30,7 +30,7 @@ THERMAL_FILE_ENV = "ROUNDHOUSE_THERMAL_FILE"
 LOOPBACK = "127.0.0.1"
 
 
-def _from_known_fields(cls, data: dict[str, Any]):
+def from_known_fields(cls, data: dict[str, Any]):
     """Build a dataclass from a dict, ignoring keys it does not know (a newer
     supervisor may send more than this engine understands)."""
     known = {item.name for item in fields(cls)}
@@ -51,7 +51,7 @@ class Limits:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Limits":
-        return _from_known_fields(cls, data)
+        return from_known_fields(cls, data)
 
 
 @dataclass
@@ -75,7 +75,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
-        return _from_known_fields(cls, data)
+        return from_known_fields(cls, data)
 
 
 @dataclass

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import psutil
 
+from .config import from_known_fields
+
 log = logging.getLogger("roundhouse.engine.thermal")
 
 READ_INTERVAL_S = 1.0
@@ -146,8 +148,7 @@ class Thresholds:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Thresholds":
-        known = {"cpu_high", "cpu_resume", "gpu_high", "gpu_resume", "overrides"}
-        return cls(**{key: value for key, value in data.items() if key in known})
+        return from_known_fields(cls, data)
 
     def for_reading(self, reading: Reading) -> tuple[float, float]:
         if reading.kind == "cpu":
