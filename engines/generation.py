@@ -268,17 +268,18 @@ class GenerationRunner:
         return False
 
     def _take_admissible(self) -> list[GenerationRequest]:
-        """FIFO: the oldest queued requests for the free slots; overdue ones are
-        refused instead (caller holds the lock)."""
-        admitted: list[GenerationRequest] = []
-        free = min(self.backend.free_slots(), self._decoder.parallel_left())
-        now = time.monotonic()
-        while self._pending and len(admitted) < free:
-            request = self._pending.popleft()
-            if (
-                self.queue_timeout_s > 0
-                and now - request.queued_at > self.queue_timeout_s
-            ):
+        """Refuse every queued request past its queue timeout (whether or not a
+        slot is free), then admit the oldest ones into the free slots, FIFO
+        (caller holds the lock)."""
+        if self.queue_timeout_s > 0 and self._pending:
+            now = time.monotonic()
+            overdue = [
+                request
+                for request in self._pending
+                if now - request.queued_at > self.queue_timeout_s
+            ]
+            for request in overdue:
+                self._pending.remove(request)
                 request.finish(
                     {
                         "event": "error",
@@ -286,9 +287,8 @@ class GenerationRunner:
                         "message": f"waited more than {self.queue_timeout_s:g} s",
                     }
                 )
-                continue
-            admitted.append(request)
-        return admitted
+        free = min(self.backend.free_slots(), self._decoder.parallel_left())
+        return [self._pending.popleft() for _ in range(min(free, len(self._pending)))]
 
     def _cancel_queued(self, request_id: str) -> bool:
         with self._wake:

@@ -323,3 +323,51 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(llm_engine):
     finally:
         client.call("configure", config={"limits": {"max_parallel_requests": 16}})
         wait_idle(llm_engine, SMOL)
+
+
+def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine):
+    """One request running (max parallel 1): with a queue of one, a third request
+    is refused at once; with a short queue timeout, a waiting one is refused."""
+    client = llm_engine.client()
+    tight = {"max_parallel_requests": 1, "queue_limit": 1, "queue_timeout_s": 60}
+    client.call("configure", config={"limits": tight})
+    outcome: dict = {}
+    try:
+        stream = client.generate_stream(
+            SMOL, prompt="Long", max_tokens=300, ignore_eos=True
+        )
+        next(stream), next(stream)
+        waiter = threading.Thread(
+            target=lambda: outcome.setdefault(
+                "queued", client.generate(SMOL, prompt="Wait", max_tokens=2)
+            )
+        )
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while model_state(llm_engine, SMOL)["queued"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(EngineRequestError) as error:
+            client.generate(SMOL, prompt="Third", max_tokens=2)
+        assert error.value.code == "overloaded"
+        assert "already wait" in error.value.message
+        stream.close()
+        waiter.join(60)
+        assert outcome["queued"]["usage"]["completion_tokens"] >= 1
+
+        short = {**tight, "queue_limit": 8, "queue_timeout_s": 0.3}
+        client.call("configure", config={"limits": short})
+        stream = client.generate_stream(
+            SMOL, prompt="Long", max_tokens=300, ignore_eos=True
+        )
+        next(stream), next(stream)
+        with pytest.raises(EngineRequestError) as error:
+            client.generate(SMOL, prompt="Late", max_tokens=2)
+        assert error.value.code == "overloaded"
+        assert "waited more than 0.3 s" in error.value.message
+        # Refused while the long request still runs, not when its slot freed.
+        assert model_state(llm_engine, SMOL)["busy"] == 1
+        stream.close()
+    finally:
+        client.call("configure", config={"limits": {"max_parallel_requests": 16}})
+        wait_idle(llm_engine, SMOL)
