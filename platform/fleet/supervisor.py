@@ -67,6 +67,7 @@ class RunningEngine:
     last_error: str = ""
     log_path: Path = field(default_factory=Path)
     last_state: dict = field(default_factory=dict)
+    recorded_memory: dict[str, float] = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
@@ -334,8 +335,13 @@ class Supervisor:
             if now - engine.ready_since > self.timing.healthy_after:
                 engine.crash_streak = 0
         for item in state.get("models", []):
+            # A load's measurement does not change while the model stays resident:
+            # store it once per load, not on every poll.
+            if engine.recorded_memory.get(item["name"]) == item["memory_mib"]:
+                continue
             try:
                 model_memory_record(name=item["name"], memory_mib=item["memory_mib"])
+                engine.recorded_memory[item["name"]] = item["memory_mib"]
             except DatabaseError as error:
                 log.warning("could not store memory of %s: %s", item["name"], error)
         self._record(

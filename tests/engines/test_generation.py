@@ -278,6 +278,15 @@ def test_a_model_that_fails_to_load_leaves_the_engine_serving(llm_engine):
     assert "broken" not in [m["name"] for m in client.state()["models"]]
 
 
+def long_running_stream(client):
+    """A SmolLM2 stream already decoding, which keeps its slot for seconds."""
+    stream = client.generate_stream(
+        SMOL, prompt="Long", max_tokens=300, ignore_eos=True
+    )
+    next(stream), next(stream)
+    return stream
+
+
 def test_admission_is_fifo_under_max_parallel_and_timeout_zero(llm_engine):
     """max_parallel_requests 1: requests run one at a time in arrival order; with
     a queue timeout of 0 a request is refused unless a slot is free right now."""
@@ -311,10 +320,7 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(llm_engine):
             "configure",
             config={"limits": {"max_parallel_requests": 1, "queue_timeout_s": 0}},
         )
-        stream = client.generate_stream(
-            SMOL, prompt="Long", max_tokens=300, ignore_eos=True
-        )
-        next(stream), next(stream)
+        stream = long_running_stream(client)
         with pytest.raises(EngineRequestError) as error:
             client.generate(SMOL, prompt="Now?", max_tokens=2)
         assert error.value.code == "overloaded"
@@ -333,10 +339,7 @@ def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine):
     client.call("configure", config={"limits": tight})
     outcome: dict = {}
     try:
-        stream = client.generate_stream(
-            SMOL, prompt="Long", max_tokens=300, ignore_eos=True
-        )
-        next(stream), next(stream)
+        stream = long_running_stream(client)
         waiter = threading.Thread(
             target=lambda: outcome.setdefault(
                 "queued", client.generate(SMOL, prompt="Wait", max_tokens=2)
@@ -357,10 +360,7 @@ def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine):
 
         short = {**tight, "queue_limit": 8, "queue_timeout_s": 0.3}
         client.call("configure", config={"limits": short})
-        stream = client.generate_stream(
-            SMOL, prompt="Long", max_tokens=300, ignore_eos=True
-        )
-        next(stream), next(stream)
+        stream = long_running_stream(client)
         with pytest.raises(EngineRequestError) as error:
             client.generate(SMOL, prompt="Late", max_tokens=2)
         assert error.value.code == "overloaded"
