@@ -18,6 +18,7 @@ class _Pending:
     items: Sequence[str]
     future: asyncio.Future
     queued_at: float = field(default_factory=time.monotonic)
+    tokens: int = 0  # the model's token count for these items, when it gives one
 
 
 @dataclass
@@ -36,12 +37,13 @@ class MicroBatcher:
     one request), runs `process` off the event loop, checks it returned one row per
     item, and slices the rows back to each caller. A failing batch fails only its
     own callers; requests that waited past `queue_timeout_s` are refused as
-    overloaded instead of run.
+    overloaded instead of run. `process` may also return (rows, token counts per
+    item); each caller then gets its items' token total from `submit_counted`.
     """
 
     def __init__(
         self,
-        process: Callable[[list[str]], np.ndarray],
+        process: Callable[[list[str]], np.ndarray | tuple[np.ndarray, np.ndarray]],
         *,
         executor: Executor,
         window_s: float,
@@ -80,12 +82,19 @@ class MicroBatcher:
 
     async def submit(self, items: Sequence[str]) -> np.ndarray:
         """Queue items and wait for their rows."""
+        rows, _ = await self.submit_counted(items)
+        return rows
+
+    async def submit_counted(self, items: Sequence[str]) -> tuple[np.ndarray, int]:
+        """Queue items and wait for their rows and their token total (0 when the
+        model does not count)."""
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="micro-batcher")
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(items, future))
+        pending = _Pending(items, future)
+        self._pending.append(pending)
         self._wakeup.set()
-        return await future
+        return await future, pending.tokens
 
     async def _loop(self) -> None:
         while True:
@@ -130,7 +139,10 @@ class MicroBatcher:
         self.running += 1
         try:
             loop = asyncio.get_running_loop()
-            rows = await loop.run_in_executor(self._executor, self._process, items)
+            result = await loop.run_in_executor(self._executor, self._process, items)
+            rows, counts = result if isinstance(result, tuple) else (result, None)
+            if counts is not None and len(counts) != len(items):
+                raise RuntimeError(f"{len(counts)} token counts for {len(items)}")
             if len(rows) != len(items):
                 raise RuntimeError(f"model returned {len(rows)} rows for {len(items)}")
         except Exception as error:  # noqa: BLE001 - fail this batch's callers only
@@ -147,6 +159,8 @@ class MicroBatcher:
         offset = 0
         for request in batch:
             count = len(request.items)
+            if counts is not None:
+                request.tokens = int(sum(counts[offset : offset + count]))
             if not request.future.done():
                 request.future.set_result(rows[offset : offset + count])
             offset += count

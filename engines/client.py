@@ -193,10 +193,18 @@ class AsyncEngineClient(_EngineAddress):
     async def embed(
         self, model: str, texts: list[str], *, encoding: str = "npy"
     ) -> np.ndarray:
+        rows, _ = await self.embed_counted(model, texts, encoding=encoding)
+        return rows
+
+    async def embed_counted(
+        self, model: str, texts: list[str], *, encoding: str = "npy"
+    ) -> tuple[np.ndarray, int]:
+        """The rows and the texts' token total, as the model counted them."""
         reply, array = await self.request(
             {"kind": "embed", "model": model, "texts": texts, "encoding": encoding}
         )
-        return _embeddings(reply, array)
+        tokens = int(reply.get("usage", {}).get("prompt_tokens", 0))
+        return _embeddings(reply, array), tokens
 
     async def generate(self, model: str, **fields: Any) -> dict[str, Any]:
         """The whole answer: text, finish_reason, usage, request_id."""

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import psutil
 
 from .batching import MicroBatcher
@@ -139,6 +138,9 @@ class EngineServer:
         self.models: dict[str, ResidentModel] = {}
         self._residency = asyncio.Lock()
         self._loading: set[str] = set()
+        # Models being drained by `unload`: set once the model is gone. New
+        # requests for a draining model wait on it (up to the queue timeout).
+        self._draining: dict[str, asyncio.Event] = {}
         self._server: asyncio.Server | None = None
         self._stop = asyncio.Event()
         self._inflight = 0
@@ -334,6 +336,9 @@ class EngineServer:
 
     async def ensure_loaded(self, name: str) -> ResidentModel:
         """The resident model, loading it first (once, whoever asks) if needed."""
+        drained = self._draining.get(name)
+        if drained is not None:
+            await self._wait_for_drain(name, drained)
         model = self.models.get(name)
         if model is not None:
             return model
@@ -353,6 +358,18 @@ class EngineServer:
                 return await self._load(spec)
             finally:
                 self._loading.discard(name)
+
+    async def _wait_for_drain(self, name: str, drained: asyncio.Event) -> None:
+        """Queue behind an unload of `name`: the request then reloads the model.
+        Overdue work is refused as it would be in any queue (timeout 0: at once)."""
+        timeout = self.config.limits.queue_timeout_s
+        try:
+            await asyncio.wait_for(drained.wait(), timeout)
+        except TimeoutError:
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                f"model {name!r} is unloading; waited {timeout:g} s for it to drain",
+            ) from None
 
     @contextlib.asynccontextmanager
     async def using(self, name: str):
@@ -481,7 +498,7 @@ class EngineServer:
             )
         else:
             model.batcher = MicroBatcher(
-                backend.encode,
+                getattr(backend, "encode_counted", backend.encode),
                 executor=executor,
                 window_s=spec.batch_window_ms / 1000,
                 max_batch_size=spec.max_batch_size,
@@ -539,17 +556,37 @@ class EngineServer:
         return {"status": "ok", "model": model.describe()}, None
 
     async def handle_unload(self, message: dict) -> Reply:
-        """Drain, then unload: requests in flight finish; a new request for the
-        model waits for the residency lock and then loads it again."""
+        """Drain, then unload: requests in flight and those already queued for
+        the model finish; a new request waits for the drain (up to its queue
+        timeout) and then loads the model again."""
+        name = message["model"]
         async with self._residency:
-            model = self.models.get(message["model"])
+            model = self.models.get(name)
             if model is None:
                 raise ProtocolError(
-                    ErrorCode.UNKNOWN_MODEL,
-                    f"model {message['model']!r} is not resident",
+                    ErrorCode.UNKNOWN_MODEL, f"model {name!r} is not resident"
                 )
-            await self._unload(model)
-        return {"status": "ok"}, None
+            drained = self._draining.setdefault(name, asyncio.Event())
+            try:
+                async with self._room:
+                    try:
+                        await asyncio.wait_for(
+                            self._room.wait_for(lambda: model.inflight == 0),
+                            DRAIN_TIMEOUT_S,
+                        )
+                    except TimeoutError:
+                        log.warning(
+                            "unloading %s: %d requests still running after %g s "
+                            "are cancelled",
+                            name,
+                            model.inflight,
+                            DRAIN_TIMEOUT_S,
+                        )
+                await self._unload(model)
+            finally:
+                del self._draining[name]
+                drained.set()
+        return {"status": "ok", "drained": True}, None
 
     async def handle_embed(self, message: dict) -> Reply:
         async with self.using(message["model"]) as model:
@@ -565,17 +602,27 @@ class EngineServer:
         # Embedding requests are cheap to hold: the queue admits queue_limit
         # batches' worth of texts before answering `overloaded` (an empty queue
         # takes any request the caps allow, however big).
-        queued = model.batcher.queued_items
-        if queued and queued + len(texts) > (
-            limits.queue_limit * model.batcher.max_batch_size
-        ):
+        batcher = model.batcher
+        queued = batcher.queued_items
+        if queued and queued + len(texts) > limits.queue_limit * batcher.max_batch_size:
             raise ProtocolError(ErrorCode.OVERLOADED, "the embedding queue is full")
-        rows: np.ndarray = await model.batcher.submit(texts)
+        # Queue timeout 0: admitted only if the next batch can take it now.
+        if limits.queue_timeout_s == 0 and (
+            batcher.running
+            or not self._allowed_async.is_set()
+            or (queued and queued + len(texts) > batcher.max_batch_size)
+        ):
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                "no batch can take this request now (queue timeout is 0)",
+            )
+        rows, tokens = await model.batcher.submit_counted(texts)
         header = {
             "status": "ok",
             "model": model.spec.name,
             "shape": list(rows.shape),
             "dtype": str(rows.dtype),
+            "usage": {"prompt_tokens": tokens},
         }
         if message.get("encoding", "npy") == "json":
             return {**header, "encoding": "json", "embeddings": rows.tolist()}, None

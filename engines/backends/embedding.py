@@ -22,6 +22,16 @@ class EmbeddingBackend:
         )
         self.dimensions = self.model.get_embedding_dimension()
 
+    def encode_counted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows plus each text's token count (as the model sees it, truncated)."""
+        return self.encode(texts), self.count_tokens(texts)
+
+    def count_tokens(self, texts: list[str]) -> np.ndarray:
+        encoded = self.model.tokenizer(
+            texts, truncation=True, max_length=self.model.max_seq_length
+        )
+        return np.array([len(ids) for ids in encoded["input_ids"]], dtype=np.int64)
+
     def encode(self, texts: list[str]) -> np.ndarray:
         rows = self.model.encode(
             texts,

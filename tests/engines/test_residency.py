@@ -60,6 +60,18 @@ def use(engine, name: str) -> None:
     engine.client().generate(name, prompt="the cat", max_tokens=1)
 
 
+def model_state(engine, name: str) -> dict:
+    models = {m["name"]: m for m in engine.client().state()["models"]}
+    return models.get(name, {"queued": 0})
+
+
+def wait_until(predicate, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never came"
+        time.sleep(0.05)
+
+
 def test_models_max_evicts_the_least_recently_used(engine):
     """With room for two, loading a third evicts the one used longest ago."""
     configure(engine, models_max=2)
@@ -130,30 +142,95 @@ def test_keep_alive_unloads_an_idle_model(engine):
     assert resident(engine) == ["a"]
 
 
-def test_unload_drains_in_flight_work(engine):
-    """`unload` lets the request in flight finish; a request arriving during the
-    drain waits, then gets a freshly loaded model."""
+def test_unload_drains_in_flight_and_queued_work(engine):
+    """`unload` lets the request in flight and the one queued behind it (one
+    slot) finish; a request arriving during the drain waits, then gets a freshly
+    loaded model."""
     stream = engine.client().generate_stream(
         "slow", prompt="ships", max_tokens=200, ignore_eos=True
     )
     next(stream), next(stream)
     outcome = {}
-    unloader = threading.Thread(
-        target=lambda: outcome.setdefault(
-            "unload", engine.client().call("unload", model="slow")
-        )
+
+    def run(key, call):
+        return threading.Thread(target=lambda: outcome.setdefault(key, call()))
+
+    queued = run(
+        "queued",
+        lambda: engine.client().generate("slow", prompt="sea", max_tokens=3),
     )
+    queued.start()
+    wait_until(lambda: model_state(engine, "slow")["queued"] == 1)
+    unloader = run("unload", lambda: engine.client().call("unload", model="slow"))
     unloader.start()
     time.sleep(0.3)
-    late = threading.Thread(
-        target=lambda: outcome.setdefault(
-            "late", engine.client().generate("slow", prompt="hi", max_tokens=2)
-        )
+    late = run(
+        "late", lambda: engine.client().generate("slow", prompt="hi", max_tokens=2)
     )
     late.start()
     frames = list(stream)
     assert frames[-1]["finish_reason"] == "length"  # not cut off by the unload
-    unloader.join(60), late.join(60)
+    for thread in (queued, unloader, late):
+        thread.join(60)
+    assert outcome["queued"]["finish_reason"] == "length"  # ran, not cancelled
+    assert outcome["queued"]["usage"]["completion_tokens"] == 3
     assert outcome["unload"]["status"] == "ok"
     assert outcome["late"]["usage"]["completion_tokens"] >= 1
     assert resident(engine) == ["slow"]  # loaded again for the late request
+
+
+def test_overdue_work_is_refused_while_an_unload_drains(engine):
+    """A request waiting behind a drain gets `overloaded` at its queue timeout,
+    though the drain itself goes on."""
+    stream = engine.client().generate_stream(
+        "slow", prompt="ships", max_tokens=300, ignore_eos=True
+    )
+    next(stream), next(stream)
+    configure(engine, queue_timeout_s=0.5)
+    unloader = threading.Thread(
+        target=lambda: engine.client().call("unload", model="slow")
+    )
+    unloader.start()
+    time.sleep(0.3)
+    with pytest.raises(EngineRequestError) as error:
+        engine.client().generate("slow", prompt="hi", max_tokens=2)
+    assert error.value.code == "overloaded"
+    assert "drain" in error.value.message
+    assert resident(engine) == ["slow"]  # still draining: the stream runs on
+    frames = list(stream)
+    assert frames[-1]["finish_reason"] == "length"
+    unloader.join(60)
+    assert resident(engine) == []
+
+
+def test_a_queued_model_is_never_evicted(engine):
+    """With one parallel request engine-wide, `a`'s request waits in its queue
+    while `slow` streams. Loading `b` under models-max 2 then evicts neither: it
+    waits, and once `slow` is done, `a` answers and `b` loads."""
+    use(engine, "a")
+    configure(engine, models_max=2, max_parallel_requests=1, queue_timeout_s=120)
+    stream = engine.client().generate_stream(
+        "slow", prompt="ships", max_tokens=300, ignore_eos=True
+    )
+    next(stream), next(stream)
+    outcome = {}
+
+    def run(key, call):
+        thread = threading.Thread(target=lambda: outcome.setdefault(key, call()))
+        thread.start()
+        return thread
+
+    waiting = run(
+        "a", lambda: engine.client().generate("a", prompt="the cat", max_tokens=2)
+    )
+    wait_until(lambda: model_state(engine, "a")["queued"] == 1)
+    loading = run("b", lambda: use(engine, "b") or "ok")
+    wait_until(lambda: engine.client().state()["loading"] == ["b"])
+    time.sleep(1.0)  # give a wrong eviction time to happen
+    assert resident(engine) == ["a", "slow"]
+    assert model_state(engine, "a")["queued"] == 1
+    stream.close()
+    waiting.join(60), loading.join(60)
+    assert outcome["a"]["usage"]["completion_tokens"] >= 1
+    assert outcome["b"] == "ok"
+    assert resident(engine) == ["a", "b"]

@@ -224,6 +224,38 @@ def test_full_queue_answers_overloaded_and_configure_applies_live(embed_engine):
     assert len(refused) + len(served) == 30
 
 
+def test_queue_timeout_zero_admits_embeddings_only_when_a_batch_is_free(
+    embed_engine,
+):
+    """Timeout 0: while a big batch runs, another request is refused at once;
+    once the engine is idle, requests are served."""
+    import threading
+
+    client = embed_engine.client()
+    client.call("configure", config={"limits": {"queue_timeout_s": 0}})
+    big = [f"sentence {i} about slots, queues and batches" for i in range(3000)]
+    outcome = {}
+    worker = threading.Thread(
+        target=lambda: outcome.setdefault("big", client.embed(EMBEDDER, big))
+    )
+    try:
+        worker.start()
+        deadline = time.monotonic() + 30
+        while embed_engine.client().state()["models"][0]["busy"] == 0:
+            assert time.monotonic() < deadline, "the big batch never started"
+            time.sleep(0.01)
+        with pytest.raises(EngineRequestError) as error:
+            embed_engine.client().embed(EMBEDDER, ["one more"])
+        assert error.value.code == "overloaded"
+        assert "queue timeout is 0" in error.value.message
+        worker.join(120)
+        assert outcome["big"].shape == (3000, 384)
+        assert embed_engine.client().embed(EMBEDDER, ["now idle"]).shape == (1, 384)
+    finally:
+        worker.join(120)
+        client.call("configure", config={"limits": {}})
+
+
 def test_client_errors_name_the_failure(embed_engine):
     """No listener: EngineUnreachable. Wrong token: EngineUnauthorized (async too)."""
     from tests.engines.conftest import free_port
