@@ -1,11 +1,22 @@
 """Reads of fleet data: engines as routing sees them, ports, effective limits."""
 
 import json
+import time
 from dataclasses import dataclass
 
+from django.utils import timezone
+
+from routing import select as routes
 from routing.compat import EngineView
 
-from .models import ConcurrencySettings, EngineSpec, ServerSettings, ThermalSettings
+from .models import (
+    ConcurrencySettings,
+    EngineSpec,
+    EngineState,
+    EngineStatus,
+    ServerSettings,
+    ThermalSettings,
+)
 
 
 def engine_views() -> dict[str, EngineView]:
@@ -125,3 +136,69 @@ def engines_desired() -> list[DesiredEngine]:
             )
         )
     return desired
+
+
+# An engine whose state the supervisor has not refreshed for this long is taken
+# for down (the supervisor polls every second; its own death stops the writes).
+HEARTBEAT_STALE_S = 10.0
+
+
+def routing_snapshot() -> routes.Snapshot:
+    """Engines and models as routing sees them now: one read of the fleet."""
+    from catalog.models import ModelConfig
+
+    now = timezone.now()
+    states = {state.spec_id: state for state in EngineState.objects.all()}
+    engines = {}
+    for spec in EngineSpec.objects.order_by("order", "name"):
+        state = states.get(spec.pk)
+        fresh = (
+            state is not None
+            and state.heartbeat_at is not None
+            and (now - state.heartbeat_at).total_seconds() < HEARTBEAT_STALE_S
+        )
+        # A loading engine serves too: it bound its port first, and a request
+        # for a model still loading waits in the engine's own queue.
+        serving = (EngineStatus.READY, EngineStatus.COOLING, EngineStatus.LOADING)
+        up = spec.enabled and fresh and state.status in serving
+        engines[spec.name] = routes.EngineStatus(
+            name=spec.name,
+            backend=spec.backend,
+            capabilities=spec.effective_capabilities,
+            up=bool(up),
+            enabled=spec.enabled,
+            order=spec.order,
+            resident=frozenset(state.resident_model_names if state else ()),
+            queue_depth=state.queue_depth if state else 0,
+            slots_in_use=state.slots_in_use if state else 0,
+            cooling=bool(state and state.cooling_reason),
+        )
+    models = {
+        model.name: routes.ModelRoute(
+            name=model.name,
+            format=model.format,
+            pin=model.engine_pin,
+            task=model.task,
+            created=int(model.created_at.timestamp()),
+        )
+        for model in ModelConfig.objects.filter(enabled=True)
+    }
+    default = ServerSettings.load().default_engine
+    return routes.Snapshot(
+        engines=engines,
+        models=models,
+        default_engine=default.name if default else "",
+        taken_at=time.monotonic(),
+    )
+
+
+def engine_counters() -> tuple[dict[str, int], dict[tuple[str, str], tuple[int, int]]]:
+    """Restarts per engine, and (queued, busy) per (model, engine) resident."""
+    restarts: dict[str, int] = {}
+    models: dict[tuple[str, str], tuple[int, int]] = {}
+    for state in EngineState.objects.select_related("spec"):
+        restarts[state.spec.name] = state.restart_count
+        for item in state.resident_models:
+            key = (str(item.get("name", "?")), state.spec.name)
+            models[key] = (int(item.get("queued", 0)), int(item.get("busy", 0)))
+    return restarts, models

@@ -351,7 +351,12 @@ class Supervisor:
             port=engine.desired.port,
             heartbeat_at=timezone.now(),
             resident_models=[
-                {"name": item["name"], "memory_mib": item["memory_mib"]}
+                {
+                    "name": item["name"],
+                    "memory_mib": item["memory_mib"],
+                    "queued": item.get("queued", 0),
+                    "busy": item.get("busy", 0),
+                }
                 for item in state.get("models", [])
             ],
             queue_depth=int(state.get("queue_depth", 0)),

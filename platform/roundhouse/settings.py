@@ -88,7 +88,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "roundhouse.middleware.AsyncWhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -98,6 +98,18 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "roundhouse.urls"
+
+# Admin messages live only in a signed cookie until shown: the one that shows a
+# new API key must never spill into the session table.
+MESSAGE_STORAGE = "django.contrib.messages.storage.cookie.CookieStorage"
+
+# ROUNDHOUSE_MAX_REQUEST_BYTES: the largest API request body the front reads
+# (larger ones get HTTP 413 from their Content-Length, before being read).
+ROUNDHOUSE_MAX_REQUEST_BYTES = env.int(
+    "ROUNDHOUSE_MAX_REQUEST_BYTES", default=16 * 1024 * 1024
+)
+# Django's own cap on request.body, kept in step.
+DATA_UPLOAD_MAX_MEMORY_SIZE = ROUNDHOUSE_MAX_REQUEST_BYTES
 
 TEMPLATES = [
     {
@@ -126,6 +138,26 @@ if REDIS_URL:
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# The cache holds the API keys' rate and concurrency counters (api.limits). Limits
+# shared by several front processes need a shared cache: Redis when REDIS_URL is
+# set. Unset, each process counts on its own in memory, which is right for the one
+# front process of an embedded run.
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+        }
+    }
+else:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+            # Counters are small and many (one per key per minute): room for them.
+            "OPTIONS": {"MAX_ENTRIES": 10000},
+        }
+    }
 
 # Celery: Redis when REDIS_URL is set, else kombu's filesystem transport, which
 # needs no server (queues are folders in the run dir).

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from django.db import connection
 from django.urls import reverse
 
 from catalog.models import ModelConfig
@@ -29,48 +28,12 @@ from fleet.models import (
 )
 from fleet.supervisor_lock import SupervisorLock
 from tests.conftest import ROOT
+from tests.platform.live import database_url, free_port_block, wait_for
 
 EMBEDDER = "all-minilm-l6-v2"
 BIG_BATCH = [
     f"sentence number {i} about engines, batches and slots" for i in range(6000)
 ]
-
-
-def database_url() -> str:
-    """The test database, as the supervisor process must reach it."""
-    db = connection.settings_dict
-    if db["ENGINE"].endswith("sqlite3"):
-        return f"sqlite:///{db['NAME']}"
-    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
-    return f"postgres://{auth}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-
-
-def free_port_block(size: int = 4) -> int:
-    """A base port with `size` free ports after it."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + size > 65535:
-            continue
-        try:
-            for port in range(base, base + size):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port block")
-
-
-def wait_for(predicate, *, timeout: float = 120, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def state_of(name: str) -> EngineState | None:

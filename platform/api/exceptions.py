@@ -1,0 +1,22 @@
+"""Why the API refuses a request before it reaches an engine."""
+
+
+class KeyRejected(Exception):
+    """The request's API key is missing, malformed, unknown or revoked (HTTP 401)."""
+
+    def __init__(self, message: str, *, code: str = "invalid_api_key") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class LimitExceeded(Exception):
+    """The key is over its request rate or its concurrent requests (HTTP 429)."""
+
+    def __init__(
+        self, message: str, retry_after_s: int, *, code: str = "rate_limit_exceeded"
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.code = code

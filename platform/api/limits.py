@@ -1,0 +1,165 @@
+"""Per-key admission: requests per minute and requests in flight.
+
+Both limits are counters in Django's default cache, so front processes that share
+the cache (Redis, see CACHES in settings) share the limits.
+
+- Rate: a fixed one-minute window. Each request increments `rl:<key id>:<minute>`
+  (kept for two windows); a count above the key's rpm_limit is refused until the
+  next minute starts. Refused requests count too, so retrying in a loop does not
+  help.
+- Concurrency: each request increments `cc:<key id>:<epoch>` for the current
+  ten-minute epoch and adds the previous epoch's counter; when the sum is above
+  max_concurrent it gives its increment back at once and is refused. On exit it
+  decrements the counter it incremented, exactly once, even when cancelled.
+  Counters live two epochs and a minute, and only the current and previous epoch
+  are read: a slot leaked by a crashed process is forgotten within twenty minutes,
+  while a live request counts for at least ten (one running longer than that stops
+  counting toward the limit). A single counter with a TTL could not do both: a
+  TTL refreshed on use keeps a leaked slot while the key is busy, and one that is
+  not refreshed drops the count of requests still in flight.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+from django.core.cache import cache
+
+from .exceptions import LimitExceeded
+from .models import ApiKey
+
+__all__ = ["LimitExceeded", "key_admission"]
+
+log = logging.getLogger("roundhouse.api")
+
+RATE_WINDOW_S = 60
+# A rate counter outlives its window by one more, for clocks of front processes
+# that disagree by a few seconds.
+RATE_TTL_S = 2 * RATE_WINDOW_S
+CONCURRENCY_EPOCH_S = 600
+CONCURRENCY_TTL_S = 2 * CONCURRENCY_EPOCH_S + 60
+
+# Give-backs of slots whose taking outlived a cancelled request; kept referenced
+# until they finish (the event loop holds tasks only weakly).
+_releasing: set[asyncio.Task] = set()
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A taken concurrency slot: the counter that was incremented, and its epoch."""
+
+    cache_key: str
+    epoch: int
+
+
+def _count(cache_key: str, *, ttl_s: int) -> int:
+    """Increment a counter, creating it with this TTL when missing; the new value."""
+    try:
+        return cache.incr(cache_key)
+    except ValueError:
+        # Missing: create it. Another process may create it first; add() keeps
+        # theirs and both increments count.
+        cache.add(cache_key, 0, timeout=ttl_s)
+        return cache.incr(cache_key)
+
+
+def _rate_count(*, key: ApiKey) -> int | None:
+    """Count a request in the key's current minute; seconds to wait when over."""
+    now = time.time()
+    window = int(now) // RATE_WINDOW_S
+    count = _count(f"rl:{key.pk}:{window}", ttl_s=RATE_TTL_S)
+    if count <= key.rpm_limit:
+        return None
+    return max(1, (window + 1) * RATE_WINDOW_S - int(now))
+
+
+def _slot_take(*, key: ApiKey) -> _Slot | None:
+    """Take one of the key's concurrency slots; None (nothing taken) when full."""
+    epoch = int(time.time()) // CONCURRENCY_EPOCH_S
+    slot = _Slot(cache_key=f"cc:{key.pk}:{epoch}", epoch=epoch)
+    in_flight = _count(slot.cache_key, ttl_s=CONCURRENCY_TTL_S)
+    in_flight += max(0, cache.get(f"cc:{key.pk}:{epoch - 1}", 0))
+    if in_flight > key.max_concurrent:
+        _slot_give_back(slot)
+        return None
+    return slot
+
+
+def _slot_give_back(slot: _Slot) -> None:
+    """Decrement the counter a slot incremented, while that counter is still read."""
+    if int(time.time()) // CONCURRENCY_EPOCH_S > slot.epoch + 1:
+        # No longer read, and soon expired: decrementing could recreate it.
+        return
+    try:
+        cache.decr(slot.cache_key)
+    except ValueError:
+        pass  # Evicted: nothing left to give back.
+    except Exception:
+        # The cache is unreachable. The slot is forgotten when its epoch ends;
+        # failing the request that is leaving would not bring it back sooner.
+        log.exception("could not give back a concurrency slot (%s)", slot.cache_key)
+
+
+# The cache's own incr/decr, off the event loop: they are atomic (Redis INCRBY,
+# LocMemCache under its lock), while BaseCache.aincr is a get then a set, which
+# loses concurrent increments and resets the TTL. Not thread-sensitive: cache
+# clients are thread-safe, and counting should not queue behind ORM calls.
+_rate_count_async = sync_to_async(_rate_count, thread_sensitive=False)
+_slot_take_async = sync_to_async(_slot_take, thread_sensitive=False)
+_slot_give_back_async = sync_to_async(_slot_give_back, thread_sensitive=False)
+
+
+def _give_back_if_taken(taking: asyncio.Task) -> None:
+    """Once a taking abandoned by a cancelled request ends, give back its slot."""
+    if taking.cancelled() or taking.exception() is not None:
+        return
+    slot = taking.result()
+    if slot is not None:
+        releasing = asyncio.ensure_future(_slot_give_back_async(slot))
+        _releasing.add(releasing)
+        releasing.add_done_callback(_releasing.discard)
+
+
+@asynccontextmanager
+async def key_admission(key: ApiKey) -> AsyncIterator[None]:
+    """Admit one request of this key for the duration of the block.
+
+    Raises LimitExceeded when the key is over its requests per minute
+    (retry_after_s: seconds to the next minute) or its concurrent requests
+    (retry_after_s: 1). A refused request holds no concurrency slot; an admitted
+    one gives its slot back exactly once when the block ends, however it ends.
+    """
+    if key.rpm_limit:
+        retry_after_s = await _rate_count_async(key=key)
+        if retry_after_s is not None:
+            raise LimitExceeded(
+                f"Rate limit reached for this API key: {key.rpm_limit} requests "
+                f"per minute. Try again in {retry_after_s} s.",
+                retry_after_s,
+            )
+    if not key.max_concurrent:
+        yield
+        return
+    # Shielded: a cancellation while the counter is being incremented must not
+    # lose track of the increment, so the taking runs on and is given back.
+    taking = asyncio.ensure_future(_slot_take_async(key=key))
+    try:
+        slot = await asyncio.shield(taking)
+    except asyncio.CancelledError:
+        taking.add_done_callback(_give_back_if_taken)
+        raise
+    if slot is None:
+        raise LimitExceeded(
+            f"Too many concurrent requests for this API key: at most "
+            f"{key.max_concurrent} at once.",
+            1,
+            code="concurrency_limit_exceeded",
+        )
+    try:
+        yield
+    finally:
+        await asyncio.shield(_slot_give_back_async(slot))

@@ -1,0 +1,101 @@
+"""API keys of the OpenAI-compatible API, and one usage row per request."""
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class ApiKey(models.Model):
+    """A bearer key for the API; only its SHA-256 and a display prefix are stored."""
+
+    name = models.CharField(max_length=100)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="api_keys",
+    )
+    prefix = models.CharField(
+        max_length=16,
+        editable=False,
+        help_text="The key's first characters, to recognise it; not a secret.",
+    )
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    allowed_models = models.ManyToManyField(
+        "catalog.ModelConfig",
+        blank=True,
+        related_name="api_keys",
+        help_text="Models this key may use. None selected: every model.",
+    )
+    rpm_limit = models.PositiveIntegerField(
+        "requests per minute",
+        default=0,
+        help_text="Requests per minute for this key. 0: unlimited.",
+    )
+    max_concurrent = models.PositiveIntegerField(
+        "max concurrent requests",
+        default=0,
+        help_text="Requests of this key in flight at once. 0: unlimited.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="Updated at most once a minute.",
+    )
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    @property
+    def revoked(self) -> bool:
+        """Whether the key was revoked (a revoked key is refused, never deleted)."""
+        return self.revoked_at is not None
+
+
+class Endpoint(models.TextChoices):
+    """The API endpoints a usage row can be about."""
+
+    CHAT_COMPLETIONS = "chat.completions", "/v1/chat/completions"
+    COMPLETIONS = "completions", "/v1/completions"
+    EMBEDDINGS = "embeddings", "/v1/embeddings"
+
+
+class Usage(models.Model):
+    """One API request: who asked which model on which engine, tokens and outcome."""
+
+    key = models.ForeignKey(
+        ApiKey,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="usage",
+    )
+    model = models.CharField(
+        max_length=128,
+        blank=True,
+        help_text="The model the client asked for (empty: refused before it said).",
+    )
+    engine = models.CharField(max_length=64, blank=True)
+    endpoint = models.CharField(max_length=32, choices=Endpoint.choices)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    latency_ms = models.FloatField(default=0)
+    status = models.PositiveSmallIntegerField(help_text="HTTP status of the answer.")
+    error_code = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "usage"
+        verbose_name_plural = "usage"
+
+    def __str__(self) -> str:
+        return f"{self.endpoint} {self.model} {self.status}"

@@ -1,0 +1,167 @@
+"""Typed request bodies of the OpenAI-compatible endpoints.
+
+The same classes validate requests and produce `/v1/openapi.json`, so the document
+always matches what the endpoints accept. Fields OpenAI defines that Roundhouse
+does not implement are refused by name (`extra="forbid"`) rather than ignored.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engines.protocol import MAX_PROMPT_CHARS, MAX_TEXTS_PER_REQUEST
+
+from .errors import ApiError
+
+MAX_STOP = 4
+MAX_MESSAGES = 1024
+
+Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Sampling(Strict):
+    """Fields shared by chat and text completions."""
+
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value):
+        items = [value] if isinstance(value, str) else value or []
+        if any(not item for item in items):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def sampling(self) -> dict[str, Any]:
+        """The engine's sampling fields (only those the caller set)."""
+        fields = ("temperature", "top_p", "seed", "presence_penalty")
+        out = {name: getattr(self, name) for name in fields}
+        out["frequency_penalty"] = self.frequency_penalty
+        if self.stop is not None:
+            out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        return {name: value for name, value in out.items() if value is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    # Log-probabilities are computed by the engines but not yet mapped to
+    # OpenAI's token-string shape: only "off" is accepted.
+    logprobs: Literal[False] = False
+
+    def engine_fields(self) -> dict[str, Any]:
+        fields = self.sampling()
+        fields["messages"] = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+        limit = self.max_completion_tokens or self.max_tokens
+        if limit is not None:
+            fields["max_tokens"] = limit
+        return fields
+
+
+class CompletionRequest(Sampling):
+    """POST /v1/completions."""
+
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: Literal[False] = False
+    logprobs: None = None
+
+    def engine_fields(self) -> dict[str, Any]:
+        fields = self.sampling()
+        fields["prompt"] = (
+            self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        )
+        if self.max_tokens is not None:
+            fields["max_tokens"] = self.max_tokens
+        return fields
+
+
+class EmbeddingRequest(Strict):
+    """POST /v1/embeddings."""
+
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    input: Text | Annotated[list[Text], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _within_cap(cls, value):
+        if isinstance(value, list) and len(value) > MAX_TEXTS_PER_REQUEST:
+            raise ValueError(
+                f"at most {MAX_TEXTS_PER_REQUEST} inputs per request, got {len(value)}"
+            )
+        return value
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+def parse(schema: type[BaseModel], raw: bytes) -> Any:
+    """Validate a JSON body; a 400 naming the first bad field otherwise."""
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        location = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "json_invalid":
+            raise ApiError(400, "The request body is not valid JSON.") from None
+        if first["type"] == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {location}"
+        elif first["type"] == "missing":
+            message = f"Missing required parameter: '{location}'."
+        else:
+            message = f"Invalid value for '{location}': {first['msg']}."
+        raise ApiError(400, message, param=location or None) from None
+
+
+ENDPOINT_SCHEMAS: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}

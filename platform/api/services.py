@@ -1,0 +1,203 @@
+"""Writes of API keys and usage, and authenticating a request's key."""
+
+import hashlib
+import hmac
+import logging
+import secrets
+from collections.abc import Iterable
+from datetime import timedelta
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import DatabaseError
+from django.db.models import Q
+from django.utils import timezone
+
+from catalog.models import ModelConfig
+
+from .exceptions import KeyRejected, LimitExceeded
+from .models import ApiKey, Usage
+from .selectors import api_key_get_by_hash
+
+__all__ = [
+    "KeyRejected",
+    "LimitExceeded",
+    "api_key_allows",
+    "api_key_authenticate",
+    "api_key_create",
+    "api_key_hash",
+    "api_key_issue",
+    "api_key_revoke",
+    "usage_record",
+]
+
+log = logging.getLogger("roundhouse.api")
+
+KEY_PREFIX = "rh-"
+# Characters of the key kept for display: "rh-" and 8 random ones.
+DISPLAY_PREFIX_LENGTH = 11
+# Longer than any key we issue: anything longer is refused without hashing it.
+MAX_PRESENTED_LENGTH = 256
+# last_used_at is written at most this often per key, not on every request.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+def api_key_hash(plaintext: str) -> str:
+    """The stored form of a key: its SHA-256, in hex."""
+    # A fast unsalted hash is right here: keys carry 256 random bits, so there is
+    # nothing to brute-force, and a deterministic hash lets us look the key up by
+    # it. A slow password hash would only slow down every API request.
+    return hashlib.sha256(plaintext.encode("utf-8", errors="replace")).hexdigest()
+
+
+def api_key_issue(*, key: ApiKey) -> str:
+    """Give an unsaved key a fresh secret, save it, and return the secret.
+
+    The secret is returned to be shown once; only its hash and prefix are stored.
+    """
+    plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+    key.prefix = plaintext[:DISPLAY_PREFIX_LENGTH]
+    key.key_hash = api_key_hash(plaintext)
+    key.full_clean()
+    key.save()
+    return plaintext
+
+
+def api_key_create(
+    *,
+    name: str,
+    owner: AbstractBaseUser | None = None,
+    allowed_models: Iterable[ModelConfig] = (),
+    rpm_limit: int = 0,
+    max_concurrent: int = 0,
+) -> tuple[ApiKey, str]:
+    """Create a key; return it and its plaintext, which is never available again."""
+    key = ApiKey(
+        name=name, owner=owner, rpm_limit=rpm_limit, max_concurrent=max_concurrent
+    )
+    plaintext = api_key_issue(key=key)
+    models = list(allowed_models)
+    key.allowed_models.set(models)
+    key.allowed_model_names = frozenset(model.name for model in models)
+    return key, plaintext
+
+
+def api_key_revoke(*, key: ApiKey) -> None:
+    """Revoke a key: every later request with it is refused."""
+    if key.revoked_at is not None:
+        return
+    key.revoked_at = timezone.now()
+    key.full_clean()
+    key.save(update_fields=["revoked_at"])
+
+
+def _masked(presented: str) -> str:
+    """Enough of a presented key to recognise it, never all of it."""
+    head = min(7, len(presented) // 4)
+    tail = min(4, len(presented) // 4)
+    return f"{presented[:head]}...{presented[-tail:] if tail else ''}"
+
+
+async def api_key_authenticate(*, authorization: str | None) -> ApiKey:
+    """The live key of an `Authorization: Bearer <key>` header, or KeyRejected.
+
+    The key comes back with `allowed_model_names` (a frozenset) set, so that
+    `api_key_allows` needs no query. `last_used_at` is written at most once a
+    minute per key.
+    """
+    if not authorization or not authorization.strip():
+        raise KeyRejected(
+            "You didn't provide an API key. You need to provide your API key in an "
+            "Authorization header using Bearer auth (i.e. Authorization: Bearer "
+            "YOUR_KEY)."
+        )
+    parts = authorization.split()
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        raise KeyRejected(
+            "Malformed Authorization header. Expected 'Authorization: Bearer YOUR_KEY'."
+        )
+    presented = parts[1]
+    if len(presented) > MAX_PRESENTED_LENGTH:
+        raise KeyRejected(f"Incorrect API key provided: {_masked(presented)}.")
+    digest = api_key_hash(presented)
+    key = await api_key_get_by_hash(key_hash=digest)
+    # The lookup by hash already matched; comparing again in constant time keeps
+    # the decision itself free of timing differences, whatever the database does.
+    if key is None or not hmac.compare_digest(key.key_hash, digest):
+        raise KeyRejected(
+            f"Incorrect API key provided: {_masked(presented)}. Ask the "
+            "administrator of this server for a key."
+        )
+    if key.revoked_at is not None:
+        raise KeyRejected(f"The API key {key.prefix}... has been revoked.")
+    await _last_used_touch(key=key)
+    return key
+
+
+async def _last_used_touch(*, key: ApiKey) -> None:
+    """Record that the key was used, unless that was recorded in the last minute."""
+    now = timezone.now()
+    stale = now - LAST_USED_RESOLUTION
+    if key.last_used_at is not None and key.last_used_at > stale:
+        return
+    # The condition is repeated in the UPDATE so that front processes seeing the
+    # same stale value write once between them, not once each.
+    await ApiKey.objects.filter(
+        Q(last_used_at__isnull=True) | Q(last_used_at__lte=stale), pk=key.pk
+    ).aupdate(last_used_at=now)
+    key.last_used_at = now
+
+
+def api_key_allows(*, key: ApiKey, model: str) -> bool:
+    """Whether the key may use this model (no models chosen: every model).
+
+    Makes no query on a key from `api_key_authenticate` or `api_key_create`,
+    which set its `allowed_model_names`.
+    """
+    names: frozenset[str] | None = getattr(key, "allowed_model_names", None)
+    if names is None:
+        # A key loaded some other way: read its models (a query unless they were
+        # prefetched), and keep them on the key.
+        names = key.allowed_model_names = frozenset(
+            allowed.name for allowed in key.allowed_models.all()
+        )
+    return not names or model in names
+
+
+async def usage_record(
+    *,
+    key: ApiKey | None,
+    model: str,
+    engine: str,
+    endpoint: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    latency_ms: float,
+    status: int,
+    error_code: str = "",
+) -> Usage | None:
+    """Store one request's usage; None when the database refused the write.
+
+    A failed usage write is logged, not raised: the request it describes has
+    already been answered.
+    """
+    usage = Usage(
+        key=key,
+        # Clients choose the model name; an over-long one is cut, not refused.
+        model=model[: Usage._meta.get_field("model").max_length],
+        engine=engine[: Usage._meta.get_field("engine").max_length],
+        endpoint=endpoint,
+        prompt_tokens=prompt_tokens or 0,
+        completion_tokens=completion_tokens or 0,
+        latency_ms=latency_ms,
+        status=status,
+        error_code=error_code[: Usage._meta.get_field("error_code").max_length],
+    )
+    # The key came from api_key_authenticate: checking that it exists would cost
+    # a query on every request.
+    usage.full_clean(exclude=["key"])
+    try:
+        await usage.asave()
+    except DatabaseError as error:
+        log.warning("could not record usage of %s: %s", usage, error)
+        return None
+    return usage

@@ -1,0 +1,584 @@
+"""The OpenAI-compatible API end to end: the official `openai` client against a
+live Daphne front, with `manage.py supervise` running a real engine that serves
+the bundled SmolLM2 (chat) and MiniLM (embeddings).
+
+The platform is started once for the module; tests reach the database through
+`orm` (rows stay for the module: the front and the supervisor read them)."""
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openai
+import psutil
+import pytest
+
+from api.models import ApiKey, Usage
+from catalog.models import ModelConfig
+from engines.client import EngineClient
+from fleet.models import EngineSpec, ServerSettings
+from tests.conftest import ROOT
+from tests.factories import ApiKeyFactory
+from tests.platform.live import (
+    database_url,
+    free_port_block,
+    live_database,
+    wait_for,
+)
+
+CHAT = "smollm2-135m-instruct"
+EMBEDDER = "all-minilm-l6-v2"
+UNSERVED = "tiny-transformer"  # configured, but no engine serves transformers
+ENGINE = "api0"
+
+
+@dataclass
+class Live:
+    run_dir: Path
+    port: int
+    keys: dict[str, str]
+    front_pid: int = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = "main") -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=self.keys.get(key, key),
+            max_retries=0,
+            timeout=120,
+        )
+
+    def engine(self) -> EngineClient:
+        return EngineClient.for_engine(self.run_dir, ENGINE)
+
+    def get(self, path: str) -> tuple[int, dict, bytes]:
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=30) as reply:
+                return reply.status, dict(reply.headers), reply.read()
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), error.read()
+
+    def post(
+        self, path: str, body: bytes, *, key: str = "main", headers=None
+    ) -> tuple[int, dict, dict]:
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=body,
+            headers={
+                "Authorization": f"Bearer {self.keys[key]}",
+                "Content-Type": "application/json",
+                **(headers or {}),
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, dict(reply.headers), json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), json.loads(error.read())
+
+
+def _rows(base_port: int) -> dict[str, str]:
+    """The module's rows: one engine, the models, one key per test need."""
+    for model in (ApiKey, Usage, ModelConfig, EngineSpec):
+        model.objects.all().delete()
+    server = ServerSettings.load()
+    server.base_port = base_port
+    server.default_engine = None
+    server.save()
+    EngineSpec.objects.create(
+        name=ENGINE, backend="cpu", capabilities=["gguf", "embedding"], order=0
+    )
+    ModelConfig.objects.create(
+        name=CHAT,
+        format="gguf",
+        task="chat",
+        path="SmolLM2-135M-Instruct.Q4_1.gguf",
+        context_length=1024,
+        slots=2,
+    )
+    embedder = ModelConfig.objects.create(
+        name=EMBEDDER, format="embedding", task="embedding", path="all-MiniLM-L6-v2"
+    )
+    ModelConfig.objects.create(
+        name=UNSERVED, format="transformers", task="chat", path="tiny"
+    )
+    keys = {
+        "main": ApiKeyFactory(name="main"),
+        "rpm": ApiKeyFactory(name="rpm", rpm_limit=2),
+        "single": ApiKeyFactory(name="single", max_concurrent=1),
+        "embed-only": ApiKeyFactory(name="embed-only", allowed_models=[embedder]),
+        "revoked": ApiKeyFactory(name="revoked"),
+    }
+    keys["revoked"].revoked_at = keys["revoked"].created_at
+    keys["revoked"].save()
+    return {name: key.plaintext for name, key in keys.items()}
+
+
+@pytest.fixture(scope="module")
+def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
+    base_port = free_port_block()
+    with django_db_blocker.unblock():
+        keys = _rows(base_port)
+    tmp = tmp_path_factory.mktemp("live-api")
+    run_dir = tmp / "run"
+    run_dir.mkdir(mode=0o700)
+    port = free_port_block(1)
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "ROUNDHOUSE_RUN_DIR": str(run_dir),
+        "ROUNDHOUSE_MODELS_DIR": str(models_dir_path),
+        "SECRET_KEY": "api-tests-not-secret",
+        "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
+    }
+    env.pop("REDIS_URL", None)  # limits in the front's own memory: one process
+    processes = []
+    for name, argv in (
+        ("supervisor", [sys.executable, "manage.py", "supervise"]),
+        (
+            "front",
+            [
+                str(Path(sys.executable).with_name("daphne")),
+                "-b",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "roundhouse.asgi:application",
+            ],
+        ),
+    ):
+        with open(tmp / f"{name}.log", "ab") as log:
+            processes.append(
+                subprocess.Popen(
+                    argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+            )
+    platform = Live(run_dir=run_dir, port=port, keys=keys, front_pid=processes[1].pid)
+
+    def engines_ready():
+        try:
+            status, _, body = platform.get("/healthz")
+        except OSError:
+            return False
+        return status == 200 and json.loads(body)["engines_ready"]
+
+    try:
+        wait_for(engines_ready, timeout=180, what="the front and an engine")
+        yield platform
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        with django_db_blocker.unblock():
+            for model in (Usage, ApiKey, ModelConfig, EngineSpec):
+                model.objects.all().delete()
+
+
+@pytest.fixture(scope="module")
+def database(django_db_setup, django_db_blocker):
+    with live_database(django_db_blocker):
+        yield
+
+
+@pytest.fixture(scope="module")
+def models_dir_path() -> Path:
+    from django.conf import settings
+
+    path = Path(settings.MODELS_DIR)
+    if not (path / "SmolLM2-135M-Instruct.Q4_1.gguf").exists():
+        pytest.fail(f"bundled models missing in {path}: run `make test`")
+    return path
+
+
+@pytest.fixture
+def orm(django_db_blocker):
+    """Database access for a test of this module, without a flush afterwards."""
+    with django_db_blocker.unblock():
+        yield
+
+
+def usage_rows(**filters) -> list[Usage]:
+    return list(Usage.objects.filter(**filters).order_by("pk"))
+
+
+def wait_for_usage(**filters) -> Usage:
+    """The newest usage row matching, once the front has written it."""
+    return wait_for(
+        lambda: Usage.objects.filter(**filters).order_by("-pk").first(),
+        timeout=30,
+        what=f"a usage row {filters}",
+    )
+
+
+# -- the happy paths --------------------------------------------------------
+
+
+def test_models_lists_each_configured_model_once(live):
+    listed = [model.id for model in live.client().models.list()]
+    assert listed == sorted([CHAT, EMBEDDER, UNSERVED])
+    restricted = [model.id for model in live.client("embed-only").models.list()]
+    assert restricted == [EMBEDDER]
+
+
+def test_chat_completion(live, orm):
+    reply = live.client().chat.completions.create(
+        model=CHAT,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=5,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 5
+    assert reply.usage.prompt_tokens > 5
+    assert reply.id.startswith("chatcmpl-")
+    row = wait_for_usage(endpoint="chat.completions", key__name="main", status=200)
+    assert row.engine == ENGINE
+    assert row.model == CHAT
+    assert row.prompt_tokens == reply.usage.prompt_tokens
+    assert row.completion_tokens == reply.usage.completion_tokens
+
+
+def test_streamed_chat_matches_the_plain_answer(live):
+    """Greedy decoding: the streamed deltas join into the plain answer; with
+    include_usage the last chunk carries the usage and no choices."""
+    request = {
+        "model": CHAT,
+        "messages": [{"role": "user", "content": "Count to five."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "seed": 7,
+    }
+    plain = live.client().chat.completions.create(**request)
+    chunks = list(
+        live.client().chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(
+        chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices
+    )
+    assert text == plain.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_text_completion_with_stop(live):
+    reply = live.client().completions.create(
+        model=CHAT, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=["7"]
+    )
+    assert reply.object == "text_completion"
+    assert "7" not in reply.choices[0].text
+    assert reply.usage.completion_tokens >= 1
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in live.client().completions.create(
+            model=CHAT,
+            prompt="1, 2, 3, 4,",
+            max_tokens=20,
+            temperature=0,
+            stop=["7"],
+            stream=True,
+        )
+    )
+    assert streamed == reply.choices[0].text
+
+
+def test_embeddings_float_and_base64_agree(live, orm):
+    texts = ["the harbour at dawn", "a ship leaves the port", "ledger of slots"]
+    as_float = live.client().embeddings.create(
+        model=EMBEDDER, input=texts, encoding_format="float"
+    )
+    # The client asks for base64 by default and decodes it itself.
+    as_base64 = live.client().embeddings.create(model=EMBEDDER, input=texts)
+    rows = np.array([item.embedding for item in as_float.data])
+    assert rows.shape == (3, 384)
+    assert [item.index for item in as_float.data] == [0, 1, 2]
+    np.testing.assert_allclose(
+        np.array([item.embedding for item in as_base64.data]), rows, atol=1e-6
+    )
+    assert np.allclose(np.linalg.norm(rows, axis=1), 1, atol=1e-3)
+    assert as_float.usage.prompt_tokens >= len(" ".join(texts).split())
+    single = live.client().embeddings.create(model=EMBEDDER, input=texts[0])
+    np.testing.assert_allclose(single.data[0].embedding, rows[0], atol=1e-5)
+    row = wait_for_usage(endpoint="embeddings", status=200)
+    assert row.prompt_tokens == single.usage.prompt_tokens
+    # Raw base64 is little-endian float32, as OpenAI sends it.
+    status, _, body = live.post(
+        "/v1/embeddings",
+        json.dumps(
+            {"model": EMBEDDER, "input": texts[0], "encoding_format": "base64"}
+        ).encode(),
+    )
+    assert status == 200
+    decoded = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(decoded, rows[0], atol=1e-5)
+
+
+# -- errors, as the client library types them --------------------------------
+
+
+def test_bad_and_revoked_keys_are_authentication_errors(live, orm):
+    for key in ("rh-not-a-key", "revoked"):
+        with pytest.raises(openai.AuthenticationError) as error:
+            live.client(key).models.list()
+        assert error.value.status_code == 401
+    assert "revoked" in str(error.value)
+
+
+def test_unknown_and_forbidden_models_are_not_found(live):
+    with pytest.raises(openai.NotFoundError) as error:
+        live.client().chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert error.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        live.client("embed-only").chat.completions.create(
+            model=CHAT, messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"messages": []}, "messages"),
+        ({"n": 3}, "n"),
+        ({"frobnicate": True}, "frobnicate"),
+    ],
+)
+def test_invalid_fields_are_bad_requests_naming_the_field(live, fields, param):
+    request = {"model": CHAT, "messages": [{"role": "user", "content": "hi"}]}
+    request.update(fields)
+    with pytest.raises(openai.BadRequestError) as error:
+        live.client().chat.completions.create(
+            **{k: v for k, v in request.items() if k in ("model", "messages")},
+            extra_body={k: v for k, v in request.items() if k not in ("model",)},
+        )
+    assert error.value.body["param"] == param
+    assert param in error.value.body["message"]
+
+
+def test_wrong_task_is_a_bad_request(live):
+    with pytest.raises(openai.BadRequestError) as error:
+        live.client().embeddings.create(model=CHAT, input="hi")
+    assert error.value.body["code"] == "model_task_mismatch"
+
+
+def test_rate_limit_is_429_with_retry_after(live):
+    client = live.client("rpm")
+    for _ in range(2):
+        client.models.list()  # listing is free: does not count
+    for _ in range(2):
+        client.embeddings.create(model=EMBEDDER, input="counted")
+    with pytest.raises(openai.RateLimitError) as error:
+        client.embeddings.create(model=EMBEDDER, input="one too many")
+    retry_after = int(error.value.response.headers["Retry-After"])
+    assert 1 <= retry_after <= 60
+
+
+def test_concurrency_limit_is_429_while_a_stream_holds_the_slot(live):
+    client = live.client("single")
+    stream = client.chat.completions.create(
+        model=CHAT,
+        messages=[{"role": "user", "content": "Tell a long story."}],
+        max_tokens=400,
+        stream=True,
+    )
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as error:
+        client.embeddings.create(model=EMBEDDER, input="second at once")
+    assert "concurrent" in error.value.body["message"]
+    stream.close()
+    # The slot comes back when the stream ends.
+    wait_for(
+        lambda: _embeds(client), timeout=30, what="the key's concurrency slot back"
+    )
+
+
+def _embeds(client) -> bool:
+    try:
+        client.embeddings.create(model=EMBEDDER, input="again")
+    except openai.RateLimitError:
+        return False
+    return True
+
+
+def test_no_engine_for_the_format_is_503(live):
+    with pytest.raises(openai.InternalServerError) as error:
+        live.client().chat.completions.create(
+            model=UNSERVED, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert error.value.status_code == 503
+    assert "no engine can serve transformers models" in error.value.body["message"]
+
+
+def test_oversized_body_is_413_before_it_is_read(live, settings):
+    huge = b'{"model": "x", "input": "' + b"a" * (17 * 1024 * 1024) + b'"}'
+    status, _, body = live.post("/v1/embeddings", huge)
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large"
+
+
+# -- disconnects -----------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_the_engine_slot(live, orm):
+    """The client hangs up after a few tokens of a long answer: the engine
+    cancels it (its slot is free long before 400 tokens could be made)."""
+    engine = live.engine()
+    stream = live.client().chat.completions.create(
+        model=CHAT,
+        messages=[{"role": "user", "content": "Write a very long essay."}],
+        max_tokens=400,
+        stream=True,
+    )
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    assert engine.state()["slots_in_use"] == 1
+    stream.close()
+    wait_for(
+        lambda: engine.state()["slots_in_use"] == 0,
+        timeout=10,
+        what="the slot freed",
+    )
+    log = (live.run_dir / "logs").glob("*.log")
+    assert any("went away: cancelled" in p.read_text() for p in log)
+    row = wait_for_usage(endpoint="chat.completions", status=499)
+    assert row.error_code == "client_closed"
+    assert row.engine == ENGINE
+
+
+def test_the_serving_front_never_loaded_an_ml_library(live):
+    """After answering chat, completions and embeddings, the Daphne process has
+    no torch, transformers or llama.cpp library mapped."""
+    live.client().embeddings.create(model=EMBEDDER, input="one more")
+
+    def heavy_libraries(pid: int) -> list[str]:
+        mapped = {m.path for m in psutil.Process(pid).memory_maps()}
+        assert mapped
+        return [p for p in mapped if any(n in p for n in ("torch", "llama_cpp"))]
+
+    assert heavy_libraries(live.front_pid) == []
+    assert heavy_libraries(live.engine().state()["pid"])  # the probe does see them
+
+
+# -- health, metrics, OpenAPI ----------------------------------------------
+
+
+def test_healthz_reports_engines_without_secrets(live):
+    status, _, body = live.get("/healthz")
+    assert status == 200
+    health = json.loads(body)
+    assert health["engines"][ENGINE]["ready"] is True
+    token = json.loads((live.run_dir / "engines" / f"{ENGINE}.json").read_text())
+    assert token["token"] not in body.decode()
+
+
+def test_metrics_count_requests_tokens_and_engines(live):
+    live.client().chat.completions.create(
+        model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    status, headers, body = live.get("/metrics")
+    text = body.decode()
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/plain")
+    assert (
+        f'roundhouse_requests_total{{endpoint="chat.completions",engine="{ENGINE}",'
+        f'model="{CHAT}",status="200"}}'
+    ) in text
+    assert f'roundhouse_engine_up{{engine="{ENGINE}"}} 1.0' in text
+    assert "roundhouse_request_latency_seconds_bucket" in text
+    assert "roundhouse_tokens_total" in text
+    assert "roundhouse_engine_restarts_total" in text
+    assert f'roundhouse_model_resident{{engine="{ENGINE}",model="{CHAT}"}}' in text
+
+
+def test_openapi_document_matches_the_schemas(live):
+    from api.schemas import ENDPOINT_SCHEMAS
+
+    status, _, body = live.get("/v1/openapi.json")
+    document = json.loads(body)
+    assert status == 200
+    for path, schema in ENDPOINT_SCHEMAS.items():
+        ref = document["paths"][path]["post"]["requestBody"]["content"][
+            "application/json"
+        ]["schema"]["$ref"]
+        component = document["components"]["schemas"][ref.rsplit("/", 1)[1]]
+        assert component["additionalProperties"] is False
+        assert set(component["properties"]) == set(schema.model_fields)
+    assert set(document["components"]["schemas"]["ChatCompletionRequest"]["required"])
+    assert {"model", "messages"} <= set(
+        document["components"]["schemas"]["ChatCompletionRequest"]["required"]
+    )
+
+
+def test_unknown_v1_path_is_an_openai_404(live):
+    status, _, body = live.get("/v1/nope")
+    assert status == 404
+    assert json.loads(body)["error"]["code"] == "unknown_url"
+
+
+def test_engine_unreachable_falls_back_to_the_next(
+    live, orm, settings, tmp_path, monkeypatch
+):
+    """The front's fallback, in-process: the snapshot says `ghost` is up and has
+    the model resident (so routing picks it first), but nothing listens on its
+    port. The request goes on to the real engine; the usage row names it."""
+    from django.test import Client
+
+    from api.gateway import GATEWAY
+    from routing.select import EngineStatus, ModelRoute, Snapshot, SnapshotCache
+
+    engines_dir = tmp_path / "engines"
+    engines_dir.mkdir()
+    real = live.run_dir / "engines" / f"{ENGINE}.json"
+    (engines_dir / real.name).write_text(real.read_text())
+    (engines_dir / "ghost.json").write_text(
+        json.dumps({"name": "ghost", "port": free_port_block(1), "token": "x"})
+    )
+    settings.RUN_DIR = tmp_path
+    serves = frozenset({"gguf", "embedding"})
+    snapshot = Snapshot(
+        engines={
+            "ghost": EngineStatus(
+                "ghost", "cpu", serves, up=True, resident=frozenset({EMBEDDER})
+            ),
+            ENGINE: EngineStatus(ENGINE, "cpu", serves, up=True, order=1),
+        },
+        models={EMBEDDER: ModelRoute(EMBEDDER, "embedding", task="embedding")},
+    )
+    assert GATEWAY.router.choose(snapshot.models[EMBEDDER], snapshot).engine == "ghost"
+    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(lambda: snapshot))
+    before = Usage.objects.count()
+    reply = Client().post(
+        "/v1/embeddings",
+        data=json.dumps({"model": EMBEDDER, "input": "fallback"}),
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {live.keys['main']}",
+    )
+    assert reply.status_code == 200, reply.content
+    assert len(reply.json()["data"][0]["embedding"]) == 384
+    rows = usage_rows()[before:]
+    assert [(row.engine, row.status) for row in rows] == [(ENGINE, 200)]
