@@ -142,13 +142,42 @@ class EmbeddingRequest(Strict):
         return [self.input] if isinstance(self.input, str) else list(self.input)
 
 
+_MISMATCHES = frozenset(
+    {
+        "string_type",
+        "list_type",
+        "int_type",
+        "int_parsing",
+        "float_type",
+        "float_parsing",
+        "bool_type",
+        "bool_parsing",
+        "dict_type",
+        "model_type",
+        "model_attributes_type",
+        "none_required",
+    }
+)
+
+
+def _is_field(part: str | int) -> bool:
+    """Whether a part of an error location names a field or an index, rather
+    than a union member (pydantic adds `str`, `list[...]`, `constrained-str`)."""
+    if isinstance(part, int):
+        return True
+    return part.isidentifier() and part not in ("str", "int", "float", "bool", "list")
+
+
 def parse(schema: type[BaseModel], raw: bytes) -> Any:
     """Validate a JSON body; a 400 naming the first bad field otherwise."""
     try:
         return schema.model_validate_json(raw)
     except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        location = ".".join(str(part) for part in first["loc"])
+        found = error.errors(include_url=False)
+        # A union field reports one error per member; the one that is not a
+        # plain type mismatch is about the member the caller meant.
+        first = next((e for e in found if e["type"] not in _MISMATCHES), found[0])
+        location = ".".join(str(part) for part in first["loc"] if _is_field(part))
         if first["type"] == "json_invalid":
             raise ApiError(400, "The request body is not valid JSON.") from None
         if first["type"] == "extra_forbidden":

@@ -226,20 +226,23 @@ async def _serve(
     call = Call(endpoint)
     limits = contextlib.AsyncExitStack()
     try:
+        payload, route, snapshot = await _admitted_model(call, request, schema)
         try:
-            payload, route, snapshot = await _admitted_model(call, request, schema)
-            try:
-                await limits.enter_async_context(key_admission(call.key))
-            except LimitExceeded as over:
-                raise errors.rate_limited(over.message, over.retry_after_s) from None
-            response = await handler(call, payload, route, snapshot)
-        except errors.ApiError as error:
-            response = call.failed(error)
-    except BaseException:
-        await limits.aclose()
+            await limits.enter_async_context(key_admission(call.key))
+        except LimitExceeded as over:
+            raise errors.rate_limited(over.message, over.retry_after_s) from None
+        response = await handler(call, payload, route, snapshot)
+    except errors.ApiError as error:
+        response = call.failed(error)
+    except asyncio.CancelledError:  # the caller hung up before the answer
+        await asyncio.shield(limits.aclose())
         call.status, call.error_code = 499, "client_closed"
         await asyncio.shield(call.finish())
         raise
+    except Exception:
+        log.exception("%s failed", endpoint)
+        internal = errors.engine_error("internal", "Internal error.")
+        response = call.failed(internal)
     if isinstance(response, StreamingHttpResponse):
         # The stream closes `limits` and finishes `call` when it ends.
         response.streaming_content = _closing(response.streaming_content, limits, call)

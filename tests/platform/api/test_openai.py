@@ -582,3 +582,37 @@ def test_engine_unreachable_falls_back_to_the_next(
     assert len(reply.json()["data"][0]["embedding"]) == 384
     rows = usage_rows()[before:]
     assert [(row.engine, row.status) for row in rows] == [(ENGINE, 200)]
+
+
+def test_engine_killed_mid_request_is_502_then_respawned(live):
+    """Runs last: the engine dies while answering; the caller gets 502, and the
+    supervisor brings the engine back for the next request."""
+    import threading
+
+    outcome = {}
+
+    def ask():
+        try:
+            live.client().completions.create(
+                model=CHAT, prompt="A long tale:", max_tokens=400
+            )
+        except openai.APIStatusError as error:
+            outcome["error"] = error
+
+    engine = live.engine()
+    asking = threading.Thread(target=ask)
+    asking.start()
+    wait_for(lambda: engine.state()["slots_in_use"] == 1, what="the request running")
+    os.kill(engine.state()["pid"], signal.SIGKILL)
+    asking.join(60)
+    assert outcome["error"].status_code == 502
+    assert outcome["error"].body["code"] == "engine_died"
+
+    def answers() -> bool:
+        try:
+            live.client().embeddings.create(model=EMBEDDER, input="back again")
+        except openai.APIStatusError:
+            return False
+        return True
+
+    wait_for(answers, timeout=120, what="the respawned engine answering")

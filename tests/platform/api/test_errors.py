@@ -1,0 +1,89 @@
+"""The one table from engine error codes to HTTP statuses, and request parsing."""
+
+import json
+
+import pytest
+
+from api import errors
+from api.schemas import ChatCompletionRequest, EmbeddingRequest, parse
+from engines.protocol import ErrorCode
+
+
+def test_every_engine_code_has_a_status():
+    assert set(errors.ENGINE_ERRORS) == set(ErrorCode)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "retry"),
+    [
+        ("bad_request", 400, False),
+        ("unknown_model", 404, False),
+        ("overloaded", 429, True),
+        ("insufficient_memory", 503, True),
+        ("cooling", 503, True),
+        ("internal", 500, False),
+        ("something-new", 500, False),  # an unknown code is an internal error
+    ],
+)
+def test_engine_errors_map_to_statuses(code, status, retry):
+    response = errors.engine_error(code, "why").response()
+    assert response.status_code == status
+    assert ("Retry-After" in response) is retry
+    body = json.loads(response.content)
+    assert body == {
+        "error": {
+            "message": "why",
+            "type": body["error"]["type"],
+            "param": None,
+            "code": code,
+        }
+    }
+
+
+def test_parse_names_the_bad_field():
+    with pytest.raises(errors.ApiError) as error:
+        parse(
+            ChatCompletionRequest,
+            b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}',
+        )
+    assert error.value.status == 400
+    assert error.value.param == "messages.0.role"
+    assert "messages.0.role" in error.value.message
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"input": "x"}', "Missing required parameter: 'model'"),
+        (b'{"model": "m", "input": []}', "'input'"),
+        (b'{"model": "m", "input": "x", "encoding_format": "hex"}', "encoding_format"),
+    ],
+)
+def test_parse_errors_are_400s(raw, needle):
+    with pytest.raises(errors.ApiError) as error:
+        parse(EmbeddingRequest, raw)
+    assert error.value.status == 400
+    assert needle in error.value.message
+
+
+def test_stop_strings_and_max_tokens_reach_the_engine_fields():
+    request = parse(
+        ChatCompletionRequest,
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "developer", "content": "be brief"}],
+                "stop": "END",
+                "max_completion_tokens": 9,
+                "temperature": 0,
+            }
+        ).encode(),
+    )
+    fields = request.engine_fields()
+    assert fields == {
+        "temperature": 0.0,
+        "stop": ["END"],
+        "messages": [{"role": "system", "content": "be brief"}],
+        "max_tokens": 9,
+    }
