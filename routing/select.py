@@ -269,12 +269,19 @@ class SnapshotCache:
         # never sees a snapshot paired with another snapshot's time.
         self._cached: tuple[Snapshot, float] | None = None
 
-    def fresh(self) -> Snapshot | None:
-        """The cached snapshot if younger than max_age_s, else None; never loads
+    def peek(self) -> tuple[Snapshot, float] | None:
+        """The cached snapshot, however old, with its age in seconds; never loads
         (an event loop can call it without leaving its thread)."""
         cached = self._cached
-        if cached is not None and self._clock() - cached[1] < self._max_age_s:
-            return cached[0]
+        if cached is None:
+            return None
+        return cached[0], self._clock() - cached[1]
+
+    def fresh(self) -> Snapshot | None:
+        """The cached snapshot if younger than max_age_s, else None; never loads."""
+        peeked = self.peek()
+        if peeked is not None and peeked[1] < self._max_age_s:
+            return peeked[0]
         return None
 
     def get(self) -> Snapshot:

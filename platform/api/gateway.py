@@ -1,14 +1,29 @@
 """How the front reaches engines: a routing snapshot at most a second old, the
 router's choice, and a client built from the engine's connection file."""
 
+import asyncio
 import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
 
-from asgiref.sync import sync_to_async
+from django import db
 from django.conf import settings
 
 from engines.client import AsyncEngineClient
 from fleet.selectors import routing_snapshot
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
+
+log = logging.getLogger("roundhouse.api")
+
+# A snapshot older than the cache's max age is still used while a fresh one loads
+# in the background, up to this age; older than that, the request waits for the
+# load (a front that saw no request for a while).
+STALE_LIMIT_S = 10.0
+
+
+def _log_failure(done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("loading the routing snapshot failed: %s", done.exception())
 
 
 class Gateway:
@@ -16,14 +31,45 @@ class Gateway:
 
     def __init__(self) -> None:
         self.router = Router()
-        self.cache = SnapshotCache(routing_snapshot, max_age_s=1.0)
+        self.cache = SnapshotCache(self._load, max_age_s=1.0)
+        self._refreshing: asyncio.Future | None = None
+        # Loads run in one thread of their own, which keeps its database
+        # connection: asgiref's threads reconnect for every request.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
 
-    async def snapshot(self) -> Snapshot:
-        """The cached snapshot; the database is read at most once a second."""
-        fresh = self.cache.fresh()
-        if fresh is not None:  # the common case: no thread hop at all
-            return fresh
-        return await sync_to_async(self.cache.get)()
+    def _load(self) -> Snapshot:
+        try:
+            return routing_snapshot()
+        except db.DatabaseError:
+            db.connection.close()  # a broken connection: the next load reconnects
+            raise
+
+    async def _get(self) -> Snapshot:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._loader, self.cache.get)
+
+    async def snapshot(self, *, fresh: bool = False) -> Snapshot:
+        """The fleet as of about a second ago, read from the database at most
+        once a second and, while requests keep coming, never on a request's
+        path: a stale snapshot (up to STALE_LIMIT_S old) is used, and
+        `refresh_later` loads the next one once the request is under way.
+        `fresh`: wait for a snapshot under a second old."""
+        current = self.cache.fresh()
+        if current is not None:
+            return current
+        peeked = self.cache.peek()
+        if fresh or peeked is None or peeked[1] > STALE_LIMIT_S:
+            return await self._get()
+        return peeked[0]
+
+    def refresh_later(self) -> None:
+        """Load a fresh snapshot in the background if this one is stale (called
+        once a request has reached its engine, not before)."""
+        if self.cache.fresh() is not None:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._get())
+            self._refreshing.add_done_callback(_log_failure)
 
     def choose(
         self, model: ModelRoute, snapshot: Snapshot, *, excluding: set[str]
@@ -40,7 +86,7 @@ class Gateway:
         return self.router.choose(model, snapshot)
 
     def client(self, engine: str) -> AsyncEngineClient:
-        """A client for a supervised engine (raises OSError without its file)."""
+        """A client for a supervised engine (EngineUnreachable without its file)."""
         return AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
 
 

@@ -1,12 +1,17 @@
 """Writes of API keys and usage, and authenticating a request's key."""
 
+import atexit
 import hashlib
 import hmac
 import logging
+import queue
 import secrets
+import threading
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 
+from django import db
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError
 from django.db.models import Q
@@ -27,6 +32,10 @@ __all__ = [
     "api_key_hash",
     "api_key_issue",
     "api_key_revoke",
+    "api_keys_revalidate",
+    "stale_keys_waiting",
+    "usage_build",
+    "usage_enqueue",
     "usage_record",
 ]
 
@@ -39,6 +48,16 @@ DISPLAY_PREFIX_LENGTH = 11
 MAX_PRESENTED_LENGTH = 256
 # last_used_at is written at most this often per key, not on every request.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
+# Keys authenticated recently, by hash, so that requests need no database read on
+# their path. An entry older than KEY_CACHE_S is still used (up to KEY_STALE_S)
+# while `api_keys_revalidate` reads it again after the request. A key revoked in
+# this process (the admin runs in the front) stops working at once; revoked from
+# another process, at the first check after KEY_CACHE_S.
+KEY_CACHE_S = 5.0
+KEY_STALE_S = 60.0
+KEY_CACHE_SIZE = 10_000
+_recent_keys: dict[str, tuple[ApiKey, float]] = {}
+_stale_keys: set[str] = set()
 
 
 def api_key_hash(plaintext: str) -> str:
@@ -88,6 +107,44 @@ def api_key_revoke(*, key: ApiKey) -> None:
     key.revoked_at = timezone.now()
     key.full_clean()
     key.save(update_fields=["revoked_at"])
+    _recent_keys.pop(key.key_hash, None)
+
+
+def _recent_key(digest: str) -> ApiKey | None:
+    """A key this process authenticated recently, if any (marked for
+    revalidation once older than KEY_CACHE_S)."""
+    found = _recent_keys.get(digest)
+    if found is None:
+        return None
+    age = time.monotonic() - found[1]
+    if age > KEY_STALE_S:
+        return None
+    if age > KEY_CACHE_S:
+        _stale_keys.add(digest)
+    return found[0]
+
+
+def stale_keys_waiting() -> bool:
+    """Whether remembered keys wait for `api_keys_revalidate`."""
+    return bool(_stale_keys)
+
+
+async def api_keys_revalidate() -> None:
+    """Read again the remembered keys that were used while stale: revoked or
+    deleted ones are forgotten, the others remembered afresh."""
+    while _stale_keys:
+        digest = _stale_keys.pop()
+        key = await api_key_get_by_hash(key_hash=digest)
+        if key is None or key.revoked_at is not None:
+            _recent_keys.pop(digest, None)
+        else:
+            _remember_key(key)
+
+
+def _remember_key(key: ApiKey) -> None:
+    if len(_recent_keys) >= KEY_CACHE_SIZE:
+        _recent_keys.clear()  # rare: more live keys than that in a few seconds
+    _recent_keys[key.key_hash] = (key, time.monotonic())
 
 
 def _masked(presented: str) -> str:
@@ -119,7 +176,11 @@ async def api_key_authenticate(*, authorization: str | None) -> ApiKey:
     if len(presented) > MAX_PRESENTED_LENGTH:
         raise KeyRejected(f"Incorrect API key provided: {_masked(presented)}.")
     digest = api_key_hash(presented)
-    key = await api_key_get_by_hash(key_hash=digest)
+    key = _recent_key(digest)
+    if key is None:
+        key = await api_key_get_by_hash(key_hash=digest)
+        if key is not None and key.revoked_at is None:
+            _remember_key(key)
     # The lookup by hash already matched; comparing again in constant time keeps
     # the decision itself free of timing differences, whatever the database does.
     if key is None or not hmac.compare_digest(key.key_hash, digest):
@@ -163,7 +224,7 @@ def api_key_allows(*, key: ApiKey, model: str) -> bool:
     return not names or model in names
 
 
-async def usage_record(
+def usage_build(
     *,
     key: ApiKey | None,
     model: str,
@@ -174,12 +235,8 @@ async def usage_record(
     latency_ms: float,
     status: int,
     error_code: str = "",
-) -> Usage | None:
-    """Store one request's usage; None when the database refused the write.
-
-    A failed usage write is logged, not raised: the request it describes has
-    already been answered.
-    """
+) -> Usage:
+    """One request's usage row, checked and not yet saved."""
     usage = Usage(
         key=key,
         # Clients choose the model name; an over-long one is cut, not refused.
@@ -195,9 +252,83 @@ async def usage_record(
     # The key came from api_key_authenticate: checking that it exists would cost
     # a query on every request.
     usage.full_clean(exclude=["key"])
+    return usage
+
+
+async def usage_record(**fields) -> Usage | None:
+    """Store one request's usage now (fields as `usage_build`); None when the
+    database refused the write. A failed write is logged, not raised: the
+    request it describes has already been answered."""
+    usage = usage_build(**fields)
     try:
         await usage.asave()
     except DatabaseError as error:
         log.warning("could not record usage of %s: %s", usage, error)
         return None
     return usage
+
+
+class UsageWriter:
+    """Writes usage rows from one background thread, many per INSERT.
+
+    The API only enqueues a request's row: no thread hop and no database
+    connection on a request's path (an ASGI request's ORM work gets a new thread
+    and connection each time). Rows queued when the process exits normally are
+    written by an atexit hook first; only a crash can lose the last ones.
+    """
+
+    BATCH = 500
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Usage | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, usage: Usage) -> None:
+        """Queue one row for writing."""
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="usage-writer", daemon=True
+                    )
+                    self._thread.start()
+                    atexit.register(self.close)
+        self._queue.put(usage)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued, then stop the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch = [self._queue.get()]
+            while len(batch) < self.BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = None in batch
+            rows = [row for row in batch if row is not None]
+            if rows:
+                self._write(rows)
+        with self._lock:
+            self._thread = None
+
+    def _write(self, rows: list[Usage]) -> None:
+        try:
+            Usage.objects.bulk_create(rows)
+        except Exception as error:  # noqa: BLE001 - keep the writer alive
+            log.warning("could not record %d usage rows: %s", len(rows), error)
+            db.connection.close_if_unusable_or_obsolete()
+
+
+USAGE_WRITER = UsageWriter()
+
+
+def usage_enqueue(**fields) -> None:
+    """Record one request's usage in the background (fields as `usage_build`)."""
+    USAGE_WRITER.put(usage_build(**fields))

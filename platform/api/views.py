@@ -35,7 +35,7 @@ from engines.client import (
 from fleet.selectors import engine_counters
 from routing.select import ModelRoute, NoEngine, Snapshot
 
-from . import errors, metrics
+from . import errors, metrics, services
 from .exceptions import KeyRejected, LimitExceeded
 from .gateway import GATEWAY
 from .limits import key_admission
@@ -47,7 +47,7 @@ from .schemas import (
     EmbeddingRequest,
     parse,
 )
-from .services import api_key_allows, api_key_authenticate, usage_record
+from .services import api_key_allows, api_key_authenticate, usage_enqueue
 
 log = logging.getLogger("roundhouse.api")
 
@@ -81,8 +81,8 @@ class Call:
         self.status, self.error_code = error.status, error.code or error.type
         return error.response()
 
-    async def finish(self) -> None:
-        """Count the request and store its usage row (never raises)."""
+    def finish(self) -> None:
+        """Count the request and queue its usage row (never raises)."""
         latency = time.perf_counter() - self.started
         model = self.model or "-"
         metrics.REQUESTS.labels(
@@ -102,7 +102,7 @@ class Call:
         if self.key is None:
             return  # refused before a key was known: metrics only
         try:
-            await usage_record(
+            usage_enqueue(
                 key=self.key,
                 model=self.model,
                 engine=self.engine,
@@ -147,6 +147,8 @@ async def _admitted_model(
     payload = parse(schema, _body(request))
     call.model = payload.model
     snapshot = await GATEWAY.snapshot()
+    if payload.model not in snapshot.models:  # maybe added since: look again
+        snapshot = await GATEWAY.snapshot(fresh=True)
     route = snapshot.models.get(payload.model)
     if route is None or not api_key_allows(key=call.key, model=payload.model):
         raise errors.model_not_found(payload.model)
@@ -237,7 +239,7 @@ async def _serve(
     except asyncio.CancelledError:  # the caller hung up before the answer
         await asyncio.shield(limits.aclose())
         call.status, call.error_code = 499, "client_closed"
-        await asyncio.shield(call.finish())
+        call.finish()
         raise
     except Exception:
         log.exception("%s failed", endpoint)
@@ -248,22 +250,43 @@ async def _serve(
         response.streaming_content = _closing(response.streaming_content, limits, call)
         return response
     await limits.aclose()
-    await call.finish()
+    call.finish()
+    _after_answer()
     return response
+
+
+# Background work started after a request reached its engine; referenced here
+# until done (the event loop keeps only weak references to tasks).
+_background: set[asyncio.Task] = set()
+
+
+def _after_answer() -> None:
+    """Refresh what requests read from memory (the fleet snapshot, stale keys)
+    in the background, once this request's answer has started: that work then
+    does not delay it."""
+    GATEWAY.refresh_later()
+    if services.stale_keys_waiting():
+        task = asyncio.ensure_future(services.api_keys_revalidate())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
 
 
 async def _closing(
     content: AsyncIterator[bytes], limits: contextlib.AsyncExitStack, call: Call
 ) -> AsyncIterator[bytes]:
     try:
+        started = False
         async for chunk in content:
             yield chunk
+            if not started:
+                started = True
+                _after_answer()
     except asyncio.CancelledError:
         call.status, call.error_code = 499, "client_closed"
         raise
     finally:
         await asyncio.shield(limits.aclose())
-        await asyncio.shield(call.finish())
+        call.finish()
 
 
 def _usage(call: Call) -> dict[str, int]:
@@ -494,6 +517,7 @@ async def models(request: HttpRequest) -> HttpResponse:
         for name in sorted(snapshot.models)
         if api_key_allows(key=key, model=name)
     ]
+    _after_answer()
     return JsonResponse({"object": "list", "data": data})
 
 
@@ -510,6 +534,7 @@ async def healthz(request: HttpRequest) -> HttpResponse:
         if engine.enabled
     }
     ready = any(engine["ready"] for engine in engines.values())
+    GATEWAY.refresh_later()
     return JsonResponse(
         {"status": "ok", "engines_ready": ready, "engines": engines},
         status=200,

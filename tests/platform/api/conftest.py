@@ -7,15 +7,20 @@ from asgiref.sync import sync_to_async
 from django.core.cache import cache
 from django.db import connections
 
-from api import limits
+from api import limits, services
 
 
 @pytest.fixture(autouse=True)
 def empty_cache():
-    """Counters of an earlier test (same key ids) must not leak into this one."""
+    """Counters and remembered keys of an earlier test (same key ids, same
+    hashes after a flush) must not leak into this one."""
     cache.clear()
+    services._recent_keys.clear()
+    services._stale_keys.clear()
     yield
     cache.clear()
+    services._recent_keys.clear()
+    services._stale_keys.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ from asgiref.sync import sync_to_async
 from django.core.management import call_command
 from django.utils import timezone
 
+from api import services
 from api.models import ApiKey
 from api.services import (
     KeyRejected,
@@ -170,11 +171,51 @@ async def test_last_used_is_written_at_most_once_a_minute():
 
     recent = timezone.now() - timedelta(seconds=30)
     await ApiKey.objects.filter(pk=key.pk).aupdate(last_used_at=recent)
+    services._recent_keys.clear()  # as once KEY_CACHE_S has passed
     await api_key_authenticate(authorization=header)
     assert await _last_used(key) == recent
 
     stale = timezone.now() - timedelta(minutes=2)
     await ApiKey.objects.filter(pk=key.pk).aupdate(last_used_at=stale)
+    services._recent_keys.clear()
     found = await api_key_authenticate(authorization=header)
     assert await _last_used(key) > stale
     assert found.last_used_at == await _last_used(key)
+
+
+@transactional
+async def test_a_recent_key_needs_no_database_read(monkeypatch):
+    """Within KEY_CACHE_S the key comes from memory; revoking it in this process
+    takes effect at once; revoked elsewhere, at the first revalidation after
+    KEY_CACHE_S (which runs after the request that found the entry stale)."""
+    key = await sync_to_async(ApiKeyFactory)()
+    header = f"Bearer {key.plaintext}"
+    reads = []
+    real = services.api_key_get_by_hash
+
+    async def counted(**kwargs):
+        reads.append(kwargs)
+        return await real(**kwargs)
+
+    monkeypatch.setattr(services, "api_key_get_by_hash", counted)
+    for _ in range(3):
+        await api_key_authenticate(authorization=header)
+    assert len(reads) == 1
+
+    await ApiKey.objects.filter(pk=key.pk).aupdate(revoked_at=timezone.now())
+    await api_key_authenticate(authorization=header)  # elsewhere: not seen yet
+    monkeypatch.setattr(services, "KEY_CACHE_S", 0.0)
+    await api_key_authenticate(authorization=header)  # stale: used, then checked
+    assert services.stale_keys_waiting()
+    await services.api_keys_revalidate()
+    assert len(reads) == 2
+    with pytest.raises(KeyRejected):
+        await api_key_authenticate(authorization=header)
+
+    other = await sync_to_async(ApiKeyFactory)()
+    other_header = f"Bearer {other.plaintext}"
+    monkeypatch.setattr(services, "KEY_CACHE_S", 60.0)
+    await api_key_authenticate(authorization=other_header)
+    await sync_to_async(api_key_revoke)(key=other)
+    with pytest.raises(KeyRejected):
+        await api_key_authenticate(authorization=other_header)

@@ -1,0 +1,406 @@
+"""Front overhead: /v1/chat/completions (SSE) versus the engine client directly.
+
+Run: .venv/bin/python bench/front.py [--concurrency 1 8] [--rounds 5] [--tokens 16]
+
+Starts a platform of its own in a temporary run dir (SQLite, the bundled models,
+the seed migration's engine cpu0, a fresh API key): `manage.py supervise` and
+daphne on loopback. Each stream asks `smollm2-135m-instruct` for a chat answer of
+at most `--tokens` tokens, greedy (temperature 0, fixed seed, end-of-sequence
+honoured), the same prompts on both paths, so both do the same work (the bench
+counts the texts that match; in a batch of 8 a few can differ by a near-tie).
+Reported, medians of `--rounds` rounds, the paths interleaved within each round:
+the p50 over N concurrent streams of the time until the engine admitted the
+request (the role chunk; the start frame), to the first token (the first
+non-empty content) and to the end, through the front and through
+`AsyncEngineClient` (the anchor); front-direct is the median of the rounds'
+differences. The "1 idle" rows: single streams, alternating paths, each after
+an idle pause, so that no other stream's decoding or clean-up (in the engine or
+in the front) overlaps the one measured. Then the p50 round trips of GET /healthz
+(daphne and Django's request handling, the cached routing snapshot) and GET
+/v1/models (the same plus the key check), with nothing generating.
+Goal: the front adds <= 3 ms to p50 time to first token.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engines.client import AsyncEngineClient  # noqa: E402
+
+MODELS_DIR = Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models"))
+MODEL_PATH = MODELS_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = "smollm2-135m-instruct"  # its name in the seed migration
+ENGINE = "cpu0"
+SEED = 1234
+GOAL_MS = 3.0
+PROBES = 40  # sequential round trips per probe of the front alone
+ISOLATED = 12  # single streams per path, each after an idle pause
+ISOLATED_PAUSE_S = 0.5
+
+
+@dataclass
+class Stream:
+    """One stream's times from its request, in seconds, and its text."""
+
+    start: float  # the engine admitted it: the role chunk, or the start frame
+    ttft: float  # the first non-empty content
+    total: float  # the end of the stream
+    text: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def messages_for(index: int) -> list[dict]:
+    prompt = f"Tell story number {index} about a lighthouse keeper and a storm."
+    return [{"role": "user", "content": prompt}]
+
+
+# -- HTTP, with the standard library only -----------------------------------------
+
+
+async def http_open(
+    port: int, method: str, path: str, *, key: str = "", body: dict | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """Send one request (a new connection, as a client without keep-alive would);
+    returns the reader past the headers, the writer and the status."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode() if body is not None else b""
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+    if key:
+        head += f"Authorization: Bearer {key}\r\n"
+    if body is not None:
+        head += "Content-Type: application/json\r\n"
+    head += f"Content-Length: {len(payload)}\r\n\r\n"
+    writer.write(head.encode() + payload)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass
+    return reader, writer, status
+
+
+async def http_roundtrip(port: int, path: str, key: str = "") -> float:
+    """GET a path and read the whole answer; returns seconds."""
+    start = time.perf_counter()
+    reader, writer, status = await http_open(port, "GET", path, key=key)
+    body = await reader.read()
+    elapsed = time.perf_counter() - start
+    writer.close()
+    if status != 200:
+        raise RuntimeError(f"GET {path}: HTTP {status}: {body[:300]!r}")
+    return elapsed
+
+
+async def front_stream(port: int, key: str, index: int, tokens: int) -> Stream:
+    """A streamed chat completion through the front."""
+    body = {
+        "model": MODEL,
+        "messages": messages_for(index),
+        "max_tokens": tokens,
+        "temperature": 0,
+        "seed": SEED,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    reader, writer, status = await http_open(
+        port, "POST", "/v1/chat/completions", key=key, body=body
+    )
+    if status != 200:
+        raise RuntimeError(f"front: HTTP {status}: {(await reader.read())[:300]!r}")
+    admitted, first, parts = None, None, []
+    # Chunked transfer encoding: each SSE event arrives whole in its own chunk,
+    # so the size lines are simply skipped.
+    while line := await reader.readline():
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(f"front: {event['error']}")
+        delta = event["choices"][0]["delta"]
+        admitted = admitted or time.perf_counter() - start
+        text = delta.get("content")
+        if text:
+            first = first or time.perf_counter() - start
+            parts.append(text)
+    total = time.perf_counter() - start
+    writer.close()
+    return Stream(admitted or total, first or total, total, "".join(parts))
+
+
+async def direct_stream(client: AsyncEngineClient, index: int, tokens: int) -> Stream:
+    """The same chat completion through the engine client (the anchor)."""
+    start = time.perf_counter()
+    admitted, first, parts = None, None, []
+    async for frame in client.generate_stream(
+        MODEL,
+        messages=messages_for(index),
+        max_tokens=tokens,
+        temperature=0,
+        seed=SEED,
+    ):
+        if frame["event"] == "start":
+            admitted = time.perf_counter() - start
+        if frame["event"] == "token" and frame.get("text"):
+            first = first or time.perf_counter() - start
+            parts.append(frame["text"])
+    total = time.perf_counter() - start
+    return Stream(admitted or total, first or total, total, "".join(parts))
+
+
+# -- the platform under test ------------------------------------------------------
+
+
+class Platform:
+    """A supervisor and a daphne front on an isolated run dir: startup / stop."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            "ROUNDHOUSE_RUN_DIR": str(run_dir),
+            "DATABASE_URL": f"sqlite:///{run_dir / 'db.sqlite3'}",
+            "ROUNDHOUSE_MODELS_DIR": str(MODELS_DIR),
+            "PYTHONPATH": os.pathsep.join(["platform", "."]),
+            "DJANGO_SETTINGS_MODULE": "roundhouse.settings",
+        }
+        # Embedded defaults only: no shared Redis, no debug query log.
+        for name in ("REDIS_URL", "DEBUG"):
+            self.env.pop(name, None)
+        self.processes: list[subprocess.Popen] = []
+        self.log = open(run_dir / "platform.log", "wb")  # noqa: SIM115
+
+    def manage(self, *argv: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "manage.py", *argv],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"manage.py {argv[0]} failed:\n{done.stderr}")
+        return done.stdout
+
+    def spawn(self, argv: list[str]) -> subprocess.Popen:
+        # A session of its own: Ctrl-C reaches the bench, which stops it in order.
+        process = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=self.env,
+            stdout=self.log,
+            stderr=self.log,
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        return process
+
+    def startup(self) -> None:
+        self.manage("migrate", "--noinput")
+        # Engines listen on base port + order: a free one, not the developer's.
+        self.manage(
+            "shell",
+            "-c",
+            "from fleet.models import ServerSettings\n"
+            "row = ServerSettings.load()\n"
+            f"row.base_port = {free_port()}\n"
+            "row.full_clean()\n"
+            "row.save()",
+        )
+        output = self.manage("create_api_key", "bench")
+        self.key = next(
+            line.strip() for line in output.splitlines() if line.startswith("rh-")
+        )
+        self.spawn([sys.executable, "manage.py", "supervise"])
+        daphne = str(Path(sys.executable).with_name("daphne"))
+        argv = [daphne, "-b", "127.0.0.1", "-p", str(self.port)]
+        self.spawn([*argv, "roundhouse.asgi:application"])
+        self.wait_ready()
+        self.client = AsyncEngineClient.for_engine(self.run_dir, ENGINE)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            for process in self.processes:
+                if process.poll() is not None:
+                    raise SystemExit(
+                        f"{process.args[:3]} exited ({process.returncode}); "
+                        f"see {self.log.name}"
+                    )
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), 1) as sock:
+                    sock.sendall(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+                    answer = b""
+                    while chunk := sock.recv(4096):
+                        answer += chunk
+                connection_file = self.run_dir / "engines" / f"{ENGINE}.json"
+                if b'"engines_ready": true' in answer and connection_file.exists():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"the platform did not come up; see {self.log.name}")
+
+    def stop(self) -> None:
+        """The front first, then the supervisor, which drains its engines."""
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.log.close()
+
+
+# -- measuring --------------------------------------------------------------------
+
+
+async def one_round(
+    platform: Platform, path: str, streams: int, tokens: int
+) -> list[Stream]:
+    """N concurrent streams through one path."""
+    if path == "front":
+        runs = (
+            front_stream(platform.port, platform.key, i, tokens) for i in range(streams)
+        )
+    else:
+        runs = (direct_stream(platform.client, i, tokens) for i in range(streams))
+    return await asyncio.gather(*runs)
+
+
+async def measure(platform: Platform, args) -> tuple[dict, dict]:
+    for path in ("front", "direct"):  # warm up: the first request loads the model
+        await one_round(platform, path, 2, args.tokens)
+    results: dict[tuple[str, int], list[list[Stream]]] = {}
+    for round_index in range(args.rounds):
+        for streams in args.concurrency:
+            # Alternate which path goes first, so neither always follows the other.
+            paths = ("front", "direct") if round_index % 2 == 0 else ("direct", "front")
+            for path in paths:
+                measured = await one_round(platform, path, streams, args.tokens)
+                results.setdefault((path, streams), []).append(measured)
+    # Single requests with the machine idle in between: no other stream's
+    # decode or clean-up (in the engine or the front) overlaps the one measured.
+    for index in range(ISOLATED):
+        for path in ("front", "direct") if index % 2 == 0 else ("direct", "front"):
+            await asyncio.sleep(ISOLATED_PAUSE_S)
+            measured = await one_round(platform, path, 1, args.tokens)
+            results.setdefault((path, "isolated"), []).append(measured)
+    probes: dict[str, list[float]] = {}
+    for _ in range(PROBES):
+        for path, key in (("/healthz", ""), ("/v1/models", platform.key)):
+            probe = await http_roundtrip(platform.port, path, key)
+            probes.setdefault(path, []).append(probe)
+    return results, probes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=16, help="max_tokens")
+    args = parser.parse_args()
+    if not MODEL_PATH.exists():
+        raise SystemExit(f"{MODEL_PATH} missing: run `make test` or `make run` first")
+    # SIGTERM stops the bench like Ctrl-C: the platform is still torn down.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="roundhouse-bench-") as tmp:
+        platform = Platform(Path(tmp))
+        try:
+            platform.startup()
+            print(f"platform up in {time.monotonic() - began:.0f} s; measuring")
+            results, probes = asyncio.run(measure(platform, args))
+        finally:
+            platform.stop()
+    print(f"done in {time.monotonic() - began:.0f} s")
+    report(args, results, probes)
+
+
+def report(args, results, probes) -> None:
+    def p50(path: str, streams: int, field: str) -> list[float]:
+        """Each round's median stream, in ms."""
+        rounds = results[(path, streams)]
+        return [statistics.median(getattr(s, field) for s in r) * 1000 for r in rounds]
+
+    print(
+        f"\n{MODEL}, at most {args.tokens} tokens per stream, greedy; "
+        f"p50 ms, medians of {args.rounds} rounds"
+    )
+    print(
+        f"{'streams':>7}  {'':<22}{'front':>9}{'direct':>9}"
+        f"{'front-direct':>14}{'ratio':>8}"
+    )
+    rows = (
+        ("start", "engine admitted"),
+        ("ttft", "time to first token"),
+        ("total", "total"),
+    )
+    added = {}
+    for streams in [*args.concurrency, "isolated"]:
+        for field, label in rows:
+            fronts, directs = (
+                p50("front", streams, field),
+                p50("direct", streams, field),
+            )
+            # Paired by round: load that drifts across rounds cancels out.
+            pairs = zip(fronts, directs, strict=True)
+            difference = statistics.median(f - d for f, d in pairs)
+            front, direct = statistics.median(fronts), statistics.median(directs)
+            shown = "1 idle" if streams == "isolated" else streams
+            print(
+                f"{shown:>7}  {label:<22}{front:>9.1f}{direct:>9.1f}"
+                f"{difference:>+14.1f}{front / direct:>7.2f}x"
+            )
+            if field == "ttft":
+                added[shown] = difference
+    same = []
+    for streams in args.concurrency:
+        pairs = zip(
+            results[("front", streams)], results[("direct", streams)], strict=True
+        )
+        equal = sum(
+            front.text == direct.text
+            for front_round, direct_round in pairs
+            for front, direct in zip(front_round, direct_round, strict=True)
+        )
+        same.append(f"N={streams}: {equal} of {args.rounds * streams}")
+    print(f"same text on both paths: {', '.join(same)} streams")
+    for path, times in probes.items():
+        print(
+            f"front alone, GET {path}: p50 {statistics.median(times) * 1000:.1f} ms"
+            f" ({len(times)} sequential round trips, nothing generating)"
+        )
+    verdict = "met" if max(added.values()) <= GOAL_MS else "NOT met"
+    print(
+        f"goal: the front adds <= {GOAL_MS:g} ms to p50 time to first token: "
+        f"{verdict} ("
+        + ", ".join(f"N={streams}: {ms:+.1f} ms" for streams, ms in added.items())
+        + ")"
+    )
+
+
+if __name__ == "__main__":
+    main()
