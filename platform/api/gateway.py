@@ -37,6 +37,11 @@ class Gateway:
         # connection: asgiref's threads reconnect for every request.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
 
+    def close(self) -> None:
+        """Close the loader thread's database connection (it reconnects when
+        needed)."""
+        self._loader.submit(db.connections.close_all).result()
+
     def _load(self) -> Snapshot:
         try:
             return routing_snapshot()

@@ -293,7 +293,6 @@ class UsageWriter:
                         target=self._run, name="usage-writer", daemon=True
                     )
                     self._thread.start()
-                    atexit.register(self.close)
         self._queue.put(usage)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -315,6 +314,7 @@ class UsageWriter:
             rows = [row for row in batch if row is not None]
             if rows:
                 self._write(rows)
+        db.connections.close_all()  # this thread's own connection
         with self._lock:
             self._thread = None
 
@@ -327,6 +327,7 @@ class UsageWriter:
 
 
 USAGE_WRITER = UsageWriter()
+atexit.register(USAGE_WRITER.close)
 
 
 def usage_enqueue(**fields) -> None:

@@ -7,6 +7,10 @@ import time
 
 from django.db import connection
 
+# The database name from the settings, read when the tests are collected (before
+# any test database exists): once one is set up, the connection names another.
+CONFIGURED_DATABASE = connection.settings_dict["NAME"]
+
 
 def database_url() -> str:
     """The test database, as a child process must reach it."""
@@ -58,8 +62,8 @@ def live_database(django_db_blocker):
     from django.test.utils import setup_databases, teardown_databases
 
     with django_db_blocker.unblock():
-        if connection.settings_dict["NAME"] == connection.creation._get_test_db_name():
-            yield
+        if connection.settings_dict["NAME"] != CONFIGURED_DATABASE:
+            yield  # pytest-django has already switched to the test database
             return
         created = setup_databases(verbosity=0, interactive=False, aliases={"default"})
         try:

@@ -8,6 +8,7 @@ from django.core.cache import cache
 from django.db import connections
 
 from api import limits, services
+from api.gateway import GATEWAY
 
 
 @pytest.fixture(autouse=True)
@@ -25,10 +26,13 @@ def empty_cache():
 
 @pytest.fixture(autouse=True)
 async def close_worker_connections():
-    """Close the connections async tests opened in asgiref's worker thread: left
-    open, PostgreSQL refuses to drop the test database at the end of the run."""
+    """Close the connections tests opened in other threads (asgiref's worker,
+    the usage writer, the snapshot loader): left open, PostgreSQL refuses to
+    drop the test database at the end of the run."""
     yield
     await sync_to_async(connections.close_all)()
+    services.USAGE_WRITER.close()
+    GATEWAY.close()
 
 
 @pytest.fixture
