@@ -26,6 +26,12 @@ OFFLINE_ENV = {
 # machine's sensors (engines/thermal.py FileProbe). For machines without sensors
 # and for tests; unset in production.
 THERMAL_FILE_ENV = "ROUNDHOUSE_THERMAL_FILE"
+# ROUNDHOUSE_DEVICE_MEMORY_FILE: read GPU memory (total, used) from this JSON file
+# instead of nvidia-smi / sysfs (engines/devices.py FileMemoryProbe). For
+# machines without a GPU and for tests; unset in production.
+DEVICE_MEMORY_FILE_ENV = "ROUNDHOUSE_DEVICE_MEMORY_FILE"
+# Backends whose models live in device memory.
+GPU_BACKENDS = frozenset({"cuda", "rocm", "vulkan"})
 
 LOOPBACK = "127.0.0.1"
 
@@ -70,6 +76,7 @@ class ModelSpec:
     # Memory measured after an earlier load (the supervisor stores it in the
     # catalog); used instead of the estimate when known.
     measured_mib: float | None = None
+    measured_device_mib: float | None = None  # the same, on the engine's GPUs
     sampling: dict[str, Any] = field(default_factory=dict)
     chat_template: str = ""
 

@@ -16,7 +16,16 @@ from typing import Any
 import psutil
 
 from .batching import MicroBatcher
-from .config import LOOPBACK, THERMAL_FILE_ENV, EngineConfig, Limits, ModelSpec
+from .config import (
+    DEVICE_MEMORY_FILE_ENV,
+    GPU_BACKENDS,
+    LOOPBACK,
+    THERMAL_FILE_ENV,
+    EngineConfig,
+    Limits,
+    ModelSpec,
+)
+from .devices import DeviceMemory, default_memory_probes
 from .generation import (
     DecodeThread,
     GenerationBackend,
@@ -58,6 +67,7 @@ class ResidentModel:
     executor: ThreadPoolExecutor
     memory_mib: float
     estimated_mib: float | None = None
+    device_mib: float = 0.0  # on the engine's GPUs (measured after the load)
     inflight: int = 0  # requests holding this model: it is never evicted then
     batcher: MicroBatcher | None = None
     runner: GenerationRunner | None = None
@@ -79,6 +89,7 @@ class ResidentModel:
             "name": self.spec.name,
             "format": self.spec.format,
             "memory_mib": round(self.memory_mib, 1),
+            "device_memory_mib": round(self.device_mib, 1),
             "estimated_mib": self.estimated_mib and round(self.estimated_mib, 1),
             "loaded_at": self.loaded_at,
             "idle_s": round(time.monotonic() - self.last_used, 1),
@@ -127,6 +138,22 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
     )
 
 
+@dataclass
+class _Budget:
+    """One kind of memory while making room: what the load needs, what is free
+    now (less the margin), and what resident models hold."""
+
+    kind: str
+    need: float
+    room: float
+    held: float = 0.0
+
+
+def _short(resident: int, models_max: int, budgets: list[_Budget]) -> bool:
+    """Whether a load must still wait or evict: models-max or any memory."""
+    return resident >= models_max or any(b.room < b.need for b in budgets)
+
+
 class EngineServer:
     """Serves one engine's models over the framed protocol on loopback."""
 
@@ -154,6 +181,10 @@ class EngineServer:
             default_probes(os.environ.get(THERMAL_FILE_ENV)),
             thresholds=Thresholds.from_dict(config.thermal),
             devices=config.devices,
+        )
+        self.device_memory = DeviceMemory(
+            default_memory_probes(os.environ.get(DEVICE_MEMORY_FILE_ENV)),
+            config.devices,
         )
         # Set while the engine may compute; cleared while it cools. One for the
         # decode thread, one for the embedding batchers on the event loop.
@@ -389,7 +420,8 @@ class EngineServer:
 
     async def _make_room(self, spec: ModelSpec) -> None:
         """Evict idle models, least recently used first, until `spec` fits in
-        memory (host available minus the margin) and under models-max.
+        memory (host available minus the margin; on a GPU engine, also its
+        cards' free memory minus the margin) and under models-max.
 
         A leased model is never evicted. If room can only come from a busy
         model, wait (up to the queue timeout) for it to become idle; if the
@@ -397,39 +429,54 @@ class EngineServer:
         `insufficient_memory` naming the shortfall.
         """
         loop = asyncio.get_running_loop()
-        need = spec.measured_mib or await loop.run_in_executor(
-            None, self._estimate, spec
-        )
         limits = self.config.limits
+        device_free = await self._device_free()
+        on_device = device_free is not None
+        estimate = None
+        if not spec.measured_mib or (on_device and not spec.measured_device_mib):
+            estimate = await loop.run_in_executor(None, self._estimate, spec)
+        # On a GPU engine the weights and KV cache go to the cards: the host
+        # needs only what an earlier load measured there.
+        need = spec.measured_mib or (0.0 if on_device else estimate)
+        need_device = (spec.measured_device_mib or estimate) if on_device else 0.0
         deadline = time.monotonic() + limits.queue_timeout_s
         async with self._room:
             while True:
                 free = psutil.virtual_memory().available / 2**20
-                room = free - limits.memory_margin_mib
-                held = sum(m.memory_mib for m in self.models.values())
-                if need > room + held:
-                    raise ProtocolError(
-                        ErrorCode.INSUFFICIENT_MEMORY,
-                        f"{spec.name} needs about {need:.0f} MiB; at most "
-                        f"{max(room + held, 0):.0f} MiB can be made free "
-                        f"(margin {limits.memory_margin_mib} MiB): short by "
-                        f"{need - room - held:.0f} MiB",
+                host = _Budget("host", need, free - limits.memory_margin_mib)
+                host.held = sum(m.memory_mib for m in self.models.values())
+                budgets = [host]
+                if on_device:
+                    device = _Budget(
+                        "GPU", need_device, device_free - limits.memory_margin_mib
                     )
+                    device.held = sum(m.device_mib for m in self.models.values())
+                    budgets.append(device)
+                for budget in budgets:
+                    if budget.need > budget.room + budget.held:
+                        raise ProtocolError(
+                            ErrorCode.INSUFFICIENT_MEMORY,
+                            f"{spec.name} needs about {budget.need:.0f} MiB of "
+                            f"{budget.kind} memory; at most "
+                            f"{max(budget.room + budget.held, 0):.0f} MiB can be "
+                            f"made free (margin {limits.memory_margin_mib} MiB): "
+                            f"short by {budget.need - budget.room - budget.held:.0f} "
+                            "MiB",
+                        )
                 idle = sorted(
                     (m for m in self.models.values() if m.inflight == 0),
                     key=lambda m: m.last_used,
                 )
                 victims: list[ResidentModel] = []
-                while idle and (
-                    room < need or len(self.models) - len(victims) >= limits.models_max
-                ):
+                kept = len(self.models)
+                while idle and _short(kept, limits.models_max, budgets):
                     victim = idle.pop(0)
                     victims.append(victim)
-                    room += victim.memory_mib
-                fits = (
-                    room >= need and len(self.models) - len(victims) < limits.models_max
-                )
-                if fits:
+                    kept -= 1
+                    host.room += victim.memory_mib
+                    if on_device:
+                        device.room += victim.device_mib
+                if not _short(kept, limits.models_max, budgets):
                     for victim in victims:
                         log.info(
                             "evicting %s to make room for %s",
@@ -449,6 +496,15 @@ class EngineServer:
                     await asyncio.wait_for(self._room.wait(), remaining)
                 except TimeoutError:
                     continue
+                device_free = await self._device_free() if on_device else None
+
+    async def _device_free(self) -> float | None:
+        """Free memory on this engine's cards (None: not a GPU engine, or no
+        cards seen). Read off the loop: nvidia-smi may be slow."""
+        if self.config.backend not in GPU_BACKENDS:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.device_memory.free_mib)
 
     def _estimate(self, spec: ModelSpec) -> float:
         slots = spec.slots or self.config.limits.max_slots_per_model
@@ -462,6 +518,12 @@ class EngineServer:
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{spec.name}")
         process = psutil.Process()
         before = process.memory_info().rss
+        on_device = self.config.backend in GPU_BACKENDS
+        device_before = (
+            await loop.run_in_executor(None, self.device_memory.used_mib)
+            if on_device
+            else None
+        )
         log.info("loading %s from %s", spec.name, spec.path)
         try:
             backend = await loop.run_in_executor(
@@ -478,11 +540,19 @@ class EngineServer:
             ) from error
         memory_mib = max(process.memory_info().rss - before, 0) / 2**20
         model = ResidentModel(spec, backend, executor, memory_mib)
+        if device_before is not None:
+            device_after = await loop.run_in_executor(None, self.device_memory.used_mib)
+            grown = max((device_after or 0.0) - device_before, 0.0)
+            # A card that shows no growth (memory the runtime had reserved
+            # earlier, or a card we cannot read) holds what we expected.
+            model.device_mib = grown or spec.measured_device_mib or 0.0
         try:
             slots = getattr(backend, "n_slots", 1)
             model.estimated_mib = estimate_model_mib(spec, slots=slots)
         except (OSError, ValueError, KeyError) as error:
             log.warning("no memory estimate for %s: %s", spec.name, error)
+        if device_before is not None and not model.device_mib:
+            model.device_mib = model.estimated_mib or 0.0
         limits = self.config.limits
         if isinstance(backend, GenerationBackend):
             if self._decoder is None:
@@ -649,6 +719,7 @@ class EngineServer:
         if "thermal" in config or "devices" in config:
             self.config.thermal = dict(config.get("thermal", self.config.thermal))
             self.config.devices = [str(d) for d in config.get("devices", [])]
+            self.device_memory.devices = set(self.config.devices)
             self.thermal.configure(
                 thresholds=Thresholds.from_dict(self.config.thermal),
                 devices=self.config.devices,

@@ -38,6 +38,7 @@ def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
             "context_length": model.context_length,
             "slots": model.slots,
             "measured_mib": model.measured_memory_mib,
+            "measured_device_mib": model.measured_device_memory_mib,
             "sampling": model.sampling,
             "chat_template": model.chat_template,
         }

@@ -9,15 +9,26 @@ from .models import ModelConfig
 MEASUREMENT_TOLERANCE = 0.1
 
 
-def model_memory_record(*, name: str, memory_mib: float) -> bool:
-    """Store the memory a load measured for a model; True when it changed."""
+def model_memory_record(
+    *, name: str, memory_mib: float, device_memory_mib: float = 0.0
+) -> bool:
+    """Store the memory a load measured for a model (host RAM, and GPU memory
+    on a GPU engine); True when either changed."""
     model = ModelConfig.objects.filter(name=name).first()
-    if model is None or memory_mib <= 0:
+    if model is None:
         return False
-    old = model.measured_memory_mib
-    if old and abs(memory_mib - old) <= old * MEASUREMENT_TOLERANCE:
+    changed = []
+    for field, value in (
+        ("measured_memory_mib", memory_mib),
+        ("measured_device_memory_mib", device_memory_mib),
+    ):
+        old = getattr(model, field)
+        if value <= 0 or (old and abs(value - old) <= old * MEASUREMENT_TOLERANCE):
+            continue
+        setattr(model, field, round(value))
+        changed.append(field)
+    if not changed:
         return False
-    model.measured_memory_mib = round(memory_mib)
     model.measured_at = timezone.now()
-    model.save(update_fields=["measured_memory_mib", "measured_at"])
+    model.save(update_fields=[*changed, "measured_at"])
     return True

@@ -67,7 +67,7 @@ class RunningEngine:
     last_error: str = ""
     log_path: Path = field(default_factory=Path)
     last_state: dict = field(default_factory=dict)
-    recorded_memory: dict[str, float] = field(default_factory=dict)
+    recorded_memory: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
@@ -337,11 +337,16 @@ class Supervisor:
         for item in state.get("models", []):
             # A load's measurement does not change while the model stays resident:
             # store it once per load, not on every poll.
-            if engine.recorded_memory.get(item["name"]) == item["memory_mib"]:
+            measured = (item["memory_mib"], item.get("device_memory_mib", 0.0))
+            if engine.recorded_memory.get(item["name"]) == measured:
                 continue
             try:
-                model_memory_record(name=item["name"], memory_mib=item["memory_mib"])
-                engine.recorded_memory[item["name"]] = item["memory_mib"]
+                model_memory_record(
+                    name=item["name"],
+                    memory_mib=measured[0],
+                    device_memory_mib=measured[1],
+                )
+                engine.recorded_memory[item["name"]] = measured
             except DatabaseError as error:
                 log.warning("could not store memory of %s: %s", item["name"], error)
         self._record(

@@ -73,11 +73,13 @@ def start_engine(
     wait_ready: bool = True,
     devices=(),
     limits: dict | None = None,
+    backend: str = "cpu",
 ) -> EngineProcess:
     port, token = free_port(), secrets.token_hex(32)
     config = {
         "name": "test",
         "port": port,
+        "backend": backend,
         # Not a field engines honour: they bind 127.0.0.1 whatever they are told.
         "host": "0.0.0.0",  # noqa: S104
         "models": models,
