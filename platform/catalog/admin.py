@@ -5,7 +5,7 @@ from django.contrib import admin, messages
 from django.utils.html import format_html, format_html_join
 
 from fleet.models import EngineSpec
-from fleet.selectors import engine_views
+from fleet.selectors import engine_views, routing_snapshot
 from routing.compat import pin_problem
 
 from .models import ModelConfig
@@ -36,8 +36,10 @@ class ModelConfigAdmin(admin.ModelAdmin):
         "task",
         "engine_pin",
         "pin_status",
+        "owner",
         "enabled",
         "measured_memory_mib",
+        "measured_device_memory_mib",
     ]
     list_filter = ["format", "task", "enabled", "engine_pin"]
     search_fields = ["name", "path"]
@@ -79,6 +81,17 @@ class ModelConfigAdmin(admin.ModelAdmin):
             pin=model.engine_pin, model_format=model.format, engines=engine_views()
         )
         return f"⚠ {problem}" if problem else "ok"
+
+    def changelist_view(self, request, extra_context=None):
+        # One snapshot for the whole list, not one per row. Shared by requests
+        # running at once, which would only see each other's equally fresh copy.
+        self._owners = routing_snapshot().owners()
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="owner engine")
+    def owner(self, model: ModelConfig) -> str:
+        """The engine routing assigns the model to (pin, default or balanced)."""
+        return getattr(self, "_owners", {}).get(model.name, "—")
 
     def save_model(self, request, obj: ModelConfig, form, change) -> None:
         super().save_model(request, obj, form, change)
