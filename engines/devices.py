@@ -33,34 +33,51 @@ class MemoryProbe(Protocol):
     def read(self) -> list[CardMemory]: ...
 
 
+def nvidia_smi_rows(*fields: str) -> list[list[str]]:
+    """`nvidia-smi --query-gpu` for these fields: one row of stripped values per
+    card; none without nvidia-smi or when it fails."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                f"--query-gpu={','.join(fields)}",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=2,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [[part.strip() for part in line.split(",")] for line in out.splitlines()]
+
+
+def amd_cards() -> list[tuple[str, Path]]:
+    """AMD cards in sysfs: each card's index and its device folder."""
+    cards = []
+    for card in sorted(Path("/sys/class/drm").glob("card[0-9]")):
+        try:
+            if (card / "device" / "vendor").read_text().strip() == "0x1002":
+                cards.append((card.name.removeprefix("card"), card / "device"))
+        except OSError:
+            continue
+    return cards
+
+
 class NvidiaMemoryProbe:
     """NVIDIA cards through nvidia-smi (absent: no cards)."""
 
     def read(self) -> list[CardMemory]:
-        if not shutil.which("nvidia-smi"):
-            return []
-        try:
-            out = subprocess.run(
-                [
-                    "nvidia-smi",
-                    "--query-gpu=uuid,index,memory.total,memory.used",
-                    "--format=csv,noheader,nounits",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=2,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
-            return []
         cards = []
-        for line in out.splitlines():
-            parts = [part.strip() for part in line.split(",")]
+        for row in nvidia_smi_rows("uuid", "index", "memory.total", "memory.used"):
             try:
-                total, used = float(parts[2]), float(parts[3])
+                total, used = float(row[2]), float(row[3])
             except (IndexError, ValueError):
                 continue
-            cards.append(CardMemory(frozenset(parts[:2]), "nvidia", total, used))
+            cards.append(CardMemory(frozenset(row[:2]), "nvidia", total, used))
         return cards
 
 
@@ -69,17 +86,14 @@ class AmdMemoryProbe:
 
     def read(self) -> list[CardMemory]:
         cards = []
-        for card in sorted(Path("/sys/class/drm").glob("card[0-9]")):
-            device = card / "device"
+        for name, device in amd_cards():
             try:
-                if (device / "vendor").read_text().strip() != "0x1002":
-                    continue
                 total = int((device / "mem_info_vram_total").read_text())
                 used = int((device / "mem_info_vram_used").read_text())
             except (OSError, ValueError):
                 continue
-            names = frozenset({card.name.removeprefix("card")})
-            cards.append(CardMemory(names, "amd", total / 2**20, used / 2**20))
+            mib = (total / 2**20, used / 2**20)
+            cards.append(CardMemory(frozenset({name}), "amd", *mib))
         return cards
 
 

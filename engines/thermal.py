@@ -10,8 +10,6 @@ interface from a JSON file (ROUNDHOUSE_THERMAL_FILE, see engines/config.py).
 
 import json
 import logging
-import shutil
-import subprocess
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from typing import Protocol
 import psutil
 
 from .config import from_known_fields
+from .devices import amd_cards, nvidia_smi_rows
 
 log = logging.getLogger("roundhouse.engine.thermal")
 
@@ -61,28 +60,11 @@ class NvidiaProbe:
     """NVIDIA cards through nvidia-smi (absent: no readings)."""
 
     def read(self) -> list[Reading]:
-        if not shutil.which("nvidia-smi"):
-            return []
-        try:
-            out = subprocess.run(
-                [
-                    "nvidia-smi",
-                    "--query-gpu=uuid,index,temperature.gpu",
-                    "--format=csv,noheader,nounits",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=2,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
-            return []
         readings = []
-        for line in out.splitlines():
-            parts = [part.strip() for part in line.split(",")]
-            if len(parts) == 3 and parts[2].replace(".", "", 1).isdigit():
-                readings.append(Reading("gpu", parts[0], "nvidia", float(parts[2])))
-                readings.append(Reading("gpu", parts[1], "nvidia", float(parts[2])))
+        for row in nvidia_smi_rows("uuid", "index", "temperature.gpu"):
+            if len(row) == 3 and row[2].replace(".", "", 1).isdigit():
+                readings.append(Reading("gpu", row[0], "nvidia", float(row[2])))
+                readings.append(Reading("gpu", row[1], "nvidia", float(row[2])))
         return readings
 
 
@@ -91,17 +73,13 @@ class AmdProbe:
 
     def read(self) -> list[Reading]:
         readings = []
-        for card in sorted(Path("/sys/class/drm").glob("card[0-9]")):
+        for name, device in amd_cards():
             try:
-                if (card / "device" / "vendor").read_text().strip() != "0x1002":
-                    continue
-                sensor = next((card / "device" / "hwmon").glob("hwmon*/temp1_input"))
+                sensor = next((device / "hwmon").glob("hwmon*/temp1_input"))
                 celsius = int(sensor.read_text()) / 1000
             except (OSError, StopIteration, ValueError):
                 continue
-            readings.append(
-                Reading("gpu", card.name.removeprefix("card"), "amd", celsius)
-            )
+            readings.append(Reading("gpu", name, "amd", celsius))
         return readings
 
 
