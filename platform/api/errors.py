@@ -69,16 +69,11 @@ NO_ENGINE = Mapping(503, "server_error", retry_after_s=5)
 def engine_error(code: str, message: str) -> ApiError:
     """The API error for an engine's error frame."""
     mapping = ENGINE_ERRORS.get(code, ENGINE_ERRORS[ErrorCode.INTERNAL])
-    return ApiError(
-        mapping.status,
-        message,
-        type=mapping.type,
-        code=code,
-        retry_after_s=mapping.retry_after_s,
-    )
+    return from_mapping(mapping, message, code=code)
 
 
 def from_mapping(mapping: Mapping, message: str, *, code: str) -> ApiError:
+    """The API error a table row gives, with this message and code."""
     return ApiError(
         mapping.status,
         message,
