@@ -13,7 +13,6 @@ from datetime import timedelta
 
 from django import db
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import DatabaseError
 from django.db.models import Q
 from django.utils import timezone
 
@@ -36,7 +35,6 @@ __all__ = [
     "stale_keys_waiting",
     "usage_build",
     "usage_enqueue",
-    "usage_record",
 ]
 
 log = logging.getLogger("roundhouse.api")
@@ -252,19 +250,6 @@ def usage_build(
     # The key came from api_key_authenticate: checking that it exists would cost
     # a query on every request.
     usage.full_clean(exclude=["key"])
-    return usage
-
-
-async def usage_record(**fields) -> Usage | None:
-    """Store one request's usage now (fields as `usage_build`); None when the
-    database refused the write. A failed write is logged, not raised: the
-    request it describes has already been answered."""
-    usage = usage_build(**fields)
-    try:
-        await usage.asave()
-    except DatabaseError as error:
-        log.warning("could not record usage of %s: %s", usage, error)
-        return None
     return usage
 
 

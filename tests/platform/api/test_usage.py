@@ -1,32 +1,46 @@
-"""Usage rows: one per request, written from async views."""
+"""Usage rows: one per request, queued by the views and written in batches by
+the background writer."""
 
 import pytest
-from asgiref.sync import sync_to_async
 from django.core.exceptions import ValidationError
 
 from api.models import Usage
-from api.services import usage_record
+from api.services import USAGE_WRITER, usage_enqueue
 from tests.factories import ApiKeyFactory
 
 transactional = pytest.mark.django_db(transaction=True)
 
 
+def record(**fields) -> None:
+    """Queue one row as a view does, then wait until the writer has stored it."""
+    usage_enqueue(
+        **{
+            "key": None,
+            "model": "m",
+            "engine": "cpu0",
+            "endpoint": "chat.completions",
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "latency_ms": 1,
+            "status": 200,
+            **fields,
+        }
+    )
+    USAGE_WRITER.close()  # writes what is queued, then stops (the next put restarts)
+
+
 @transactional
-async def test_usage_record_stores_one_row():
+def test_usage_stores_one_row():
     """A request's key, model, engine, tokens, latency and outcome become one row."""
-    key = await sync_to_async(ApiKeyFactory)()
-    usage = await usage_record(
+    key = ApiKeyFactory()
+    record(
         key=key,
         model="gemma-3-270m",
-        engine="cpu0",
-        endpoint="chat.completions",
         prompt_tokens=12,
         completion_tokens=34,
         latency_ms=56.5,
-        status=200,
     )
-    stored = await Usage.objects.select_related("key").aget()
-    assert stored.pk == usage.pk
+    stored = Usage.objects.select_related("key").get()
     assert stored.key.pk == key.pk
     assert (stored.model, stored.engine, stored.endpoint) == (
         "gemma-3-270m",
@@ -39,39 +53,45 @@ async def test_usage_record_stores_one_row():
 
 
 @transactional
-async def test_refused_request_is_recorded():
+def test_refused_request_is_recorded():
     """A refused request is a row too: its status and error code, no tokens; the
     model may be unknown, empty or over-long (cut, not refused)."""
-    key = await sync_to_async(ApiKeyFactory)()
+    key = ApiKeyFactory()
     for model in ("", "x" * 500):
-        await usage_record(
+        record(
             key=key,
             model=model,
             engine="",
             endpoint="embeddings",
-            prompt_tokens=0,
-            completion_tokens=0,
-            latency_ms=1,
             status=429,
             error_code="rate_limit_exceeded",
         )
-    models = [usage.model async for usage in Usage.objects.order_by("pk")]
+    models = list(Usage.objects.order_by("pk").values_list("model", flat=True))
     assert models == ["", "x" * 128]
-    assert await Usage.objects.filter(status=429, error_code__gt="").acount() == 2
+    assert Usage.objects.filter(status=429, error_code__gt="").count() == 2
 
 
 @transactional
-async def test_unknown_endpoint_is_a_programming_error():
-    """An endpoint outside the known ones is refused before it is stored."""
+def test_unknown_endpoint_is_a_programming_error():
+    """An endpoint outside the known ones is refused before it is queued."""
     with pytest.raises(ValidationError):
-        await usage_record(
+        record(endpoint="chat")
+    assert not Usage.objects.exists()
+
+
+@transactional
+def test_rows_queued_together_are_written_together():
+    """Rows queued in a burst are all stored, whatever batches the writer takes."""
+    for status in (200, 429, 499):
+        usage_enqueue(
             key=None,
             model="m",
             engine="cpu0",
-            endpoint="chat",
-            prompt_tokens=0,
-            completion_tokens=0,
+            endpoint="completions",
+            prompt_tokens=1,
+            completion_tokens=1,
             latency_ms=1,
-            status=200,
+            status=status,
         )
-    assert not await Usage.objects.aexists()
+    USAGE_WRITER.close()
+    assert sorted(Usage.objects.values_list("status", flat=True)) == [200, 429, 499]
