@@ -38,10 +38,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.generation import (  # noqa: E402
+    MODEL_PATH,
+    MODELS_DIR,
+    free_port,
+    sse_events,
+)
 from engines.client import AsyncEngineClient  # noqa: E402
 
-MODELS_DIR = Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models"))
-MODEL_PATH = MODELS_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL = "smollm2-135m-instruct"  # its name in the seed migration
 ENGINE = "cpu0"
 SEED = 1234
@@ -59,12 +63,6 @@ class Stream:
     ttft: float  # the first non-empty content
     total: float  # the end of the stream
     text: str
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def messages_for(index: int) -> list[dict]:
@@ -125,15 +123,7 @@ async def front_stream(port: int, key: str, index: int, tokens: int) -> Stream:
     if status != 200:
         raise RuntimeError(f"front: HTTP {status}: {(await reader.read())[:300]!r}")
     admitted, first, parts = None, None, []
-    # Chunked transfer encoding: each SSE event arrives whole in its own chunk,
-    # so the size lines are simply skipped.
-    while line := await reader.readline():
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        event = json.loads(data)
+    async for event in sse_events(reader):
         if "error" in event:
             raise RuntimeError(f"front: {event['error']}")
         delta = event["choices"][0]["delta"]

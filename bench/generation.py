@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +58,19 @@ def prompt_for(index: int) -> str:
 # -- HTTP streaming (the anchors), with the standard library only ---------------
 
 
+async def sse_events(reader: asyncio.StreamReader) -> AsyncIterator[dict]:
+    """The JSON events of a Server-Sent Events answer, up to `data: [DONE]`. Each
+    event arrives whole in its own chunk, so other lines (chunk sizes) are
+    skipped."""
+    while line := await reader.readline():
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def http_stream(port: int, path: str, body: dict) -> tuple[float, int]:
     """POST a streaming request; returns (time to first token, tokens)."""
     start = time.perf_counter()
@@ -70,13 +83,7 @@ async def http_stream(port: int, path: str, body: dict) -> tuple[float, int]:
     )
     await writer.drain()
     first, tokens = None, 0
-    while line := await reader.readline():
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        event = json.loads(data)
+    async for event in sse_events(reader):
         text = event.get("content")
         if text is None:
             choices = event.get("choices") or [{}]
