@@ -125,7 +125,7 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
     if spec.format == "gguf":
         from .backends.gguf import LlamaBackend
 
-        gpu = backend in ("cuda", "rocm", "vulkan")
+        gpu = backend in GPU_BACKENDS
         return LlamaBackend(spec.path, gpu=gpu, **generation)
     if spec.format == "transformers":
         from .backends.hf import TransformersBackend
