@@ -251,17 +251,20 @@ def main() -> None:
         raise SystemExit(f"{MODEL_PATH} missing: run `make test` or `make run` first")
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = Path(tmp)
-        servers: list[Server] = [RoundhouseEngine(log_dir)]
-        binary = os.environ.get("ROUNDHOUSE_LLAMA_SERVER")
-        if binary:
-            servers.append(CppServer(log_dir, binary))
+        servers: list[Server] = []
         try:
-            import llama_cpp.server  # noqa: F401
+            # Started inside the try: an anchor that fails to start must not
+            # leave the servers already running behind.
+            servers.append(RoundhouseEngine(log_dir))
+            binary = os.environ.get("ROUNDHOUSE_LLAMA_SERVER")
+            if binary:
+                servers.append(CppServer(log_dir, binary))
+            try:
+                import llama_cpp.server  # noqa: F401
 
-            servers.append(PythonServer(log_dir))
-        except ImportError:
-            print("llama_cpp.server not installed: its column is left out")
-        try:
+                servers.append(PythonServer(log_dir))
+            except ImportError:
+                print("llama_cpp.server not installed: its column is left out")
             for server in servers:  # warm up: first loads, caches, allocations
                 asyncio.run(one_round(server, 2))
             results: dict[tuple[str, int], list[tuple[float, float]]] = {}
