@@ -207,7 +207,7 @@ class AsyncEngineClient(_EngineAddress):
         return _embeddings(reply, array), tokens
 
     async def generate(self, model: str, **fields: Any) -> dict[str, Any]:
-        """The whole answer: text, finish_reason, usage, request_id."""
+        """The whole answer: text, finish_reason, usage, timings, request_id."""
         return await self.call("generate", model=model, **fields)
 
     async def generate_stream(
@@ -301,7 +301,7 @@ class EngineClient(_EngineAddress):
         return _embeddings(reply, array)
 
     def generate(self, model: str, **fields: Any) -> dict[str, Any]:
-        """The whole answer: text, finish_reason, usage, request_id."""
+        """The whole answer: text, finish_reason, usage, timings, request_id."""
         return self.call("generate", model=model, **fields)
 
     def generate_stream(

@@ -149,6 +149,10 @@ class _Budget:
     held: float = 0.0
 
 
+def _ms_since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 3)
+
+
 def _short(resident: int, models_max: int, budgets: list[_Budget]) -> bool:
     """Whether a load must still wait or evict: models-max or any memory."""
     return resident >= models_max or any(b.room < b.need for b in budgets)
@@ -752,9 +756,12 @@ class EngineServer:
     ) -> None:
         """Run one generation, writing its frames: for generate_stream a start
         frame, one frame per text chunk and a final frame; for generate one
-        frame with the whole text. A caller that hangs up is cancelled."""
+        frame with the whole text. A caller that hangs up is cancelled. The final
+        frame's `timings` are measured here, from the request's arrival (a load
+        it waits for included): to the first token and to the end, in ms."""
+        received = time.perf_counter()
         async with self.using(message["model"]) as model:
-            await self._generate(model, message, reader, writer)
+            await self._generate(model, message, reader, writer, received=received)
 
     async def _generate(
         self,
@@ -762,12 +769,15 @@ class EngineServer:
         message: dict,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        *,
+        received: float,
     ) -> None:
         stream = message["kind"] == "generate_stream"
         if model.runner is None:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not generate"
             )
+        first_token_ms: float | None = None
         backend = model.runner.backend
         params = SamplingParams.from_request(message, model.spec.sampling)
         prompt_tokens = backend.tokenize(backend.render_prompt(message))
@@ -805,6 +815,8 @@ class EngineServer:
                     return
                 event = next_event.result()
                 if event["event"] == "token":
+                    if first_token_ms is None:
+                        first_token_ms = _ms_since(received)
                     if stream:
                         await self._write(writer, {"status": "ok", **event})
                     else:
@@ -814,6 +826,10 @@ class EngineServer:
                     reply = error_frame(event["code"], event["message"])
                 else:
                     reply = {"status": "ok", **event, "request_id": request.id}
+                    reply["timings"] = {
+                        "first_token_ms": first_token_ms,
+                        "total_ms": _ms_since(received),
+                    }
                     if not stream:
                         reply["text"] = "".join(parts)
                 await self._write(writer, reply)

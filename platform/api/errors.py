@@ -96,7 +96,12 @@ def model_not_found(name: str) -> ApiError:
     )
 
 
-def too_large(message: str) -> ApiError:
+def too_large(size: int | None, cap: int) -> ApiError:
+    """413 for a body of `size` bytes, or (None) one that went over while read."""
+    if size is None:
+        message = f"The request body exceeds the limit of {cap} bytes."
+    else:
+        message = f"The request body has {size} bytes; the limit is {cap} bytes."
     return ApiError(413, message, code="request_too_large")
 
 

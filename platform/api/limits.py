@@ -27,7 +27,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
-from django.core.cache import cache
+from django.core.cache import DEFAULT_CACHE_ALIAS, cache, caches
+from django.core.cache.backends.locmem import LocMemCache
 
 from .exceptions import LimitExceeded
 from .models import ApiKey
@@ -104,13 +105,43 @@ def _slot_give_back(slot: _Slot) -> None:
         log.exception("could not give back a concurrency slot (%s)", slot.cache_key)
 
 
-# The cache's own incr/decr, off the event loop: they are atomic (Redis INCRBY,
-# LocMemCache under its lock), while BaseCache.aincr is a get then a set, which
-# loses concurrent increments and resets the TTL. Not thread-sensitive: cache
-# clients are thread-safe, and counting should not queue behind ORM calls.
-_rate_count_async = sync_to_async(_rate_count, thread_sensitive=False)
-_slot_take_async = sync_to_async(_slot_take, thread_sensitive=False)
+def _admit(*, key: ApiKey) -> _Slot | None:
+    """Count the request in the key's minute, then take one of its concurrency
+    slots: the slot taken (None when the key has no concurrency limit), or
+    LimitExceeded (nothing taken)."""
+    if key.rpm_limit:
+        retry_after_s = _rate_count(key=key)
+        if retry_after_s is not None:
+            raise LimitExceeded(
+                f"Rate limit reached for this API key: {key.rpm_limit} requests "
+                f"per minute. Try again in {retry_after_s} s.",
+                retry_after_s,
+            )
+    if not key.max_concurrent:
+        return None
+    slot = _slot_take(key=key)
+    if slot is None:
+        raise LimitExceeded(
+            f"Too many concurrent requests for this API key: at most "
+            f"{key.max_concurrent} at once.",
+            1,
+            code="concurrency_limit_exceeded",
+        )
+    return slot
+
+
+# The cache's own incr/decr: atomic (Redis INCRBY, LocMemCache under its lock),
+# while BaseCache.aincr is a get then a set, which loses concurrent increments
+# and resets the TTL. A cache in this process answers in microseconds and is
+# called on the event loop; any other (Redis) is called off it, in one thread
+# hop per request on the way in. Not thread-sensitive: cache clients are
+# thread-safe, and counting should not queue behind ORM calls.
+_admit_async = sync_to_async(_admit, thread_sensitive=False)
 _slot_give_back_async = sync_to_async(_slot_give_back, thread_sensitive=False)
+
+
+def _in_process() -> bool:
+    return isinstance(caches[DEFAULT_CACHE_ALIAS], LocMemCache)
 
 
 def _give_back_if_taken(taking: asyncio.Task) -> None:
@@ -124,6 +155,26 @@ def _give_back_if_taken(taking: asyncio.Task) -> None:
         releasing.add_done_callback(_releasing.discard)
 
 
+async def _take(key: ApiKey) -> _Slot | None:
+    if _in_process():
+        return _admit(key=key)
+    # Shielded: a cancellation while the counters are being incremented must not
+    # lose track of the increment, so the taking runs on and is given back.
+    taking = asyncio.ensure_future(_admit_async(key=key))
+    try:
+        return await asyncio.shield(taking)
+    except asyncio.CancelledError:
+        taking.add_done_callback(_give_back_if_taken)
+        raise
+
+
+async def _give_back(slot: _Slot) -> None:
+    if _in_process():
+        _slot_give_back(slot)
+    else:
+        await asyncio.shield(_slot_give_back_async(slot))
+
+
 @asynccontextmanager
 async def key_admission(key: ApiKey) -> AsyncIterator[None]:
     """Admit one request of this key for the duration of the block.
@@ -133,33 +184,9 @@ async def key_admission(key: ApiKey) -> AsyncIterator[None]:
     (retry_after_s: 1). A refused request holds no concurrency slot; an admitted
     one gives its slot back exactly once when the block ends, however it ends.
     """
-    if key.rpm_limit:
-        retry_after_s = await _rate_count_async(key=key)
-        if retry_after_s is not None:
-            raise LimitExceeded(
-                f"Rate limit reached for this API key: {key.rpm_limit} requests "
-                f"per minute. Try again in {retry_after_s} s.",
-                retry_after_s,
-            )
-    if not key.max_concurrent:
-        yield
-        return
-    # Shielded: a cancellation while the counter is being incremented must not
-    # lose track of the increment, so the taking runs on and is given back.
-    taking = asyncio.ensure_future(_slot_take_async(key=key))
-    try:
-        slot = await asyncio.shield(taking)
-    except asyncio.CancelledError:
-        taking.add_done_callback(_give_back_if_taken)
-        raise
-    if slot is None:
-        raise LimitExceeded(
-            f"Too many concurrent requests for this API key: at most "
-            f"{key.max_concurrent} at once.",
-            1,
-            code="concurrency_limit_exceeded",
-        )
+    slot = await _take(key) if key.rpm_limit or key.max_concurrent else None
     try:
         yield
     finally:
-        await asyncio.shield(_slot_give_back_async(slot))
+        if slot is not None:
+            await _give_back(slot)

@@ -1,7 +1,10 @@
 """Reads of API keys and usage."""
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import ParamSpec, TypeVar
 
+from asgiref.sync import sync_to_async
+from django import db
 from django.db.models import Count, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce
 
@@ -9,20 +12,40 @@ from catalog.models import ModelConfig
 
 from .models import ApiKey
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-async def api_key_get_by_hash(*, key_hash: str) -> ApiKey | None:
+
+def in_db_thread(function: Callable[P, R]) -> Callable[P, Awaitable[R]]:
+    """`function` as a coroutine run in asgiref's shared sync thread, after
+    retiring that thread's database connection if it is broken or older than
+    CONN_MAX_AGE. Django's handler does that on `request_started`, which the
+    API's handler does not send (roundhouse.asgi.BareASGIHandler)."""
+
+    def fresh(*args: P.args, **kwargs: P.kwargs) -> R:
+        for connection in db.connections.all(initialized_only=True):
+            if not connection.in_atomic_block:  # never inside a caller's transaction
+                connection.close_if_unusable_or_obsolete()
+        return function(*args, **kwargs)
+
+    return sync_to_async(fresh, thread_sensitive=True)
+
+
+def api_key_by_hash(*, key_hash: str) -> ApiKey | None:
     """The key with this hash, its allowed model names in `allowed_model_names`."""
     key = (
-        await ApiKey.objects.filter(key_hash=key_hash)
+        ApiKey.objects.filter(key_hash=key_hash)
         .prefetch_related("allowed_models")
-        .afirst()
+        .first()
     )
     if key is not None:
-        # Read from the prefetched rows: no query, so safe on the event loop.
         key.allowed_model_names = frozenset(
             model.name for model in key.allowed_models.all()
         )
     return key
+
+
+api_key_get_by_hash = in_db_thread(api_key_by_hash)
 
 
 def api_keys_with_usage_totals(

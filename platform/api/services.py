@@ -20,7 +20,7 @@ from catalog.models import ModelConfig
 
 from .exceptions import KeyRejected, LimitExceeded
 from .models import ApiKey, Usage
-from .selectors import api_key_get_by_hash
+from .selectors import api_key_get_by_hash, in_db_thread
 
 __all__ = [
     "KeyRejected",
@@ -198,12 +198,17 @@ async def _last_used_touch(*, key: ApiKey) -> None:
     stale = now - LAST_USED_RESOLUTION
     if key.last_used_at is not None and key.last_used_at > stale:
         return
+    await _last_used_write(pk=key.pk, now=now, stale=stale)
+    key.last_used_at = now
+
+
+@in_db_thread
+def _last_used_write(*, pk: int, now, stale) -> None:
     # The condition is repeated in the UPDATE so that front processes seeing the
     # same stale value write once between them, not once each.
-    await ApiKey.objects.filter(
-        Q(last_used_at__isnull=True) | Q(last_used_at__lte=stale), pk=key.pk
-    ).aupdate(last_used_at=now)
-    key.last_used_at = now
+    ApiKey.objects.filter(
+        Q(last_used_at__isnull=True) | Q(last_used_at__lte=stale), pk=pk
+    ).update(last_used_at=now)
 
 
 def api_key_allows(*, key: ApiKey, model: str) -> bool:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
@@ -47,6 +45,7 @@ from .schemas import (
     EmbeddingRequest,
     parse,
 )
+from .selectors import in_db_thread
 from .services import api_key_allows, api_key_authenticate, usage_enqueue
 
 log = logging.getLogger("roundhouse.api")
@@ -117,23 +116,6 @@ class Call:
             log.exception("could not record usage")
 
 
-def _body(request: HttpRequest) -> bytes:
-    """The raw body, refused by its declared size before it is read."""
-    cap = settings.ROUNDHOUSE_MAX_REQUEST_BYTES
-    try:
-        declared = int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        raise errors.ApiError(400, "Content-Length is not a number.") from None
-    if declared > cap:
-        raise errors.too_large(
-            f"The request body has {declared} bytes; the limit is {cap} bytes."
-        )
-    body = request.body
-    if len(body) > cap:  # no Content-Length (chunked): checked once read
-        raise errors.too_large(f"The request body exceeds the limit of {cap} bytes.")
-    return body
-
-
 async def _admitted_model(
     call: Call, request: HttpRequest, schema: type[BaseModel]
 ) -> tuple[Any, ModelRoute, Snapshot]:
@@ -144,7 +126,8 @@ async def _admitted_model(
         )
     except KeyRejected as rejected:
         raise errors.unauthorized(rejected.message) from None
-    payload = parse(schema, _body(request))
+    # Its size was checked before it was read (roundhouse.asgi.BareASGIHandler).
+    payload = parse(schema, request.body)
     call.model = payload.model
     snapshot = await GATEWAY.snapshot()
     if payload.model not in snapshot.models:  # maybe added since: look again
@@ -225,6 +208,7 @@ async def _serve(
     refused = _method_not_allowed(request, "POST")
     if refused is not None:
         return refused
+
     call = Call(endpoint)
     limits = contextlib.AsyncExitStack()
     try:
@@ -274,17 +258,22 @@ def _after_answer() -> None:
 async def _closing(
     content: AsyncIterator[bytes], limits: contextlib.AsyncExitStack, call: Call
 ) -> AsyncIterator[bytes]:
+    # The background refreshes wait for the first token, not the first chunk:
+    # the role chunk leaves while the engine computes the prompt, and on a host
+    # whose cores the engine fills, work done then delays the first token.
+    refreshed = False
     try:
-        started = False
         async for chunk in content:
             yield chunk
-            if not started:
-                started = True
+            if not refreshed and call.first_token_at is not None:
+                refreshed = True
                 _after_answer()
     except asyncio.CancelledError:
         call.status, call.error_code = 499, "client_closed"
         raise
     finally:
+        if not refreshed:
+            _after_answer()
         await asyncio.shield(limits.aclose())
         call.finish()
 
@@ -294,6 +283,18 @@ def _usage(call: Call) -> dict[str, int]:
         "prompt_tokens": call.prompt_tokens,
         "completion_tokens": call.completion_tokens,
         "total_tokens": call.prompt_tokens + call.completion_tokens,
+    }
+
+
+def _timings(call: Call, reply: dict) -> dict:
+    """Which engine answered, and its own times from the request's arrival
+    (Roundhouse's addition to OpenAI's shape, like llama.cpp server's
+    `timings`): what the front and the network add is the rest."""
+    measured = reply.get("timings") or {}
+    return {
+        "engine": call.engine,
+        "engine_first_token_ms": measured.get("first_token_ms"),
+        "engine_total_ms": measured.get("total_ms"),
     }
 
 
@@ -355,6 +356,7 @@ async def _generate(
                 "system_fingerprint": None,
                 "choices": [choice],
                 "usage": _usage(call),
+                "timings": _timings(call, reply),
             }
         )
 
@@ -378,13 +380,13 @@ async def _generate(
     if payload.include_usage:
         base["usage"] = None
 
-    def chunk(delta_or_text: dict | str, reason: str | None) -> bytes:
+    def chunk(delta_or_text: dict | str, reason: str | None, **extra) -> bytes:
         if chat:
             choice = {"index": 0, "delta": delta_or_text, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta_or_text, "logprobs": None}
         choice["finish_reason"] = reason
-        return _sse({**base, "choices": [choice]})
+        return _sse({**base, "choices": [choice], **extra})
 
     async def content() -> AsyncIterator[bytes]:
         try:
@@ -401,7 +403,9 @@ async def _generate(
                     call.prompt_tokens = int(usage.get("prompt_tokens", 0))
                     call.completion_tokens = int(usage.get("completion_tokens", 0))
                     reason = _finish_reason(frame.get("finish_reason", "stop"))
-                    yield chunk({} if chat else "", reason)
+                    yield chunk(
+                        {} if chat else "", reason, timings=_timings(call, frame)
+                    )
                     if payload.include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(call)})
             yield _sse("[DONE]")
@@ -544,7 +548,7 @@ async def healthz(request: HttpRequest) -> HttpResponse:
 async def metrics_view(request: HttpRequest) -> HttpResponse:
     """GET /metrics in Prometheus' text format."""
     metrics.FLEET.snapshot = await GATEWAY.snapshot()
-    restarts, model_queues = await sync_to_async(engine_counters)()
+    restarts, model_queues = await in_db_thread(engine_counters)()
     metrics.FLEET.restarts, metrics.FLEET.model_queues = restarts, model_queues
     return HttpResponse(
         metrics.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8"

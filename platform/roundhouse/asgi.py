@@ -1,6 +1,7 @@
-"""ASGI entry point of the front (Daphne): HTTP through Django, WebSockets through
-Channels. Importing it never imports torch, transformers, sentence_transformers or
-llama_cpp (tests/platform/test_front_imports.py proves it).
+"""ASGI entry point of the front (served by uvicorn, roundhouse/serve.py): HTTP
+through Django, WebSockets through Channels. Importing it never imports torch,
+transformers, sentence_transformers or llama_cpp (tests/platform/
+test_front_imports.py proves it).
 
 The API (`/v1/`, `/healthz`, `/metrics`) is served by Django without its
 middleware. Those middlewares (sessions, CSRF, auth, messages, clickjacking) mean
@@ -8,11 +9,15 @@ nothing to key-authenticated JSON, and each sync-style one costs a thread hop pe
 request on the way in and out: milliseconds before a stream's first token.
 """
 
+import asyncio
+import contextlib
 import os
 import sys
 
 from channels.routing import ProtocolTypeRouter
+from django.conf import settings
 from django.core.asgi import get_asgi_application
+from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 
@@ -27,6 +32,8 @@ sys.setswitchinterval(0.001)
 # Django must be set up before anything imports models (the WebSocket routes will).
 django_application = get_asgi_application()
 
+from api import errors  # noqa: E402  (after set-up: the app imports its models)
+
 API_PATHS = ("/v1/", "/healthz", "/metrics")
 
 
@@ -35,19 +42,89 @@ class BareASGIHandler(ASGIHandler):
 
     Nor does it give each request its own ThreadSensitiveContext: Django's
     handler does, so every request starts a new thread (and database connection)
-    just to send `request_started`. The API's views keep database work off their
-    path; what little there is runs in asgiref's one shared sync thread."""
+    just to send `request_started`. Nor does it send `request_started` and
+    `request_finished` at all: their receivers are synchronous, so each costs a
+    thread hop (0.4 ms measured on the way in, before the engine is asked). Their
+    one job that matters here, retiring broken or expired database connections,
+    is done by the API's database calls themselves (api.selectors.in_db_thread):
+    the views keep database work off their path, and what little there is runs
+    in asgiref's one shared sync thread."""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             raise ValueError(f"the API serves HTTP only, not {scope['type']}")
         await self.handle(scope, receive, send)
 
+    async def handle(self, scope, receive, send) -> None:
+        """Read the body (refused over the size cap: from its Content-Length
+        before any of it is read, else as soon as it goes over), answer, and
+        cancel the answer if the client hangs up first (the view's stream then
+        cancels its engine request)."""
+        cap = settings.ROUNDHOUSE_MAX_REQUEST_BYTES
+        try:
+            declared = _content_length(scope)
+            if declared is not None and declared > cap:
+                raise errors.too_large(declared, cap)
+            body_file = await self.read_body(_capped(receive, cap))
+        except RequestAborted:
+            return
+        except errors.ApiError as refused:
+            await self.send_response(refused.response(), send)
+            return
+        try:
+            request, refusal = self.create_request(scope, body_file)
+            if request is None:
+                await self.send_response(refusal, send)
+                return
+            answering = asyncio.create_task(self._answer(request, send))
+            hangup = asyncio.create_task(self.listen_for_disconnect(receive))
+            await asyncio.wait((answering, hangup), return_when=asyncio.FIRST_COMPLETED)
+            for task in (hangup, answering):
+                task.cancel()  # a no-op on the one that is done
+                with contextlib.suppress(asyncio.CancelledError, RequestAborted):
+                    await task
+        finally:
+            body_file.close()
+
+    async def _answer(self, request, send) -> None:
+        response = await self.run_get_response(request)
+        try:
+            await self.send_response(response, send)
+        finally:
+            response.close()  # the event loop's thread holds no database connection
+
     def load_middleware(self, is_async: bool = False) -> None:
         self._view_middleware = []
         self._template_response_middleware = []
         self._exception_middleware = []
         self._middleware_chain = convert_exception_to_response(self._get_response_async)
+
+
+def _content_length(scope) -> int | None:
+    """The declared body size; None when not declared."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                raise errors.ApiError(400, "Content-Length is not a number.") from None
+    return None
+
+
+def _capped(receive, cap: int):
+    """`receive`, raising 413 once the body read so far is over `cap` bytes (a
+    chunked body declares no size)."""
+    read = 0
+
+    async def capped_receive():
+        nonlocal read
+        message = await receive()
+        read += len(message.get("body", b""))
+        if read > cap:
+            raise errors.too_large(None, cap)
+        return message
+
+    return capped_receive
 
 
 api_application = BareASGIHandler()

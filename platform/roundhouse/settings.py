@@ -208,4 +208,5 @@ LOGGING = {
 ROUNDHOUSE_ADMIN_USER = env.str("ROUNDHOUSE_ADMIN_USER", default="admin")
 ROUNDHOUSE_ADMIN_PASSWORD = env.str("ROUNDHOUSE_ADMIN_PASSWORD", default="")
 
-# ROUNDHOUSE_PORT (read by scripts/run, not here): the front's port, default 8000.
+# ROUNDHOUSE_PORT / ROUNDHOUSE_HOST (read by roundhouse/serve.py, not here): where
+# the front listens, default 127.0.0.1:8000.

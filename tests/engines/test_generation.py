@@ -76,6 +76,9 @@ def test_chat_answer_arrives_as_a_stream(llm_engine):
     assert len(tokens) >= 5
     assert sum(f["tokens"] for f in tokens) == done["usage"]["completion_tokens"]
     assert done["usage"]["prompt_tokens"] > 10
+    # The engine's own times: the first token came before the end, both after
+    # the request arrived.
+    assert 0 < done["timings"]["first_token_ms"] <= done["timings"]["total_ms"]
 
     whole = client.generate(SMOL, **fields)
     assert whole["text"] == "".join(f["text"] for f in tokens)

@@ -10,7 +10,8 @@ HEAVY = ["torch", "transformers", "sentence_transformers", "llama_cpp"]
 PROBE = """
 import json, os, sys
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "roundhouse.settings")
-import roundhouse.asgi  # the real ASGI application Daphne serves
+import roundhouse.serve  # the front's server, as the Procfile starts it
+import roundhouse.asgi  # the real ASGI application it serves
 from django.urls import get_resolver
 get_resolver().url_patterns  # import every view module as a first request would
 from django.contrib import admin

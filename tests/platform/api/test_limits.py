@@ -146,12 +146,27 @@ class GatedCache:
         return self.real.incr(*args, **kwargs)
 
 
+async def test_in_process_cache_is_counted_on_the_event_loop(monkeypatch):
+    """With the in-process cache, admission takes no thread hop."""
+
+    def no_thread(**kwargs):
+        raise AssertionError("the in-process cache was counted in a thread")
+
+    monkeypatch.setattr(limits, "_admit_async", no_thread)
+    monkeypatch.setattr(limits, "_slot_give_back_async", no_thread)
+    key = key_with(rpm_limit=5, max_concurrent=1)
+    await admit(key)
+    await admit(key)
+
+
 async def test_slot_is_released_when_cancelled_while_being_taken(monkeypatch):
     """A request cancelled while its slot is being counted (the increment runs on
-    in its thread) does not leak the slot."""
+    in its thread, as it does for a cache in another process) does not leak the
+    slot."""
     key = key_with(max_concurrent=1)
     gated = GatedCache(cache)
     monkeypatch.setattr(limits, "cache", gated)
+    monkeypatch.setattr(limits, "_in_process", lambda: False)
 
     async def request() -> None:
         async with key_admission(key):

@@ -1,11 +1,12 @@
 """The OpenAI-compatible API end to end: the official `openai` client against a
-live Daphne front, with `manage.py supervise` running a real engine that serves
-the bundled SmolLM2 (chat) and MiniLM (embeddings).
+live front (uvicorn, as `make run` starts it), with `manage.py supervise` running
+a real engine that serves the bundled SmolLM2 (chat) and MiniLM (embeddings).
 
 The platform is started once for the module; tests reach the database through
 `orm` (rows stay for the module: the front and the supervisor read them)."""
 
 import base64
+import http.client
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from email.message import Message
 from pathlib import Path
 
 import numpy as np
@@ -62,16 +64,16 @@ class Live:
     def engine(self) -> EngineClient:
         return EngineClient.for_engine(self.run_dir, ENGINE)
 
-    def get(self, path: str) -> tuple[int, dict, bytes]:
+    def get(self, path: str) -> tuple[int, Message, bytes]:
         try:
             with urllib.request.urlopen(self.base_url + path, timeout=30) as reply:
-                return reply.status, dict(reply.headers), reply.read()
+                return reply.status, reply.headers, reply.read()
         except urllib.error.HTTPError as error:
-            return error.code, dict(error.headers), error.read()
+            return error.code, error.headers, error.read()
 
     def post(
         self, path: str, body: bytes, *, key: str = "main", headers=None
-    ) -> tuple[int, dict, dict]:
+    ) -> tuple[int, Message, dict]:
         request = urllib.request.Request(
             self.base_url + path,
             data=body,
@@ -83,9 +85,9 @@ class Live:
         )
         try:
             with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, dict(reply.headers), json.loads(reply.read())
+                return reply.status, reply.headers, json.loads(reply.read())
         except urllib.error.HTTPError as error:
-            return error.code, dict(error.headers), json.loads(error.read())
+            return error.code, error.headers, json.loads(error.read())
 
 
 def _rows(base_port: int) -> dict[str, str]:
@@ -149,14 +151,7 @@ def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
         ("supervisor", [sys.executable, "manage.py", "supervise"]),
         (
             "front",
-            [
-                str(Path(sys.executable).with_name("daphne")),
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "roundhouse.asgi:application",
-            ],
+            [sys.executable, "-m", "roundhouse.serve", "--port", str(port)],
         ),
     ):
         with open(tmp / f"{name}.log", "ab") as log:
@@ -260,6 +255,10 @@ def test_chat_completion(live, orm):
     assert row.engine == ENGINE
     assert row.model == CHAT
     assert row.latency_ms > 0
+    # Roundhouse's addition: the engine that answered and its own times.
+    timings = reply.model_extra["timings"]
+    assert timings["engine"] == ENGINE
+    assert 0 < timings["engine_first_token_ms"] <= timings["engine_total_ms"]
 
 
 def test_streamed_chat_matches_the_plain_answer(live):
@@ -285,6 +284,9 @@ def test_streamed_chat_matches_the_plain_answer(live):
     assert chunks[0].choices[0].delta.role == "assistant"
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1
+    timings = finals[0].model_extra["timings"]
+    assert timings["engine"] == ENGINE
+    assert 0 < timings["engine_first_token_ms"] <= timings["engine_total_ms"]
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
@@ -442,11 +444,47 @@ def test_no_engine_for_the_format_is_503(live):
     assert "no engine can serve transformers models" in error.value.body["message"]
 
 
-def test_oversized_body_is_413_before_it_is_read(live, settings):
-    huge = b'{"model": "x", "input": "' + b"a" * (17 * 1024 * 1024) + b'"}'
-    status, _, body = live.post("/v1/embeddings", huge)
+def _partial_post(live, headers: dict, body: bytes) -> tuple[int, dict]:
+    """POST /v1/embeddings sending only `body` after the headers (not
+    necessarily all the headers announce); the status and JSON answer."""
+    connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
+    try:
+        connection.putrequest("POST", "/v1/embeddings")
+        for name, value in {
+            "Authorization": f"Bearer {live.keys['main']}",
+            "Content-Type": "application/json",
+            **headers,
+        }.items():
+            connection.putheader(name, value)
+        connection.endheaders()
+        connection.send(body)
+        reply = connection.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        connection.close()
+
+
+def test_oversized_body_is_413_before_it_is_read(live):
+    """The declared size alone is refused: the answer comes while the client
+    has sent 9 bytes of the 17 MiB it announced."""
+    declared = 17 * 1024 * 1024
+    status, body = _partial_post(live, {"Content-Length": declared}, b'{"model":')
     assert status == 413
     assert body["error"]["code"] == "request_too_large"
+    assert str(declared) in body["error"]["message"]
+
+
+def test_chunked_body_over_the_cap_is_413(live):
+    """A chunked body declares no size: it is refused once it goes over (the
+    client stops one byte past the cap, never sending the last chunk)."""
+    piece = b"a" * (1024 * 1024)
+    cap = 16 * 1024 * 1024  # ROUNDHOUSE_MAX_REQUEST_BYTES' default
+    pieces = [piece] * (cap // len(piece)) + [b"a"]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+    status, body = _partial_post(live, {"Transfer-Encoding": "chunked"}, chunks)
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large"
+    assert "exceeds the limit" in body["error"]["message"]
 
 
 # -- disconnects -----------------------------------------------------------
@@ -480,7 +518,7 @@ def test_disconnect_mid_stream_frees_the_engine_slot(live, orm):
 
 
 def test_the_serving_front_never_loaded_an_ml_library(live):
-    """After answering chat, completions and embeddings, the Daphne process has
+    """After answering chat, completions and embeddings, the front's process has
     no torch, transformers or llama.cpp library mapped."""
     live.client().embeddings.create(model=EMBEDDER, input="one more")
 

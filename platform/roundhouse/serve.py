@@ -1,0 +1,59 @@
+"""Serve the front: `python -m roundhouse.serve [--port N]` (PYTHONPATH=platform:.).
+
+The front is `roundhouse.asgi:application` under uvicorn, with uvloop and
+httptools, on loopback unless told otherwise. Channels runs under any ASGI
+server; ARCHITECTURE.md names Daphne, which Roundhouse used first. Daphne's
+Twisted HTTP layer costs about 1.7 ms more per streamed request before its first
+token than uvicorn does (bench/front.py, both measured on the same machine; see
+bench/README.md), which alone broke the front's latency budget of 3 ms. Daphne
+stays installed for `manage.py runserver`.
+
+The Procfile, bench/front.py and the live API tests all start the front
+through this module, so they run the same server with the same settings.
+"""
+
+import argparse
+import os
+
+import uvicorn
+
+# Long streams get this long to finish when the front is stopped; then their
+# connections are closed, which cancels their requests in the engines.
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("ROUNDHOUSE_HOST", "127.0.0.1"),
+        help="address to listen on (ROUNDHOUSE_HOST; default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("ROUNDHOUSE_PORT", "8000")),
+        help="port to listen on (ROUNDHOUSE_PORT; default 8000)",
+    )
+    parser.add_argument(
+        "--no-access-log", action="store_true", help="do not log each request"
+    )
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "roundhouse.settings")
+    uvicorn.run(
+        "roundhouse.asgi:application",
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        ws="websockets",
+        # Django answers no ASGI lifespan events; Channels refuses the scope.
+        lifespan="off",
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        server_header=False,
+    )
+
+
+if __name__ == "__main__":
+    main()
