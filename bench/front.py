@@ -61,7 +61,7 @@ ENGINE = "cpu0"
 SEED = 1234
 GOAL_MS = 3.0
 PROBES = 40  # sequential round trips per probe of the front alone
-ISOLATED = 12  # single streams per path, each after an idle pause
+ISOLATED = 30  # single streams per path, each after an idle pause
 ISOLATED_PAUSE_S = 0.5
 
 
@@ -228,18 +228,24 @@ class Platform:
         self.processes.append(process)
         return process
 
-    def startup(self) -> None:
+    def startup(self, engine_cpus: list[int]) -> None:
         self.manage("migrate", "--noinput")
         # Engines listen on base port + order: a free one, not the developer's.
+        # With --engine-cpus the engine runs on those cores (its spec's CPU
+        # cores), and everything else (supervisor, front, this bench) on the rest.
         self.manage(
             "shell",
             "-c",
-            "from fleet.models import ServerSettings\n"
+            "from fleet.models import EngineSpec, ServerSettings\n"
             "row = ServerSettings.load()\n"
             f"row.base_port = {free_port()}\n"
             "row.full_clean()\n"
-            "row.save()",
+            "row.save()\n"
+            f"EngineSpec.objects.filter(name={ENGINE!r})"
+            f".update(cpus={','.join(map(str, engine_cpus))!r})",
         )
+        if engine_cpus:
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - set(engine_cpus))
         output = self.manage("create_api_key", "bench")
         self.key = next(
             line.strip() for line in output.splitlines() if line.startswith("rh-")
@@ -334,7 +340,20 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=16, help="max_tokens")
+    parser.add_argument(
+        "--engine-cpus",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="CORE",
+        help="run the engine on these cores and the rest (front, bench) on the "
+        "others; default: all share every core",
+    )
     args = parser.parse_args()
+    if args.engine_cpus and not set(args.engine_cpus) < os.sched_getaffinity(0):
+        raise SystemExit(
+            f"--engine-cpus must leave a core of {sorted(os.sched_getaffinity(0))}"
+        )
     if not MODEL_PATH.exists():
         raise SystemExit(f"{MODEL_PATH} missing: run `make test` or `make run` first")
     # SIGTERM stops the bench like Ctrl-C: the platform is still torn down.
@@ -343,7 +362,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="roundhouse-bench-") as tmp:
         platform = Platform(Path(tmp))
         try:
-            platform.startup()
+            platform.startup(args.engine_cpus)
             print(f"platform up in {time.monotonic() - began:.0f} s; measuring")
             results, probes = asyncio.run(measure(platform, args))
         finally:
@@ -358,9 +377,14 @@ def report(args, results, probes) -> None:
         rounds = results[(path, streams)]
         return [statistics.median(getattr(s, field) for s in r) * 1000 for r in rounds]
 
+    placement = (
+        f"engine on cores {args.engine_cpus}, the rest on the others"
+        if args.engine_cpus
+        else f"all processes share the {len(os.sched_getaffinity(0))} cores"
+    )
     print(
         f"\n{MODEL}, at most {args.tokens} tokens per stream, greedy; "
-        f"p50 ms, medians of {args.rounds} rounds"
+        f"p50 ms, medians of {args.rounds} rounds; {placement}"
     )
     print(
         f"{'streams':>7}  {'':<22}{'front':>9}{'direct':>9}"

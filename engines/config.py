@@ -36,6 +36,15 @@ GPU_BACKENDS = frozenset({"cuda", "rocm", "vulkan"})
 LOOPBACK = "127.0.0.1"
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a pinned engine or a
+    container's cpuset), which os.cpu_count() ignores."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def from_known_fields(cls, data: dict[str, Any]):
     """Build a dataclass from a dict, ignoring keys it does not know (a newer
     supervisor may send more than this engine understands)."""
@@ -99,6 +108,8 @@ class EngineConfig:
     # owns (UUIDs or indices): only those pause it.
     thermal: dict[str, Any] = field(default_factory=dict)
     devices: list[str] = field(default_factory=list)
+    # CPU cores the process may run on (set when it starts); empty: all.
+    cpus: list[int] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
@@ -114,6 +125,7 @@ class EngineConfig:
             preload=list(data.get("preload", [])),
             thermal=dict(data.get("thermal", {})),
             devices=[str(device) for device in data.get("devices", [])],
+            cpus=[int(core) for core in data.get("cpus", [])],
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,6 +138,7 @@ class EngineConfig:
             "preload": list(self.preload),
             "thermal": dict(self.thermal),
             "devices": list(self.devices),
+            "cpus": list(self.cpus),
         }
 
     def to_json(self) -> str:

@@ -43,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         config.name = args.name
     if args.port is not None:
         config.port = args.port
+    if config.cpus:
+        # Before any thread starts: threads inherit the affinity they start with.
+        try:
+            os.sched_setaffinity(0, config.cpus)
+        except (AttributeError, OSError, ValueError) as error:
+            print(
+                f"cannot run on CPU cores {config.cpus}: {error}",
+                file=sys.stderr,
+            )
+            return 2
 
     from .server import EngineServer
 

@@ -4,13 +4,13 @@ every active slot's next token in one llama_decode batch."""
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import numpy as np
 
+from ..config import usable_cores
 from ..generation import Slot, SlotBackend, logprob_entry
 from ..protocol import ErrorCode, ProtocolError
 from ..textgen import SamplingParams
@@ -99,7 +99,7 @@ class LlamaBackend(SlotBackend):
         cparams.n_ctx = self.ctx_per_slot * self.n_slots
         cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
         cparams.n_seq_max = self.n_slots
-        threads = n_threads or os.cpu_count() or 1
+        threads = n_threads or usable_cores()
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = True
         cparams.no_perf = True

@@ -52,7 +52,10 @@ class EngineSpecAdmin(admin.ModelAdmin):
     actions = ["restart_engines"]
     fieldsets = [
         (None, {"fields": ["name", "backend", "enabled", "order", "port"]}),
-        ("Devices and environment", {"fields": ["devices", "env", "capabilities"]}),
+        (
+            "Devices and environment",
+            {"fields": ["devices", "cpus", "env", "capabilities"]},
+        ),
     ]
 
     @admin.display(description="port")

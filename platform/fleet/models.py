@@ -38,6 +38,37 @@ def validate_env_block(value: object) -> None:
         )
 
 
+CPU_LIST_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+MAX_CPU = 4095
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """CPU cores in Linux's list syntax ("0-3,6"), sorted; ValueError naming the
+    bad item. Empty: no restriction ([])."""
+    cores: set[int] = set()
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        match = CPU_LIST_ITEM.match(item)
+        if match is None:
+            raise ValueError(f"'{item}' is not a core number or a range like 0-3")
+        first = int(match.group(1))
+        last = int(match.group(2) or first)
+        if last < first or last > MAX_CPU:
+            raise ValueError(
+                f"'{item}' is not a range from low to high (up to {MAX_CPU})"
+            )
+        cores.update(range(first, last + 1))
+    return sorted(cores)
+
+
+def validate_cpu_list(value: str) -> None:
+    try:
+        parse_cpu_list(value)
+    except ValueError as error:
+        raise ValidationError(f"CPU cores: {error}.") from None
+
+
 def validate_capabilities(value: object) -> None:
     """Capabilities are a list of known model formats."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -75,6 +106,15 @@ class EngineSpec(models.Model):
         help_text="Devices this engine owns, comma-separated (GPU UUIDs or "
         "indices); judged for thermal pauses.",
     )
+    cpus = models.CharField(
+        "CPU cores",
+        max_length=200,
+        blank=True,
+        validators=[validate_cpu_list],
+        help_text="CPU cores the engine may run on, in Linux's list syntax (0-3,6); "
+        "its compute threads default to one per core it may use. Empty: all. "
+        "Leaving a core to the front keeps it from slowing the engine down.",
+    )
     enabled = models.BooleanField(default=True)
     order = models.PositiveIntegerField(
         default=0, help_text="The first enabled engine by order is the primary."
@@ -105,6 +145,10 @@ class EngineSpec(models.Model):
     def effective_capabilities(self) -> frozenset[str]:
         """Formats served: the override when set, else the backend's defaults."""
         return compat.capabilities_for(self.backend, self.capabilities)
+
+    @property
+    def cpu_list(self) -> list[int]:
+        return parse_cpu_list(self.cpus)
 
     @property
     def device_list(self) -> list[str]:

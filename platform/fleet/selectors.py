@@ -74,7 +74,14 @@ class DesiredEngine:
     def spawn_key(self) -> str:
         """What forces a restart when it changes (unlike limits, pushed live)."""
         return json.dumps(
-            [self.name, self.port, self.backend, self.env, self.devices],
+            [
+                self.name,
+                self.port,
+                self.backend,
+                self.env,
+                self.devices,
+                self.config.get("cpus", []),  # applied when the process starts
+            ],
             sort_keys=True,
         )
 
@@ -122,6 +129,7 @@ def engines_desired() -> list[DesiredEngine]:
             "models": models_servable_by(capabilities=spec.effective_capabilities),
             "thermal": thermal,
             "devices": spec.device_list,
+            "cpus": spec.cpu_list,
         }
         desired.append(
             DesiredEngine(

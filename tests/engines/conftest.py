@@ -74,6 +74,7 @@ def start_engine(
     devices=(),
     limits: dict | None = None,
     backend: str = "cpu",
+    cpus=(),
 ) -> EngineProcess:
     port, token = free_port(), secrets.token_hex(32)
     config = {
@@ -85,6 +86,7 @@ def start_engine(
         "models": models,
         "preload": list(preload),
         "devices": list(devices),
+        "cpus": list(cpus),
         "limits": limits or {},
     }
     log_path = log_dir / f"engine-{port}.log"

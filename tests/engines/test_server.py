@@ -1,6 +1,7 @@
 """A real engine process on loopback serving the bundled MiniLM embedder."""
 
 import asyncio
+import os
 import socket
 import struct
 import time
@@ -23,7 +24,7 @@ from engines.protocol import (
     encode_message,
     recv_frame,
 )
-from tests.engines.conftest import EMBEDDER
+from tests.engines.conftest import EMBEDDER, start_engine
 
 
 def raw_exchange(port: int, data: bytes) -> dict:
@@ -270,3 +271,24 @@ def test_client_errors_name_the_failure(embed_engine):
 
     with pytest.raises(EngineUnauthorized):
         asyncio.run(wrong_token())
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_engine_runs_on_the_cores_it_is_given(tmp_path):
+    """An engine given CPU cores runs on those only; one given none keeps all of
+    this process's."""
+    ours = sorted(os.sched_getaffinity(0))
+    pinned = start_engine(tmp_path, models=[], cpus=[ours[-1]])
+    free = start_engine(tmp_path, models=[])
+    try:
+        assert psutil.Process(pinned.process.pid).cpu_affinity() == [ours[-1]]
+        assert psutil.Process(free.process.pid).cpu_affinity() == ours
+    finally:
+        pinned.stop()
+        free.stop()
+
+
+def test_engine_refuses_cores_it_cannot_have(tmp_path):
+    engine = start_engine(tmp_path, models=[], cpus=[4000], wait_ready=False)
+    assert engine.process.wait(60) == 2
+    assert "cannot run on CPU cores [4000]" in engine.log()
