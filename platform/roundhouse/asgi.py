@@ -42,13 +42,15 @@ class BareASGIHandler(ASGIHandler):
 
     Nor does it give each request its own ThreadSensitiveContext: Django's
     handler does, so every request starts a new thread (and database connection)
-    just to send `request_started`. Nor does it send `request_started` and
-    `request_finished` at all: their receivers are synchronous, so each costs a
-    thread hop (0.4 ms measured on the way in, before the engine is asked). Their
-    one job that matters here, retiring broken or expired database connections,
-    is done by the API's database calls themselves (api.selectors.in_db_thread):
-    the views keep database work off their path, and what little there is runs
-    in asgiref's one shared sync thread."""
+    just to send `request_started`. Nor does it send `request_started` at all:
+    its receivers are synchronous, so Django sends it with a thread hop (0.4 ms
+    measured, before the engine is asked); and it closes the response (which
+    sends `request_finished`) on the event loop, whose thread holds no database
+    connection, instead of in a thread. What `request_started` does that matters
+    here, retiring broken or expired database connections, the API's database
+    calls do themselves (api.selectors.in_db_thread): the views keep database
+    work off their path, and what little there is runs in asgiref's one shared
+    sync thread."""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -91,7 +93,7 @@ class BareASGIHandler(ASGIHandler):
         try:
             await self.send_response(response, send)
         finally:
-            response.close()  # the event loop's thread holds no database connection
+            response.close()
 
     def load_middleware(self, is_async: bool = False) -> None:
         self._view_middleware = []
