@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         loop="uvloop",
         http="httptools",
-        ws="websockets",
+        ws="websockets-sansio",
         # Django answers no ASGI lifespan events; Channels refuses the scope.
         lifespan="off",
         access_log=not args.no_access_log,
