@@ -208,7 +208,6 @@ async def _serve(
     refused = _method_not_allowed(request, "POST")
     if refused is not None:
         return refused
-
     call = Call(endpoint)
     limits = contextlib.AsyncExitStack()
     try:
@@ -545,10 +544,13 @@ async def healthz(request: HttpRequest) -> HttpResponse:
     )
 
 
+_engine_counters = in_db_thread(engine_counters)
+
+
 async def metrics_view(request: HttpRequest) -> HttpResponse:
     """GET /metrics in Prometheus' text format."""
     metrics.FLEET.snapshot = await GATEWAY.snapshot()
-    restarts, model_queues = await in_db_thread(engine_counters)()
+    restarts, model_queues = await _engine_counters()
     metrics.FLEET.restarts, metrics.FLEET.model_queues = restarts, model_queues
     return HttpResponse(
         metrics.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8"
