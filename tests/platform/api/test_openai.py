@@ -547,6 +547,13 @@ def test_metrics_count_requests_tokens_and_engines(live):
     live.client().chat.completions.create(
         model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
+    resident = f'roundhouse_model_resident{{engine="{ENGINE}",model="{CHAT}"}}'
+    # The supervisor records resident models on its next poll (every second).
+    wait_for(
+        lambda: resident in live.get("/metrics")[2].decode(),
+        timeout=30,
+        what="the chat model resident in /metrics",
+    )
     status, headers, body = live.get("/metrics")
     text = body.decode()
     assert status == 200
@@ -559,7 +566,7 @@ def test_metrics_count_requests_tokens_and_engines(live):
     assert "roundhouse_request_latency_seconds_bucket" in text
     assert "roundhouse_tokens_total" in text
     assert "roundhouse_engine_restarts_total" in text
-    assert f'roundhouse_model_resident{{engine="{ENGINE}",model="{CHAT}"}}' in text
+    assert resident in text
 
 
 def test_openapi_document_matches_the_schemas(live):
