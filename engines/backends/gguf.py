@@ -220,13 +220,19 @@ class LlamaBackend(SlotBackend):
         fill the rest of the batch with prompt chunks; one llama_decode; then each
         slot that produced logits samples its next token."""
         self.batch.n_tokens = 0
-        outputs: list[tuple[Slot, int]] = []
+        # Slots whose prompt ends in this pass are sampled first, the running
+        # ones after: a first token then leaves ahead of the other streams' next
+        # tokens, here and in every hop that relays them one by one (a stream's
+        # user is waiting on its first token; a running stream's next token is
+        # due no sooner than the next pass).
+        firsts: list[tuple[Slot, int]] = []
+        running: list[tuple[Slot, int]] = []
         for slot in self.slots:
             if slot.request is not None and slot.next_token is not None:
                 index = self._add(slot.next_token, slot.n_past, slot.index, True)
                 slot.n_past += 1
                 slot.next_token = None
-                outputs.append((slot, index))
+                running.append((slot, index))
         for slot in self.slots:
             room = BATCH_TOKENS - self.batch.n_tokens
             if slot.request is None or not slot.todo or room <= 0:
@@ -237,9 +243,10 @@ class LlamaBackend(SlotBackend):
                 index = self._add(token, slot.n_past, slot.index, last)
                 slot.n_past += 1
             if not slot.todo:
-                outputs.append((slot, index))
+                firsts.append((slot, index))
         if self.batch.n_tokens == 0:
             return
+        outputs = firsts + running
         code = llama_cpp.llama_decode(self.ctx, self.batch)
         if code != 0:
             for slot, _ in outputs:
