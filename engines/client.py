@@ -84,6 +84,14 @@ def _embeddings(reply: dict[str, Any], array: bytes | None) -> np.ndarray:
     return decode_array(array)
 
 
+def _unreachable(name: str, error: OSError | TimeoutError) -> EngineUnreachable:
+    if isinstance(error, TimeoutError):
+        return EngineUnreachable(
+            f"engine {name}: no connection in {CONTROL_TIMEOUT_S:g} s"
+        )
+    return EngineUnreachable(f"engine {name}: {error}")
+
+
 # -- connection files -----------------------------------------------------------
 
 
@@ -146,15 +154,15 @@ class AsyncEngineClient(_EngineAddress):
         kind = str(message.get("kind", ""))
         limit = _timeout_for(kind, timeout)
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(LOOPBACK, self.port), CONTROL_TIMEOUT_S
-            )
+            async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(LOOPBACK, self.port)
         except (OSError, TimeoutError) as error:
-            raise EngineUnreachable(f"engine {self.name}: {error}") from None
+            raise _unreachable(self.name, error) from None
         try:
             writer.write(encode_message({**message, "token": self._token}))
             await writer.drain()
-            reply, array = await asyncio.wait_for(self._read_reply(reader), limit)
+            async with asyncio.timeout(limit):
+                reply, array = await self._read_reply(reader)
         except TimeoutError:
             raise EngineTimeout(
                 f"engine {self.name}: no answer in {limit:g} s"
@@ -214,21 +222,25 @@ class AsyncEngineClient(_EngineAddress):
         self, model: str, *, timeout: float | None = None, **fields: Any
     ) -> AsyncIterator[dict[str, Any]]:
         """Frames as the engine decodes: start, token..., then done. Closing the
-        iterator early hangs up, which cancels the request in the engine."""
+        iterator early hangs up, which cancels the request in the engine.
+
+        `timeout`: the longest wait for the next frame. Each read runs under
+        `asyncio.timeout`, not `asyncio.wait_for`, which in Python 3.11 runs
+        what it awaits in a task of its own: a task and a loop pass per token."""
         limit = timeout or REQUEST_TIMEOUT_S
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(LOOPBACK, self.port), CONTROL_TIMEOUT_S
-            )
+            async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(LOOPBACK, self.port)
         except (OSError, TimeoutError) as error:
-            raise EngineUnreachable(f"engine {self.name}: {error}") from None
+            raise _unreachable(self.name, error) from None
         message = {"kind": "generate_stream", "model": model, **fields}
         try:
             writer.write(encode_message({**message, "token": self._token}))
             await writer.drain()
             while True:
                 try:
-                    payload = await asyncio.wait_for(read_frame(reader), limit)
+                    async with asyncio.timeout(limit):
+                        payload = await read_frame(reader)
                 except TimeoutError:
                     raise EngineTimeout(f"engine {self.name}: stream stalled") from None
                 except (ConnectionError, OSError) as error:
