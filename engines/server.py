@@ -2,6 +2,7 @@
 number of connections, with the models resident in this process."""
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import logging
@@ -782,11 +783,21 @@ class EngineServer:
         params = SamplingParams.from_request(message, model.spec.sampling)
         prompt_tokens = backend.tokenize(backend.render_prompt(message))
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[dict] = asyncio.Queue()
+        # The decode thread's events land here; `ready` wakes this coroutine for
+        # them or for the caller hanging up. Events that arrived together leave
+        # in one write (a last token and the final frame, typically): each write
+        # wakes the caller, which costs both sides CPU.
+        events: collections.deque[dict] = collections.deque()
+        ready = asyncio.Event()
+
+        def arrived(event: dict) -> None:
+            events.append(event)
+            ready.set()
+
         request = GenerationRequest(
             prompt_tokens=prompt_tokens,
             params=params,
-            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            emit=lambda event: loop.call_soon_threadsafe(arrived, event),
         )
         if message.get("request_id"):
             request.id = message["request_id"]
@@ -797,6 +808,7 @@ class EngineServer:
         # The caller sends nothing while its request runs: end of stream on the
         # connection means it went away.
         hangup = asyncio.ensure_future(reader.read(1))
+        hangup.add_done_callback(lambda _: ready.set())
         parts: list[str] = []
         try:
             if stream:
@@ -804,36 +816,41 @@ class EngineServer:
                     writer, {"status": "ok", "event": "start", "request_id": request.id}
                 )
             while True:
-                next_event = asyncio.ensure_future(events.get())
-                await asyncio.wait(
-                    {next_event, hangup}, return_when=asyncio.FIRST_COMPLETED
-                )
-                if not next_event.done():
-                    next_event.cancel()
+                await ready.wait()
+                ready.clear()
+                frames: list[bytes] = []
+                final = False
+                while events and not final:
+                    event = events.popleft()
+                    if event["event"] == "token":
+                        if first_token_ms is None:
+                            first_token_ms = _ms_since(received)
+                        if stream:
+                            frames.append(encode_message({"status": "ok", **event}))
+                        else:
+                            parts.append(event["text"])
+                        continue
+                    final = True
+                    if event["event"] == "error":
+                        reply = error_frame(event["code"], event["message"])
+                    else:
+                        reply = {"status": "ok", **event, "request_id": request.id}
+                        reply["timings"] = {
+                            "first_token_ms": first_token_ms,
+                            "total_ms": _ms_since(received),
+                        }
+                        if not stream:
+                            reply["text"] = "".join(parts)
+                    frames.append(encode_message(reply))
+                if frames:
+                    writer.write(b"".join(frames))
+                    await writer.drain()
+                if final:
+                    return
+                if hangup.done():
                     model.runner.cancel(request.id)
                     log.info("caller of %s went away: cancelled", request.id)
                     return
-                event = next_event.result()
-                if event["event"] == "token":
-                    if first_token_ms is None:
-                        first_token_ms = _ms_since(received)
-                    if stream:
-                        await self._write(writer, {"status": "ok", **event})
-                    else:
-                        parts.append(event["text"])
-                    continue
-                if event["event"] == "error":
-                    reply = error_frame(event["code"], event["message"])
-                else:
-                    reply = {"status": "ok", **event, "request_id": request.id}
-                    reply["timings"] = {
-                        "first_token_ms": first_token_ms,
-                        "total_ms": _ms_since(received),
-                    }
-                    if not stream:
-                        reply["text"] = "".join(parts)
-                await self._write(writer, reply)
-                return
         except (ConnectionError, OSError):
             model.runner.cancel(request.id)
         finally:
