@@ -12,7 +12,7 @@ batch of 8 a few can differ by a near-tie).
 
 Reported, medians of `--rounds` rounds, the paths interleaved within each round:
 the p50 over N concurrent streams of the time until the engine admitted the
-request (the role chunk; the start frame), to the first token (the first
+request (the response's headers; the start frame), to the first token (the first
 non-empty content) and to the end, through the front and through
 `AsyncEngineClient` (the anchor); front-direct is the median of the rounds'
 differences. Time to first token is split in two: the engine's own part (its
@@ -69,7 +69,7 @@ ISOLATED_PAUSE_S = 0.5
 class Stream:
     """One stream's times from its request, in seconds, and its text."""
 
-    start: float  # the engine admitted it: the role chunk, or the start frame
+    start: float  # the engine admitted it: the headers, or the start frame
     ttft: float  # the first non-empty content
     total: float  # the end of the stream
     text: str
@@ -139,7 +139,8 @@ async def front_stream(port: int, key: str, index: int, tokens: int) -> Stream:
     )
     if status != 200:
         raise RuntimeError(f"front: HTTP {status}: {(await reader.read())[:300]!r}")
-    admitted, first, parts, engine_ttft = None, None, [], 0.0
+    # The front answers 200 once the engine has admitted the request.
+    admitted, first, parts, engine_ttft = time.perf_counter() - start, None, [], 0.0
     async for event in sse_events(reader):
         if "error" in event:
             raise RuntimeError(f"front: {event['error']}")
@@ -147,15 +148,13 @@ async def front_stream(port: int, key: str, index: int, tokens: int) -> Stream:
             engine_ttft = event["timings"]["engine_first_token_ms"] / 1000
         if not event["choices"]:
             continue
-        delta = event["choices"][0]["delta"]
-        admitted = admitted or time.perf_counter() - start
-        text = delta.get("content")
+        text = event["choices"][0]["delta"].get("content")
         if text:
             first = first or time.perf_counter() - start
             parts.append(text)
     total = time.perf_counter() - start
     writer.close()
-    return Stream(admitted or total, first or total, total, "".join(parts), engine_ttft)
+    return Stream(admitted, first or total, total, "".join(parts), engine_ttft)
 
 
 async def direct_stream(client: AsyncEngineClient, index: int, tokens: int) -> Stream:

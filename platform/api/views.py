@@ -388,26 +388,37 @@ async def _generate(
         return _sse({**base, "choices": [choice], **extra})
 
     async def content() -> AsyncIterator[bytes]:
+        # Every write to the client is a send() that wakes it, which costs the
+        # front 0.2-0.3 ms of CPU on a small VM: chunks due at the same moment
+        # leave together. The response's headers tell the client that the engine
+        # admitted the request; the role chunk waits for the first token (or the
+        # end) and leaves in its write.
+        pending = chunk({"role": "assistant", "content": ""}, None) if chat else b""
         try:
-            if chat:
-                yield chunk({"role": "assistant", "content": ""}, None)
             async for frame in frames:
                 if frame.get("event") == "token":
                     if call.first_token_at is None:
                         call.first_token_at = time.perf_counter()
                     text = frame.get("text", "")
-                    yield chunk({"content": text} if chat else text, None)
+                    yield pending + chunk({"content": text} if chat else text, None)
+                    pending = b""
                 elif frame.get("event") == "done":
                     usage = frame.get("usage", {})
                     call.prompt_tokens = int(usage.get("prompt_tokens", 0))
                     call.completion_tokens = int(usage.get("completion_tokens", 0))
                     reason = _finish_reason(frame.get("finish_reason", "stop"))
-                    yield chunk(
-                        {} if chat else "", reason, timings=_timings(call, frame)
-                    )
+                    last = [
+                        pending,
+                        chunk(
+                            {} if chat else "", reason, timings=_timings(call, frame)
+                        ),
+                    ]
                     if payload.include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(call)})
-            yield _sse("[DONE]")
+                        last.append(
+                            _sse({**base, "choices": [], "usage": _usage(call)})
+                        )
+                    last.append(_sse("[DONE]"))
+                    yield b"".join(last)
         except EngineError as failure:
             # Headers are sent: the failure travels as an error event.
             if isinstance(failure, EngineRequestError):
@@ -417,7 +428,7 @@ async def _generate(
                     errors.ENGINE_DIED, str(failure), code="engine_died"
                 )
             call.status, call.error_code = error.status, error.code or ""
-            yield _sse(error.body())
+            yield pending + _sse(error.body())
         finally:
             # Hanging up on the engine cancels the request there.
             await frames.aclose()

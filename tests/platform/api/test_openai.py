@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -289,6 +290,66 @@ def test_streamed_chat_matches_the_plain_answer(live):
     assert 0 < timings["engine_first_token_ms"] <= timings["engine_total_ms"]
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def http_chunks(port: int, key: str, body: dict) -> tuple[bytes, list[bytes]]:
+    """POST a streamed request; the response's head and each HTTP chunk of its
+    body as it came (uvicorn sends each body message as one chunk)."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Connection: close\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {key}\r\n".encode()
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            received = sock.recv(65536)
+            assert received, f"the connection closed early: {data!r}"
+            data += received
+    head, _, rest = data.partition(b"\r\n\r\n")
+    chunks = []
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return head, chunks
+        chunks.append(rest[:size])
+        rest = rest[size + 2 :]
+
+
+def test_a_stream_sends_chunks_due_together_in_one_write(live):
+    """The role chunk leaves with the first token, and the final chunk, the usage
+    and [DONE] leave together: one write each, not one per event."""
+    head, chunks = http_chunks(
+        live.port,
+        live.keys["main"],
+        {
+            "model": CHAT,
+            "messages": [{"role": "user", "content": "Count to five."}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert head.startswith(b"HTTP/1.1 200")
+
+    def events(chunk: bytes) -> list:
+        lines = chunk.decode().split("\n\n")
+        return [line.removeprefix("data: ") for line in lines if line]
+
+    first = [json.loads(event) for event in events(chunks[0])]
+    assert [e["choices"][0]["delta"].get("role") for e in first] == ["assistant", None]
+    assert first[1]["choices"][0]["delta"]["content"]
+    last = events(chunks[-1])
+    assert last[-1] == "[DONE]"
+    assert json.loads(last[-2])["usage"]["completion_tokens"] == 6
+    assert json.loads(last[-3])["choices"][0]["finish_reason"] == "length"
+    # Every chunk between carries one token.
+    assert all(len(events(chunk)) == 1 for chunk in chunks[1:-1])
 
 
 def test_text_completion_with_stop(live):
