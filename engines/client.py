@@ -153,13 +153,8 @@ class AsyncEngineClient(_EngineAddress):
         """Send one request; returns the reply and its array payload, if any."""
         kind = str(message.get("kind", ""))
         limit = _timeout_for(kind, timeout)
+        reader, writer = await self._open(message)
         try:
-            async with asyncio.timeout(CONTROL_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(LOOPBACK, self.port)
-        except (OSError, TimeoutError) as error:
-            raise _unreachable(self.name, error) from None
-        try:
-            writer.write(encode_message({**message, "token": self._token}))
             await writer.drain()
             async with asyncio.timeout(limit):
                 reply, array = await self._read_reply(reader)
@@ -175,6 +170,50 @@ class AsyncEngineClient(_EngineAddress):
             writer.close()
         _raise_for_error(reply)
         return reply, array
+
+    async def _open(
+        self, message: dict[str, Any]
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Connect and send one request (the writer may still hold its tail).
+
+        On loopback the kernel completes the handshake inside connect(), so the
+        request is sent before this first yields to the loop: in a burst of
+        requests each reaches the engine as it is handled. Through
+        `asyncio.open_connection` it would wait a loop pass for the connection,
+        behind every other callback ready then (the rest of the burst). When the
+        handshake is not done at once (a full listen queue), it waits for it."""
+        data = encode_message({**message, "token": self._token})
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.connect_ex((LOOPBACK, self.port))
+            sent = sock.send(data)
+        except BlockingIOError:
+            sock.close()
+            return await self._open_slowly(data)
+        except OSError as error:
+            sock.close()
+            raise _unreachable(self.name, error) from None
+        try:
+            reader, writer = await asyncio.open_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        if sent < len(data):
+            writer.write(data[sent:])
+        return reader, writer
+
+    async def _open_slowly(
+        self, data: bytes
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(LOOPBACK, self.port)
+        except (OSError, TimeoutError) as error:
+            raise _unreachable(self.name, error) from None
+        writer.write(data)
+        return reader, writer
 
     async def _read_reply(self, reader) -> tuple[dict[str, Any], bytes | None]:
         payload = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
@@ -228,14 +267,9 @@ class AsyncEngineClient(_EngineAddress):
         `asyncio.timeout`, not `asyncio.wait_for`, which in Python 3.11 runs
         what it awaits in a task of its own: a task and a loop pass per token."""
         limit = timeout or REQUEST_TIMEOUT_S
-        try:
-            async with asyncio.timeout(CONTROL_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(LOOPBACK, self.port)
-        except (OSError, TimeoutError) as error:
-            raise _unreachable(self.name, error) from None
         message = {"kind": "generate_stream", "model": model, **fields}
+        reader, writer = await self._open(message)
         try:
-            writer.write(encode_message({**message, "token": self._token}))
             await writer.drain()
             while True:
                 try:

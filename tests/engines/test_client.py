@@ -1,0 +1,101 @@
+"""AsyncEngineClient's connection: the request is on the wire before the client
+first yields to the event loop, and it still gets through when the handshake
+cannot complete at once."""
+
+import asyncio
+import socket
+
+import pytest
+
+from engines.client import AsyncEngineClient, EngineUnreachable
+from engines.protocol import decode_message, recv_frame
+
+
+@pytest.fixture
+def listener():
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    yield server
+    server.close()
+
+
+def received(server: socket.socket) -> dict:
+    connection, _ = server.accept()
+    with connection:
+        connection.settimeout(10)
+        return decode_message(recv_frame(connection))
+
+
+async def test_the_request_is_sent_before_the_first_yield(listener):
+    """The client's task runs one step (up to its first suspension); then, with
+    the event loop held, the engine's side can already read the whole request:
+    in a burst of requests each leaves as soon as it is handled."""
+    client = AsyncEngineClient(port=listener.getsockname()[1], token="t0ken")
+    opening = asyncio.ensure_future(client._open({"kind": "ping"}))
+    await asyncio.sleep(0)  # the task's first step runs before this returns
+    listener.settimeout(1)
+    assert received(listener) == {"kind": "ping", "token": "t0ken"}
+    _, writer = await opening
+    writer.close()
+
+
+async def test_a_full_listen_queue_waits_for_the_handshake():
+    """Connections the engine has not accepted fill its queue: the next one's
+    handshake is pending, so the client waits for it instead of failing."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    address = server.getsockname()
+    fillers = []
+    try:
+        while True:  # fill the queue until a handshake cannot complete
+            probe = socket.socket()
+            probe.setblocking(False)
+            probe.connect_ex(address)
+            fillers.append(probe)
+            try:
+                probe.send(b"-")
+            except BlockingIOError:
+                break
+        client = AsyncEngineClient(port=address[1], token="t0ken")
+        opening = asyncio.ensure_future(client._open({"kind": "ping"}))
+        await asyncio.sleep(0.2)
+        assert not opening.done()  # still waiting for the handshake
+        # The engine catches up: accept every queued connection.
+        loop = asyncio.get_running_loop()
+        accepted = []
+
+        def accept_all() -> dict:
+            server.settimeout(5)
+            while True:
+                connection, _ = server.accept()
+                accepted.append(connection)
+                connection.settimeout(0.5)
+                try:
+                    frame = recv_frame(connection)
+                except (TimeoutError, OSError):
+                    continue
+                message = decode_message(frame)
+                if message.get("kind") == "ping":
+                    return message
+
+        message = await loop.run_in_executor(None, accept_all)
+        _, writer = await asyncio.wait_for(opening, 5)
+        writer.close()
+        assert message == {"kind": "ping", "token": "t0ken"}
+    finally:
+        for probe in fillers:
+            probe.close()
+        for connection in locals().get("accepted", []):
+            connection.close()
+        server.close()
+
+
+async def test_nothing_listening_is_unreachable():
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+    client = AsyncEngineClient(port=port, token="t0ken", name="gone")
+    with pytest.raises(EngineUnreachable, match="engine gone"):
+        await client.ping()
