@@ -78,15 +78,35 @@ class BareASGIHandler(ASGIHandler):
             if request is None:
                 await self.send_response(refusal, send)
                 return
-            answering = asyncio.create_task(self._answer(request, send))
-            hangup = asyncio.create_task(self.listen_for_disconnect(receive))
-            await asyncio.wait((answering, hangup), return_when=asyncio.FIRST_COMPLETED)
-            for task in (hangup, answering):
-                task.cancel()  # a no-op on the one that is done
-                with contextlib.suppress(asyncio.CancelledError, RequestAborted):
-                    await task
+            await self._answer_unless_hung_up(request, receive, send)
         finally:
             body_file.close()
+
+    async def _answer_unless_hung_up(self, request, receive, send) -> None:
+        """Answer in this task, which a hang-up cancels. Django runs the answer
+        in a task of its own and waits for it or the hang-up, whichever comes
+        first: a loop pass more before the view starts, so in a burst of
+        requests every one's engine request waits behind the others' arrival."""
+        answering = asyncio.current_task()
+        listening = True
+
+        def hung_up(_: asyncio.Task) -> None:
+            if listening:  # not once the answer is over (the end reads as one)
+                answering.cancel()
+
+        hangup = asyncio.create_task(self.listen_for_disconnect(receive))
+        hangup.add_done_callback(hung_up)
+        try:
+            await self._answer(request, send)
+        except asyncio.CancelledError:
+            if not hangup.done():
+                raise  # cancelled from outside: the server is stopping
+            answering.uncancel()  # ours: the caller went away
+        finally:
+            listening = False
+            hangup.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RequestAborted):
+                await hangup
 
     async def _answer(self, request, send) -> None:
         response = await self.run_get_response(request)
