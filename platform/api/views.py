@@ -238,6 +238,8 @@ async def _serve(
     return response
 
 
+# How long after a stream's first token its background refreshes start.
+AFTER_FIRST_TOKEN_S = 0.1
 # Background work started after a request reached its engine; referenced here
 # until done (the event loop keeps only weak references to tasks).
 _background: set[asyncio.Task] = set()
@@ -257,16 +259,20 @@ def _after_answer() -> None:
 async def _closing(
     content: AsyncIterator[bytes], limits: contextlib.AsyncExitStack, call: Call
 ) -> AsyncIterator[bytes]:
-    # The background refreshes wait for the first token, not the first chunk:
-    # the role chunk leaves while the engine computes the prompt, and on a host
-    # whose cores the engine fills, work done then delays the first token.
+    # The background refreshes start a moment after the first token: not while
+    # the engine computes the prompt (on a host whose cores the engine fills,
+    # work done then delays the first token), nor with it: streams that started
+    # together get their first tokens together, and a refresh started by the
+    # first of them would hold the GIL while the front relays the others.
     refreshed = False
     try:
         async for chunk in content:
             yield chunk
             if not refreshed and call.first_token_at is not None:
                 refreshed = True
-                _after_answer()
+                asyncio.get_running_loop().call_later(
+                    AFTER_FIRST_TOKEN_S, _after_answer
+                )
     except asyncio.CancelledError:
         call.status, call.error_code = 499, "client_closed"
         raise
