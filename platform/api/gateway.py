@@ -4,12 +4,13 @@ router's choice, and a client built from the engine's connection file."""
 import asyncio
 import dataclasses
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from django import db
 from django.conf import settings
 
-from engines.client import AsyncEngineClient
+from engines.client import AsyncEngineClient, connection_file
 from fleet.selectors import routing_snapshot
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
 
@@ -36,6 +37,7 @@ class Gateway:
         # Loads run in one thread of their own, which keeps its database
         # connection: asgiref's threads reconnect for every request.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        self._clients: dict[str, tuple[tuple, AsyncEngineClient]] = {}
 
     def close(self) -> None:
         """Close the loader thread's database connection (it reconnects when
@@ -91,8 +93,23 @@ class Gateway:
         return self.router.choose(model, snapshot)
 
     def client(self, engine: str) -> AsyncEngineClient:
-        """A client for a supervised engine (EngineUnreachable without its file)."""
-        return AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
+        """A client for a supervised engine (EngineUnreachable without its file).
+
+        The connection file is read again only when it changed (the supervisor
+        replaces it, a new inode, when the engine restarts): a stat per request
+        instead of opening, reading and parsing it."""
+        path = connection_file(settings.RUN_DIR, engine)
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            self._clients.pop(engine, None)
+            return AsyncEngineClient.for_engine(settings.RUN_DIR, engine)  # raises
+        signature = (info.st_ino, info.st_mtime_ns, info.st_size)
+        cached = self._clients.get(engine)
+        if cached is None or cached[0] != signature:
+            cached = signature, AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
+            self._clients[engine] = cached
+        return cached[1]
 
 
 GATEWAY = Gateway()
