@@ -54,7 +54,7 @@ from bench.generation import (  # noqa: E402
     free_port,
     sse_events,
 )
-from engines.client import AsyncEngineClient  # noqa: E402
+from engines.client import AsyncEngineClient, connect_and_send  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"  # its name in the seed migration
 ENGINE = "cpu0"
@@ -94,8 +94,9 @@ async def http_open(
     port: int, method: str, path: str, *, key: str = "", body: dict | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
     """Send one request (a new connection, as a client without keep-alive would);
-    returns the reader past the headers, the writer and the status."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    returns the reader past the headers, the writer and the status. It is sent
+    as the engine client sends its requests (`connect_and_send`), so that
+    neither path's client is the slower one at a burst of requests."""
     payload = json.dumps(body).encode() if body is not None else b""
     head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
     if key:
@@ -103,7 +104,7 @@ async def http_open(
     if body is not None:
         head += "Content-Type: application/json\r\n"
     head += f"Content-Length: {len(payload)}\r\n\r\n"
-    writer.write(head.encode() + payload)
+    reader, writer = await connect_and_send(port, head.encode() + payload, timeout=10)
     await writer.drain()
     status = int((await reader.readline()).split()[1])
     while (await reader.readline()) not in (b"\r\n", b""):

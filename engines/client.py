@@ -144,6 +144,43 @@ class _EngineAddress:
         return cls(port=info["port"], token=info["token"], name=name)
 
 
+async def connect_and_send(
+    port: int, data: bytes, *, timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a loopback port and send `data` (the writer may still hold its
+    tail); OSError or TimeoutError if that fails.
+
+    On loopback the kernel completes the handshake inside connect(), so the data
+    is sent before this first yields to the event loop: in a burst of requests
+    each leaves as soon as it is handled. Through `asyncio.open_connection` it
+    would wait a loop pass for the connection, behind every other callback ready
+    then (the rest of the burst). When the handshake is not done at once (a full
+    listen queue), this waits for it, up to `timeout`."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.connect_ex((LOOPBACK, port))
+        sent = sock.send(data)
+    except BlockingIOError:
+        sock.close()
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(data)
+        return reader, writer
+    except OSError:
+        sock.close()
+        raise
+    try:
+        reader, writer = await asyncio.open_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+    if sent < len(data):
+        writer.write(data[sent:])
+    return reader, writer
+
+
 class AsyncEngineClient(_EngineAddress):
     """An asyncio client: one short connection per request."""
 
@@ -174,46 +211,12 @@ class AsyncEngineClient(_EngineAddress):
     async def _open(
         self, message: dict[str, Any]
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Connect and send one request (the writer may still hold its tail).
-
-        On loopback the kernel completes the handshake inside connect(), so the
-        request is sent before this first yields to the loop: in a burst of
-        requests each reaches the engine as it is handled. Through
-        `asyncio.open_connection` it would wait a loop pass for the connection,
-        behind every other callback ready then (the rest of the burst). When the
-        handshake is not done at once (a full listen queue), it waits for it."""
+        """Connect and send one request (see `connect_and_send`)."""
         data = encode_message({**message, "token": self._token})
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            sock.connect_ex((LOOPBACK, self.port))
-            sent = sock.send(data)
-        except BlockingIOError:
-            sock.close()
-            return await self._open_slowly(data)
-        except OSError as error:
-            sock.close()
-            raise _unreachable(self.name, error) from None
-        try:
-            reader, writer = await asyncio.open_connection(sock=sock)
-        except BaseException:
-            sock.close()
-            raise
-        if sent < len(data):
-            writer.write(data[sent:])
-        return reader, writer
-
-    async def _open_slowly(
-        self, data: bytes
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        try:
-            async with asyncio.timeout(CONTROL_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(LOOPBACK, self.port)
+            return await connect_and_send(self.port, data, timeout=CONTROL_TIMEOUT_S)
         except (OSError, TimeoutError) as error:
             raise _unreachable(self.name, error) from None
-        writer.write(data)
-        return reader, writer
 
     async def _read_reply(self, reader) -> tuple[dict[str, Any], bytes | None]:
         payload = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
