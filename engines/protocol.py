@@ -11,6 +11,7 @@ import asyncio
 import enum
 import io
 import json
+import math
 import socket
 import struct
 from collections.abc import Iterator
@@ -25,6 +26,22 @@ HEADER = struct.Struct(">Q")
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_TEXTS_PER_REQUEST = 10_000
 MAX_PROMPT_CHARS = 256 * 1024
+MAX_MESSAGES = 1024
+
+# Sampling bounds: one schema for the engine (every request, over the model's
+# defaults), the admin (those defaults) and the REST schemas (which import these).
+# A value past them used to reach llama.cpp or torch and raise in a decode thread.
+MAX_SEED = 2**32 - 1  # llama.cpp's seed is a uint32
+MIN_TEMPERATURE = 0.01  # 0 is greedy; logits / T overflow as T nears 0
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 1000  # 0: off
+MIN_REPEAT_PENALTY = 0.01  # logits are divided by it
+MAX_REPEAT_PENALTY = 10.0
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2]
+MAX_TOKENS_CAP = 1 << 20
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20
 
 # Control frames on loopback answer in well under a second; anything slower is an
 # engine that is wedged or gone.
@@ -101,14 +118,66 @@ def encode_message(
 
 
 def decode_message(payload: bytes) -> dict[str, Any]:
-    """Parse a frame's payload; anything but a JSON object is a bad request."""
+    """Parse a frame's payload; anything but a JSON object is a bad request, and
+    so is a string that could not be encoded back (a lone surrogate escape)."""
     try:
         message = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except ValueError as error:  # bad UTF-8 or JSON, an integer of 4300+ digits
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"malformed JSON: {error}") from None
+    except RecursionError:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "malformed JSON: nested too deeply"
+        ) from None
     if not isinstance(message, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "a message must be a JSON object")
+    # A lone surrogate can only come from a \uD800-\uDFFF escape: look for one
+    # only when the bytes hold such an escape.
+    if b"\\ud" in payload or b"\\uD" in payload:
+        path = find_lone_surrogate(message)
+        if path is not None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"{_dotted(path) or 'a key of the message'} is not valid Unicode "
+                "(a lone surrogate)",
+            )
     return message
+
+
+def find_lone_surrogate(value: Any) -> tuple[str | int, ...] | None:
+    """The keys and indexes down to the first string UTF-8 cannot encode (a lone
+    surrogate, which JSON's `\\ud800` escape decodes to), or None. A bad key
+    is reported as the path of its object."""
+    pending: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return path
+        elif isinstance(item, dict):
+            if not all(_encodable(key) for key in item):
+                return path
+            pending.extend(reversed([(v, (*path, k)) for k, v in item.items()]))
+        elif isinstance(item, list):
+            pending.extend(reversed([(v, (*path, i)) for i, v in enumerate(item)]))
+    return None
+
+
+def _dotted(path: tuple[str | int, ...]) -> str:
+    """A path as `messages[0].content`."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
+    return out
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def encode_array(array: np.ndarray) -> bytes:
@@ -203,6 +272,109 @@ def recv_message(
 # -- request validation -----------------------------------------------------------
 
 
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+def check_text(value: str, field: str) -> str:
+    """A caller's text: no NUL character, and encodable as UTF-8 (JSON's `\\ud800`
+    escape decodes to a lone surrogate, which is not)."""
+    if "\x00" in value:
+        raise _bad(f"{field} must not contain a NUL character")
+    if not _encodable(value):
+        raise _bad(f"{field} is not valid Unicode (a lone surrogate)")
+    return value
+
+
+_FLOAT_BOUNDS = {
+    "temperature": (0.0, MAX_TEMPERATURE),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "repeat_penalty": (MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY),
+    "presence_penalty": (-MAX_PENALTY, MAX_PENALTY),
+    "frequency_penalty": (-MAX_PENALTY, MAX_PENALTY),
+}
+_INT_BOUNDS = {
+    "top_k": (0, MAX_TOP_K),
+    "max_tokens": (1, MAX_TOKENS_CAP),
+    "seed": (0, MAX_SEED),
+    "top_logprobs": (0, MAX_TOP_LOGPROBS),
+}
+TEMPERATURE_RANGE = f"0 (greedy) or from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}"
+SAMPLING_FIELDS = (*_FLOAT_BOUNDS, *_INT_BOUNDS, "stop", "ignore_eos", "logprobs")
+
+
+def check_sampling(fields: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields among `fields`, each checked against the bounds above
+    and normalised (numbers as float or int, `stop` as a tuple); `bad_request`
+    naming the field otherwise. Other keys, and fields set to None, are skipped."""
+    values: dict[str, Any] = {}
+    for name, (low, high) in _FLOAT_BOUNDS.items():
+        value = fields.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(f"{name} must be a number")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _bad(f"{name} must be a finite number")
+        within = low <= value <= high
+        if name == "temperature" and 0 < value < MIN_TEMPERATURE:
+            within = False  # between greedy and the least warmth
+        if not within:
+            raise _bad(_out_of_range(name, value, low, high))
+        values[name] = float(value)
+    for name, (low, high) in _INT_BOUNDS.items():
+        value = fields.get(name)
+        if value is None:
+            continue
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(f"{name} must be a whole number")
+        if not low <= value <= high:
+            raise _bad(_out_of_range(name, value, low, high))
+        values[name] = value
+    values["stop"] = _check_stop(fields.get("stop"))
+    for name in ("ignore_eos", "logprobs"):
+        if fields.get(name) is not None:
+            if not isinstance(fields[name], bool):
+                raise _bad(f"{name} must be true or false")
+            values[name] = fields[name]
+    return values
+
+
+def _out_of_range(name: str, value: float, low: float, high: float) -> str:
+    if name == "temperature":
+        return f"temperature must be {TEMPERATURE_RANGE}"
+    if value > high:
+        return f"{name} must be at most {_number(high)}"
+    if low == 1:
+        return f"{name} must be positive"
+    return f"{name} must be at least {_number(low)}"
+
+
+def _number(bound: float) -> str:
+    return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+
+def _check_stop(stop: object) -> tuple[str, ...]:
+    if stop is None or stop == [] or stop == ():
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(
+        isinstance(item, str) and item for item in stop
+    ):
+        raise _bad("stop must be a non-empty string or a list of them")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _bad(f"at most {MAX_STOP_STRINGS} stop strings")
+    for item in stop:
+        if len(item) > MAX_STOP_CHARS:
+            raise _bad(f"a stop string is at most {MAX_STOP_CHARS} characters")
+        check_text(item, "stop")
+    return tuple(stop)
+
+
 def _require(message: dict, key: str, kind: type | tuple, *, optional: bool = False):
     if key not in message:
         if optional:
@@ -228,7 +400,9 @@ def validate_request(message: dict[str, Any]) -> str:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, "send exactly one of `prompt` and `messages`"
             )
-        _require(message, "prompt", str, optional=True)
+        prompt = _require(message, "prompt", str, optional=True)
+        if prompt is not None:
+            check_text(prompt, "prompt")
         _require(message, "messages", list, optional=True)
         _require(message, "request_id", str, optional=True)
     if kind == "cancel":
@@ -242,9 +416,10 @@ def validate_request(message: dict[str, Any]) -> str:
                 ErrorCode.BAD_REQUEST,
                 f"{len(texts)} texts exceed the cap of {MAX_TEXTS_PER_REQUEST}",
             )
-        for text in texts:
+        for index, text in enumerate(texts):
             if not isinstance(text, str):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "texts must be strings")
+            check_text(text, f"texts[{index}]")
             if len(text) > MAX_PROMPT_CHARS:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST,

@@ -9,10 +9,14 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
-
-MAX_STOP_STRINGS = 8
-MAX_MESSAGES = 1000
+from .protocol import (
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    ErrorCode,
+    ProtocolError,
+    check_sampling,
+    check_text,
+)
 
 
 def _bad(message: str) -> ProtocolError:
@@ -21,7 +25,9 @@ def _bad(message: str) -> ProtocolError:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling; defaults come from the model's admin settings."""
+    """Per-request sampling; defaults come from the model's admin settings. The
+    bounds live in `engines.protocol` (`check_sampling`), which the admin and the
+    REST schemas use too."""
 
     temperature: float = 0.8
     top_p: float = 0.95
@@ -43,53 +49,18 @@ class SamplingParams:
     def from_request(
         cls, message: dict[str, Any], defaults: dict[str, Any] | None = None
     ) -> "SamplingParams":
-        """Request fields over model defaults over ours, each checked."""
-        merged = {**(defaults or {}), **message}
-        values: dict[str, Any] = {}
-        floats = ("temperature", "top_p", "min_p", "repeat_penalty")
-        signed = ("presence_penalty", "frequency_penalty")
-        for name in floats + signed:
-            if name in merged and merged[name] is not None:
-                value = merged[name]
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise _bad(f"{name} must be a number")
-                if name in floats and value < 0:
-                    raise _bad(f"{name} must not be negative")
-                values[name] = float(value)
-        for name in ("top_k", "max_tokens", "seed"):
-            if name in merged and merged[name] is not None:
-                value = merged[name]
-                if isinstance(value, bool) or not isinstance(value, int):
-                    if isinstance(value, float) and value.is_integer():
-                        value = int(value)
-                    else:
-                        raise _bad(f"{name} must be an integer")
-                if value < 0 or (name == "max_tokens" and value == 0):
-                    raise _bad(f"{name} must be positive")
-                values[name] = value
-        if values.get("top_p", 1.0) > 1.0:
-            raise _bad("top_p must be at most 1")
-        stop = merged.get("stop") or ()
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not isinstance(stop, (list, tuple)) or not all(
-            isinstance(item, str) and item for item in stop
-        ):
-            raise _bad("stop must be a non-empty string or a list of them")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise _bad(f"at most {MAX_STOP_STRINGS} stop strings")
-        values["stop"] = tuple(stop)
-        for name in ("ignore_eos", "logprobs"):
-            if name in merged:
-                if not isinstance(merged[name], bool):
-                    raise _bad(f"{name} must be true or false")
-                values[name] = merged[name]
-        if merged.get("top_logprobs") is not None:
-            top = merged["top_logprobs"]
-            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
-                raise _bad("top_logprobs must be an integer from 0 to 20")
-            values["top_logprobs"] = top
-        return cls(**values)
+        """Request fields over model defaults over ours, each checked. A field the
+        request leaves out or sets to null takes the model's default."""
+        defaults = defaults or {}
+        set_here = {k: v for k, v in message.items() if v is not None}
+        try:
+            return cls(**check_sampling({**defaults, **set_here}))
+        except ProtocolError as error:
+            check_sampling(set_here)  # the request's own fault comes first
+            # Otherwise it is a default the request did not override: say so.
+            raise _bad(
+                f"the model's default sampling is invalid: {error.message}"
+            ) from None
 
 
 def validate_messages(messages: object) -> list[dict[str, str]]:
@@ -99,12 +70,14 @@ def validate_messages(messages: object) -> list[dict[str, str]]:
     if len(messages) > MAX_MESSAGES:
         raise _bad(f"at most {MAX_MESSAGES} messages")
     total = 0
-    for item in messages:
+    for index, item in enumerate(messages):
         if not isinstance(item, dict):
             raise _bad("each message must be an object")
         role, content = item.get("role"), item.get("content")
         if not isinstance(role, str) or not isinstance(content, str):
             raise _bad("each message needs a string role and content")
+        check_text(role, f"messages[{index}].role")
+        check_text(content, f"messages[{index}].content")
         total += len(content)
     if total > MAX_PROMPT_CHARS:
         raise _bad(f"messages exceed the cap of {MAX_PROMPT_CHARS} characters")

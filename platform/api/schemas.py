@@ -5,22 +5,62 @@ always matches what the endpoints accept. Fields OpenAI defines that Roundhouse
 does not implement are refused by name (`extra="forbid"`) rather than ignored.
 """
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from engines.protocol import MAX_PROMPT_CHARS, MAX_TEXTS_PER_REQUEST
+from engines.protocol import (
+    MAX_MESSAGES,
+    MAX_PENALTY,
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TEXTS_PER_REQUEST,
+    MAX_TOKENS_CAP,
+    MIN_TEMPERATURE,
+    TEMPERATURE_RANGE,
+    ProtocolError,
+    check_text,
+    find_lone_surrogate,
+)
 
 from .errors import ApiError
 
-MAX_STOP = 4
-MAX_MESSAGES = 1024
-
+# The bounds are the engines' own (engines.protocol), checked here first so that
+# a bad value is a 400 naming its field before any engine is asked.
 Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are refused: a JSON body can carry them (`NaN`, `1e999`).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _clean_text(cls, value: Any) -> Any:
+        """Every string a caller sends, alone or in a list: the engines' check (no
+        NUL character, valid Unicode)."""
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, str):
+                try:
+                    check_text(item, "the text")
+                except ProtocolError as error:
+                    raise PydanticCustomError("text", error.message) from None
+        return value
 
 
 class TextPart(Strict):
@@ -47,23 +87,24 @@ class Sampling(Strict):
     """Fields shared by chat and text completions."""
 
     model: Annotated[str, Field(min_length=1, max_length=200)]
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    stop: (
+        StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
+    ) = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
     user: str | None = None
 
-    @field_validator("stop")
+    @field_validator("temperature")
     @classmethod
-    def _no_empty_stop(cls, value):
-        items = [value] if isinstance(value, str) else value or []
-        if any(not item for item in items):
-            raise ValueError("stop strings must not be empty")
+    def _greedy_or_warm(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise PydanticCustomError("temperature", f"must be {TEMPERATURE_RANGE}")
         return value
 
     def sampling(self) -> dict[str, Any]:
@@ -84,11 +125,20 @@ class ChatCompletionRequest(Sampling):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     # Log-probabilities are computed by the engines but not yet mapped to
     # OpenAI's token-string shape: only "off" is accepted.
     logprobs: Literal[False] = False
+
+    @field_validator("messages")
+    @classmethod
+    def _within_prompt_cap(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if sum(len(message.text()) for message in value) > MAX_PROMPT_CHARS:
+            raise PydanticCustomError(
+                "too_long", f"messages exceed the cap of {MAX_PROMPT_CHARS} characters"
+            )
+        return value
 
     def engine_fields(self) -> dict[str, Any]:
         fields = self.sampling()
@@ -106,7 +156,7 @@ class CompletionRequest(Sampling):
     """POST /v1/completions."""
 
     prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: MaxTokens | None = 16
     echo: Literal[False] = False
     logprobs: None = None
 
@@ -179,7 +229,7 @@ def parse(schema: type[BaseModel], raw: bytes) -> Any:
         first = next((e for e in found if e["type"] not in _MISMATCHES), found[0])
         location = ".".join(str(part) for part in first["loc"] if _is_field(part))
         if first["type"] == "json_invalid":
-            raise ApiError(400, "The request body is not valid JSON.") from None
+            raise _invalid_json(raw, first["msg"]) from None
         if first["type"] == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {location}"
         elif first["type"] == "missing":
@@ -187,6 +237,27 @@ def parse(schema: type[BaseModel], raw: bytes) -> Any:
         else:
             message = f"Invalid value for '{location}': {first['msg']}."
         raise ApiError(400, message, param=location or None) from None
+
+
+def _invalid_json(raw: bytes, reason: str) -> ApiError:
+    """A body pydantic's parser refused. Its parser refuses a lone surrogate
+    escape (`\\ud800`) as it refuses bad syntax; Python's reads one, and the
+    field that holds it is named."""
+    path = None
+    if "escape" in reason:
+        try:
+            path = find_lone_surrogate(json.loads(raw.decode("utf-8")))
+        except (ValueError, RecursionError):
+            pass
+    if not path:
+        return ApiError(400, "The request body is not valid JSON.")
+    location = ".".join(str(part) for part in path)
+    return ApiError(
+        400,
+        f"Invalid value for '{location}': the text is not valid Unicode "
+        "(a lone surrogate).",
+        param=location,
+    )
 
 
 ENDPOINT_SCHEMAS: dict[str, type[BaseModel]] = {

@@ -7,21 +7,24 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 
+from engines.protocol import ProtocolError, check_sampling
+
 MODEL_NAME_VALIDATOR = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
     "Use letters, digits and . _ : / - (the name clients send as `model`).",
 )
-SAMPLING_KEYS = {
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "repeat_penalty": float,
-    "presence_penalty": float,
-    "frequency_penalty": float,
-    "max_tokens": int,
-    "seed": int,
-}
+# The sampling fields a model may set a default for (the engine's own names).
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "seed",
+)
 
 
 class ModelFormat(models.TextChoices):
@@ -37,24 +40,22 @@ class ModelTask(models.TextChoices):
 
 
 def validate_sampling(value: object) -> None:
-    """Default sampling parameters: known names with numbers of the right kind."""
+    """Default sampling parameters: known names, each within the bounds the
+    engines check every request against (by the same function)."""
     if not isinstance(value, dict):
         raise ValidationError("Sampling parameters must map names to numbers.")
-    errors = []
-    for key, item in value.items():
-        kind = SAMPLING_KEYS.get(key)
-        if kind is None:
-            errors.append(f"unknown parameter {key!r}")
-        elif isinstance(item, bool) or not isinstance(item, (int, float)):
-            errors.append(f"{key} must be a number")
-        elif kind is int and not float(item).is_integer():
-            errors.append(f"{key} must be a whole number")
-        elif item < 0:
-            errors.append(f"{key} must not be negative")
+    errors = [
+        f"unknown parameter {key!r} (known: {', '.join(SAMPLING_KEYS)})"
+        for key in value
+        if key not in SAMPLING_KEYS
+    ]
+    errors += [f"{key} must be a number" for key, item in value.items() if item is None]
+    try:
+        check_sampling({k: v for k, v in value.items() if k in SAMPLING_KEYS})
+    except ProtocolError as error:
+        errors.append(error.message)
     if errors:
-        raise ValidationError(
-            "; ".join(errors) + f" (known: {', '.join(SAMPLING_KEYS)})"
-        )
+        raise ValidationError("; ".join(errors))
 
 
 class ModelConfig(models.Model):
