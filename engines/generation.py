@@ -88,6 +88,10 @@ class GenerationBackend(abc.ABC):
         """Ids of the requests in slots now."""
 
     @abc.abstractmethod
+    def fail_running(self, code: str, message: str) -> None:
+        """End every request in a slot with an error; the slots are freed."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Free the model and every slot."""
 
@@ -98,6 +102,13 @@ class DecodeThread:
     Every llama_decode (or forward pass) of the engine happens on this thread, so
     two models never run compute-bound work at once and oversubscribe the cores.
     It sleeps on a condition when no model has work (no polling).
+
+    It cannot be stopped by a request: an exception from one model's admission or
+    step fails that model's requests in it (`GenerationRunner.tick`), and an
+    exception that escapes anyway is recorded in `died` with every request
+    failed, so that the engine reports itself unhealthy instead of hanging.
+    `progress_at` moves on every pass of the loop (cooling included), so work
+    pending with no pass for a long time means the loop is stuck.
     """
 
     def __init__(
@@ -113,6 +124,8 @@ class DecodeThread:
         # Requests this engine runs at once, across its models (admin: max
         # parallel requests); admission happens on this thread only.
         self.max_parallel = max_parallel
+        self.died: str = ""  # why the loop ended, if it ever does
+        self.progress_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
 
@@ -123,19 +136,50 @@ class DecodeThread:
 
     def add(self, runner: "GenerationRunner") -> None:
         with self.wake:
+            if self.died:
+                raise ProtocolError(
+                    ErrorCode.INTERNAL, f"the decode loop has died: {self.died}"
+                )
             self.runners.append(runner)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self.died
+
+    def pending_work(self) -> int:
+        """Requests running or waiting in any model (read without the lock: a
+        health check must not wait for a stuck loop)."""
+        return sum(runner.queued + runner.busy for runner in list(self.runners))
+
+    def stuck_for(self) -> float:
+        """Seconds since the loop's last pass while it had work; 0 when idle."""
+        if not self.pending_work():
+            return 0.0
+        return max(time.monotonic() - self.progress_at, 0.0)
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # recorded, then reported: never silent
+            log.exception("the decode loop died")
+            self.died = f"{type(error).__name__}: {error}"
+            for runner in list(self.runners):
+                runner.fail_all(f"the engine's decode loop died: {self.died}")
+
+    def _loop(self) -> None:
         while True:
             with self.wake:
                 while not any(runner.has_work() for runner in self.runners):
+                    self.progress_at = time.monotonic()
                     self.wake.wait()
                 runners = list(self.runners)
+            self.progress_at = time.monotonic()
             allowed = self.allowed.is_set()
             for runner in runners:
                 if runner.tick(step=allowed):  # closed: its model is freed here
                     with self.wake:
                         self.runners.remove(runner)
+                self.progress_at = time.monotonic()
             if not allowed:
                 self.allowed.wait(0.5)  # cooling: cancels are still handled
 
@@ -178,6 +222,12 @@ class GenerationRunner:
         with self._wake:
             if self._stopping:
                 raise ProtocolError(ErrorCode.CANCELLED, "model is unloading")
+            if not self._decoder.alive:
+                raise ProtocolError(
+                    ErrorCode.INTERNAL,
+                    f"this engine cannot generate: the decode loop has died "
+                    f"({self._decoder.died or 'its thread ended'})",
+                )
             if self.queue_timeout_s <= 0 and (
                 self._pending
                 or not self.backend.free_slots()
@@ -213,12 +263,36 @@ class GenerationRunner:
     def busy(self) -> int:
         return self.backend.active()
 
-    def close(self) -> None:
-        """Finish running requests, refuse queued ones, free the model (blocks)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish running requests, refuse queued ones, free the model (blocks,
+        up to `timeout`). True once freed. With the decode loop dead, the model
+        is freed here; with it stuck, it is left as it is (freeing it under a
+        step in progress would crash the process) and False returned."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        self._closed.wait()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._closed.wait(0.5):
+            if not self._decoder.alive:
+                self.fail_all("the model is unloading")
+                self.backend.close()
+                self._closed.set()
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                log.error("%s did not close in %g s: left as it is", self.name, timeout)
+                return False
+        return True
+
+    def fail_all(self, message: str) -> None:
+        """End every request of this model, running or queued, with an error."""
+        with self._wake:
+            refused, self._pending = list(self._pending), deque()
+        for request in refused:
+            request.finish({"event": "error", "code": "internal", "message": message})
+        try:
+            self.backend.fail_running(ErrorCode.INTERNAL.value, message)
+        except Exception:
+            log.exception("failing the requests of %s failed", self.name)
 
     # -- on the decode thread ------------------------------------------------------
 
@@ -237,7 +311,12 @@ class GenerationRunner:
 
     def tick(self, *, step: bool = True) -> bool:
         """Cancel, admit and run one step (only cancels while `step` is False,
-        unless the model is closing). True once closed and freed."""
+        unless the model is closing). True once closed and freed.
+
+        A failure stays with its requests: a request whose admission raises is
+        answered with the error alone; a step that raises ends the requests in
+        that step (their KV state is unknown) and the model goes on serving.
+        """
         step = step or self._stopping
         with self._wake:
             cancels, self._cancels = self._cancels, set()
@@ -249,16 +328,28 @@ class GenerationRunner:
             request.finish(
                 {"event": "error", "code": "cancelled", "message": "model unloading"}
             )
-        for request_id in cancels:
-            if not self._cancel_queued(request_id):
-                self.backend.cancel(request_id)
+        try:
+            for request_id in cancels:
+                if not self._cancel_queued(request_id):
+                    self.backend.cancel(request_id)
+        except Exception as error:
+            log.exception("cancelling in %s failed", self.name)
+            self.fail_all(f"cancelling failed: {_describe(error)}")
         for request in admitted:
-            self.backend.admit(request)
+            try:
+                self.backend.admit(request)
+            except Exception as error:
+                log.exception("admitting %s to %s failed", request.id, self.name)
+                request.finish(_error_event(error, "admitting the request failed"))
         if step and self.backend.active():
             try:
                 self.backend.step()
-            except Exception:
+            except Exception as error:
                 log.exception("decode step of %s failed", self.name)
+                self.backend.fail_running(
+                    ErrorCode.INTERNAL.value,
+                    f"the decode step failed: {_describe(error)}",
+                )
             self.steps += 1
         self._forget_finished()
         if self._stopping and not self.backend.active():
@@ -313,6 +404,24 @@ class GenerationRunner:
         with self._wake:
             waiting = {request.id for request in self._pending}
             self._known &= waiting | running
+
+
+def _describe(error: BaseException) -> str:
+    """An exception in a few words for an error frame (the log has the rest)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+
+
+def _error_event(error: BaseException, context: str) -> dict[str, Any]:
+    """The final event for a request that an exception ended: its own code for
+    a ProtocolError (bad_request where the input was at fault), else internal."""
+    if isinstance(error, ProtocolError):
+        return {"event": "error", "code": error.code.value, "message": error.message}
+    return {
+        "event": "error",
+        "code": ErrorCode.INTERNAL.value,
+        "message": f"{context}: {_describe(error)}",
+    }
 
 
 @dataclass
@@ -414,7 +523,26 @@ class SlotBackend(GenerationBackend):
         slot.next_token = None
         slot.unsent_logprobs = []
         slot.stream = TextStream(stop=request.params.stop)
-        self._open(slot)
+        try:
+            self._open(slot)
+        except BaseException:
+            slot.request = None  # the slot stays free; the caller answers the error
+            slot.todo = []
+            raise
+
+    def sample_each(
+        self, outputs: list[tuple[Slot, Any]], sample: Callable[[Slot, Any], None]
+    ) -> None:
+        """Run `sample(slot, where)` for each slot that produced logits; one that
+        raises (NaN or inf logits, a sampler error) fails its own request only."""
+        for slot, where in outputs:
+            if slot.request is None:
+                continue
+            try:
+                sample(slot, where)
+            except Exception as error:
+                log.warning("sampling %s failed: %r", slot.request.id, error)
+                self.fail(slot, f"sampling failed: {_describe(error)}")
 
     def accept(self, slot: Slot, token: int, logprob: dict | None = None) -> None:
         """Take a sampled token: end the request, or queue it for the next step."""
@@ -465,12 +593,22 @@ class SlotBackend(GenerationBackend):
         )
         self.release(slot)
 
-    def fail(self, slot: Slot, message: str) -> None:
-        slot.request.finish({"event": "error", "code": "internal", "message": message})
+    def fail(self, slot: Slot, message: str, code: str = "internal") -> None:
+        """End the slot's request with an error and free the slot."""
+        if slot.request is not None:
+            slot.request.finish({"event": "error", "code": code, "message": message})
         self.release(slot)
 
+    def fail_running(self, code: str, message: str) -> None:
+        for slot in self.slots:
+            if slot.request is not None:
+                self.fail(slot, message, code)
+
     def release(self, slot: Slot) -> None:
-        self._close(slot)
+        try:
+            self._close(slot)
+        except Exception:  # the slot is reused all the same; its state is reset
+            log.exception("clearing slot %d failed", slot.index)
         slot.request = slot.next_token = slot.state = None
         slot.todo = []
 

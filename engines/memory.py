@@ -1,11 +1,12 @@
 """Estimates of a model's memory before it is loaded (residency decisions use
 them until a load has measured the real figure). No ML library: GGUF metadata is
-read with the `gguf` package, everything else from file sizes and configs."""
+read by engines/ggufmeta.py, everything else from file sizes and configs."""
 
 import json
 from pathlib import Path
 
 from .config import ModelSpec
+from .ggufmeta import read_header
 
 MIB = 2**20
 KV_BYTES = 2  # llama.cpp and transformers keep K and V in 16-bit here
@@ -13,14 +14,12 @@ DEFAULT_CONTEXT = 2048
 
 
 def _gguf_shape(path: Path) -> dict:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    header = read_header(path)
+    arch = str(header.get("general.architecture", ""))
 
     def value(key: str, default=None):
-        field = reader.fields.get(f"{arch}.{key}")
-        return int(field.parts[field.data[0]][0]) if field else default
+        found = header.get(f"{arch}.{key}")
+        return default if found is None else int(found)
 
     layers = value("block_count", 0)
     embd = value("embedding_length", 0)
@@ -31,7 +30,7 @@ def _gguf_shape(path: Path) -> dict:
         "layers": layers,
         "kv_width": kv_heads * head_dim,
         "trained_context": value("context_length", DEFAULT_CONTEXT),
-        "parameters": sum(int(tensor.n_elements) for tensor in reader.tensors),
+        "parameters": header.parameters,
     }
 
 

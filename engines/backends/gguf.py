@@ -4,6 +4,7 @@ every active slot's next token in one llama_decode batch."""
 
 import ctypes
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -252,14 +253,24 @@ class LlamaBackend(SlotBackend):
             for slot, _ in outputs:
                 self.fail(slot, f"llama_decode returned {code}")
             return
-        for slot, index in outputs:
-            params = slot.request.params
-            logprobs = self._logprobs(index) if params.logprobs else None
-            token = llama_cpp.llama_sampler_sample(slot.state, self.ctx, index)
-            entry = None
-            if logprobs is not None:
-                entry = logprob_entry(logprobs, token, params.top_logprobs)
-            self.accept(slot, token, entry)
+        self.sample_each(outputs, self._sample_at)
+
+    def _sample_at(self, slot: Slot, index: int) -> None:
+        """Sample the slot's next token from the batch's output row `index`."""
+        params = slot.request.params
+        logprobs = self._logprobs(index) if params.logprobs else None
+        token = llama_cpp.llama_sampler_sample(slot.state, self.ctx, index)
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"the sampler returned token {token}")
+        # NaN or inf logits (a broken model, numerical overflow) let the sampler
+        # pick anything: the chosen token's own logit tells, at the cost of one
+        # read instead of a pass over the vocabulary.
+        if not math.isfinite(llama_cpp.llama_get_logits_ith(self.ctx, index)[token]):
+            raise ValueError("the model produced non-finite logits (NaN or inf)")
+        entry = None
+        if logprobs is not None:
+            entry = logprob_entry(logprobs, token, params.top_logprobs)
+        self.accept(slot, token, entry)
 
     def _logprobs(self, index: int) -> np.ndarray:
         pointer = llama_cpp.llama_get_logits_ith(self.ctx, index)

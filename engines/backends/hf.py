@@ -118,7 +118,10 @@ class TransformersBackend(SlotBackend):
             (s for s in self.slots if s.request is not None and s.todo), None
         )
         if prefilling is not None:
-            self._prefill(prefilling)
+            try:
+                self._prefill(prefilling)
+            except Exception as error:  # this prompt's failure is its own
+                self.fail(prefilling, f"evaluating the prompt failed: {error!r}"[:300])
         running = [
             s for s in self.slots if s.request is not None and s.next_token is not None
         ]
@@ -185,15 +188,21 @@ class TransformersBackend(SlotBackend):
         self._sample(running, logits)
 
     def _sample(self, slots: list[Slot], logits: torch.Tensor) -> None:
-        for row, slot in enumerate(slots):
-            params = slot.request.params
-            raw = logits[row].float()
-            token = self._choose(slot, raw, params)
-            entry = None
-            if params.logprobs:
-                logprobs = torch.log_softmax(raw.double(), dim=-1).cpu().numpy()
-                entry = logprob_entry(logprobs, token, params.top_logprobs)
-            self.accept(slot, token, entry)
+        self.sample_each(
+            [(slot, logits[row]) for row, slot in enumerate(slots)], self._sample_row
+        )
+
+    def _sample_row(self, slot: Slot, row: torch.Tensor) -> None:
+        params = slot.request.params
+        raw = row.float()
+        if not bool(torch.isfinite(raw).all()):
+            raise ValueError("the model produced non-finite logits (NaN or inf)")
+        token = self._choose(slot, raw, params)
+        entry = None
+        if params.logprobs:
+            logprobs = torch.log_softmax(raw.double(), dim=-1).cpu().numpy()
+            entry = logprob_entry(logprobs, token, params.top_logprobs)
+        self.accept(slot, token, entry)
 
     def _choose(self, slot: Slot, logits: torch.Tensor, params: SamplingParams) -> int:
         """Penalties, then greedy or temperature / top-k / top-p / min-p sampling

@@ -81,8 +81,6 @@ def start_engine(
         "name": "test",
         "port": port,
         "backend": backend,
-        # Not a field engines honour: they bind 127.0.0.1 whatever they are told.
-        "host": "0.0.0.0",  # noqa: S104
         "models": models,
         "preload": list(preload),
         "devices": list(devices),

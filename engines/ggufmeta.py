@@ -1,0 +1,158 @@
+"""The few facts of a GGUF file's header that memory estimates need, read fast.
+
+The `gguf` package's reader builds every metadata value and tensor record as
+numpy objects: on a model with a 262k-token vocabulary that took 21 s. This
+reader walks the header once through a memory map, skips array values by their
+lengths without building them, keeps only the scalar keys asked for, and
+remembers the result per file (path, size, modification time), so a model's
+header is read once per engine however often it loads.
+"""
+
+import mmap
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = b"GGUF"
+# Value types of the GGUF format (ggml's gguf_type), with the struct code and
+# size of the fixed-width ones.
+_FIXED = {
+    0: ("B", 1),  # uint8
+    1: ("b", 1),  # int8
+    2: ("H", 2),  # uint16
+    3: ("h", 2),  # int16
+    4: ("I", 4),  # uint32
+    5: ("i", 4),  # int32
+    6: ("f", 4),  # float32
+    7: ("?", 1),  # bool
+    10: ("Q", 8),  # uint64
+    11: ("q", 8),  # int64
+    12: ("d", 8),  # float64
+}
+_STRING, _ARRAY = 8, 9
+# A header that claims more than this is not a model file we can trust.
+MAX_ITEMS = 1 << 32
+
+
+class GGUFFormatError(ValueError):
+    """The file is not a GGUF file this reader understands."""
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Scalar metadata (keys to ints, floats, strings or bools; an array of
+    numbers appears as its first element) and the total parameter count."""
+
+    metadata: dict[str, object]
+    parameters: int
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+
+class _Cursor:
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data = data
+        self.at = 0
+
+    def take(self, code: str, size: int):
+        if self.at + size > len(self.data):
+            raise GGUFFormatError("the header runs past the end of the file")
+        (value,) = struct.unpack_from("<" + code, self.data, self.at)
+        self.at += size
+        return value
+
+    def count(self) -> int:
+        value = self.take("Q", 8)
+        if value > MAX_ITEMS:
+            raise GGUFFormatError(f"implausible item count {value}")
+        return value
+
+    def string(self) -> str:
+        size = self.count()
+        if self.at + size > len(self.data):
+            raise GGUFFormatError("a string runs past the end of the file")
+        text = bytes(self.data[self.at : self.at + size]).decode("utf-8", "replace")
+        self.at += size
+        return text
+
+    def skip_strings(self, count: int) -> None:
+        for _ in range(count):
+            size = self.count()
+            self.at += size
+        if self.at > len(self.data):
+            raise GGUFFormatError("an array runs past the end of the file")
+
+    def value(self, kind: int):
+        """A value of type `kind`; arrays are skipped, returning their first
+        number (or None)."""
+        if kind in _FIXED:
+            return self.take(*_FIXED[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise GGUFFormatError(f"unknown value type {kind}")
+        inner, count = self.take("I", 4), self.count()
+        if inner == _STRING:
+            self.skip_strings(count)
+            return None
+        if inner not in _FIXED:
+            raise GGUFFormatError(f"unsupported array of type {inner}")
+        code, size = _FIXED[inner]
+        first = self.take(code, size) if count else None
+        self.at += size * max(count - 1, 0)
+        if self.at > len(self.data):
+            raise GGUFFormatError("an array runs past the end of the file")
+        return first
+
+
+def _read(path: Path) -> GGUFHeader:
+    with (
+        open(path, "rb") as handle,
+        mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data,
+    ):
+        if data[:4] != MAGIC:
+            raise GGUFFormatError(f"{path.name} is not a GGUF file")
+        cursor = _Cursor(data)
+        cursor.at = 4
+        version = cursor.take("I", 4)
+        if version < 2 or version > 3:
+            raise GGUFFormatError(f"GGUF version {version} is not supported")
+        tensors, keys = cursor.count(), cursor.count()
+        metadata: dict[str, object] = {}
+        for _ in range(keys):
+            key = cursor.string()
+            value = cursor.value(cursor.take("I", 4))
+            if value is not None:
+                metadata[key] = value
+        parameters = 0
+        for _ in range(tensors):
+            cursor.string()  # the tensor's name
+            dims = cursor.take("I", 4)
+            if dims > 8:
+                raise GGUFFormatError(f"a tensor with {dims} dimensions")
+            elements = 1
+            for _ in range(dims):
+                elements *= cursor.take("Q", 8)
+            cursor.at += 4 + 8  # its type and data offset
+            parameters += elements
+    return GGUFHeader(metadata, parameters)
+
+
+_cache: dict[tuple[str, int, int], GGUFHeader] = {}
+_cache_lock = threading.Lock()
+
+
+def read_header(path: Path | str) -> GGUFHeader:
+    """The file's header facts, read once per (path, size, mtime)."""
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    with _cache_lock:
+        if key in _cache:
+            return _cache[key]
+    header = _read(path)
+    with _cache_lock:
+        _cache[key] = header
+    return header

@@ -1,0 +1,156 @@
+"""Serving one generation request on a connection: the request goes to its
+model's runner, the decode thread's events come back as frames (a stream's
+start, text chunks and final frame, or one whole answer), and a caller that
+hangs up is cancelled."""
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+
+from .generation import GenerationRequest, GenerationRunner
+from .protocol import ErrorCode, ProtocolError, encode_message, error_frame
+from .residency import ResidentModel
+from .textgen import SamplingParams
+
+log = logging.getLogger("roundhouse.engine")
+
+# Prompts up to this many characters are rendered and tokenized on the event
+# loop (well under a millisecond); longer ones in a worker thread, so that one
+# long prompt never holds up the other streams' frames.
+INLINE_PROMPT_CHARS = 8192
+
+
+def _ms_since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 3)
+
+
+def _prompt_chars(message: dict) -> int:
+    if isinstance(message.get("prompt"), str):
+        return len(message["prompt"])
+    messages = message.get("messages")
+    if isinstance(messages, list):
+        return sum(
+            len(item.get("content") or "") if isinstance(item, dict) else 0
+            for item in messages
+        )
+    return 0
+
+
+async def _prompt_tokens(model: ResidentModel, message: dict) -> list[int]:
+    backend = model.runner.backend
+
+    def render() -> list[int]:
+        return backend.tokenize(backend.render_prompt(message))
+
+    if _prompt_chars(message) <= INLINE_PROMPT_CHARS:
+        return render()
+    return await asyncio.get_running_loop().run_in_executor(model.executor, render)
+
+
+async def serve_generation(
+    model: ResidentModel,
+    message: dict,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    *,
+    received: float,
+    generations: dict[str, GenerationRunner],
+) -> None:
+    """Run one generation, writing its frames: for generate_stream a start
+    frame, one frame per text chunk and a final frame; for generate one frame
+    with the whole text. `generations` maps request ids to runners (for
+    `cancel` from another connection). The final frame's `timings` are measured
+    from the request's arrival (a load it waited for included)."""
+    stream = message["kind"] == "generate_stream"
+    runner = model.runner
+    if runner is None:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not generate"
+        )
+    first_token_ms: float | None = None
+    params = SamplingParams.from_request(message, model.spec.sampling)
+    prompt_tokens = await _prompt_tokens(model, message)
+    loop = asyncio.get_running_loop()
+    # The decode thread's events land here; `ready` wakes this coroutine for
+    # them or for the caller hanging up. Events that arrived together leave in
+    # one write (a last token and the final frame, typically): each write wakes
+    # the caller, which costs both sides CPU.
+    events: collections.deque[dict] = collections.deque()
+    ready = asyncio.Event()
+
+    def arrived(event: dict) -> None:
+        events.append(event)
+        ready.set()
+
+    def emit(event: dict) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed at exit
+            loop.call_soon_threadsafe(arrived, event)
+
+    request = GenerationRequest(prompt_tokens=prompt_tokens, params=params, emit=emit)
+    if message.get("request_id"):
+        request.id = message["request_id"]
+    if request.id in generations:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id already in use")
+    runner.submit(request)
+    generations[request.id] = runner
+    # The caller sends nothing while its request runs: end of stream on the
+    # connection means it went away.
+    hangup = asyncio.ensure_future(reader.read(1))
+    hangup.add_done_callback(lambda _: ready.set())
+    parts: list[str] = []
+    final = False
+    try:
+        if stream:
+            writer.write(
+                encode_message(
+                    {"status": "ok", "event": "start", "request_id": request.id}
+                )
+            )
+            await writer.drain()
+        while True:
+            await ready.wait()
+            ready.clear()
+            frames: list[bytes] = []
+            while events and not final:
+                event = events.popleft()
+                if event["event"] == "token":
+                    if first_token_ms is None:
+                        first_token_ms = _ms_since(received)
+                    if stream:
+                        frames.append(encode_message({"status": "ok", **event}))
+                    else:
+                        parts.append(event["text"])
+                    continue
+                final = True
+                if event["event"] == "error":
+                    reply = error_frame(event["code"], event["message"])
+                else:
+                    reply = {"status": "ok", **event, "request_id": request.id}
+                    reply["timings"] = {
+                        "first_token_ms": first_token_ms,
+                        "total_ms": _ms_since(received),
+                    }
+                    if not stream:
+                        reply["text"] = "".join(parts)
+                frames.append(encode_message(reply))
+            if frames:
+                writer.write(b"".join(frames))
+                await writer.drain()
+            if final:
+                return
+            if hangup.done():
+                log.info("caller of %s went away: cancelled", request.id)
+                return
+    except (ConnectionError, OSError):
+        pass  # the caller went away: cancelled below
+    finally:
+        if not final:  # hang-up, broken connection, or this task cancelled
+            runner.cancel(request.id)
+        # Settle the watcher before the connection reads its next frame (two
+        # readers on one stream is an error).
+        hangup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await hangup
+        generations.pop(request.id, None)
