@@ -65,6 +65,31 @@ ENGINE_DIED = Mapping(502, "server_error")
 ENGINE_TIMEOUT = Mapping(504, "server_error")
 NO_ENGINE = Mapping(503, "server_error", retry_after_s=5)
 
+# The front's own refusals.
+INVALID_REQUEST = Mapping(400, "invalid_request_error")
+UNAUTHORIZED = Mapping(401, "invalid_request_error")
+NOT_FOUND = Mapping(404, "invalid_request_error")
+METHOD_NOT_ALLOWED = Mapping(405, "invalid_request_error")
+TOO_LARGE = Mapping(413, "invalid_request_error")
+RATE_LIMITED = Mapping(429, "rate_limit_error", retry_after_s=1)
+
+# What each step of a request can answer instead of its result. The OpenAPI
+# document (api.openapi) lists for each endpoint the statuses of the steps it
+# runs, so a row added to a table above is documented with it.
+STEP_ERRORS: dict[str, tuple[Mapping, ...]] = {
+    # Every API path, before its view: a Content-Length that is not a number,
+    # a body over the size cap (roundhouse.asgi).
+    "read": (INVALID_REQUEST, TOO_LARGE),
+    "method": (METHOD_NOT_ALLOWED,),
+    # An unknown or revoked key; a client over its failed keys.
+    "key": (UNAUTHORIZED, RATE_LIMITED),
+    "body": (INVALID_REQUEST,),
+    # An unknown or forbidden model; one of the wrong task for the endpoint.
+    "model": (NOT_FOUND, INVALID_REQUEST),
+    "limits": (RATE_LIMITED,),
+    "engine": (*ENGINE_ERRORS.values(), ENGINE_DIED, ENGINE_TIMEOUT, NO_ENGINE),
+}
+
 
 def engine_error(code: str, message: str) -> ApiError:
     """The API error for an engine's error frame."""
@@ -72,27 +97,36 @@ def engine_error(code: str, message: str) -> ApiError:
     return from_mapping(mapping, message, code=code)
 
 
-def from_mapping(mapping: Mapping, message: str, *, code: str) -> ApiError:
+def from_mapping(
+    mapping: Mapping, message: str, *, code: str, param: str | None = None
+) -> ApiError:
     """The API error a table row gives, with this message and code."""
     return ApiError(
         mapping.status,
         message,
         type=mapping.type,
+        param=param,
         code=code,
         retry_after_s=mapping.retry_after_s,
     )
 
 
 def unauthorized(message: str) -> ApiError:
-    return ApiError(401, message, type="invalid_request_error", code="invalid_api_key")
+    return from_mapping(UNAUTHORIZED, message, code="invalid_api_key")
 
 
 def model_not_found(name: str) -> ApiError:
-    return ApiError(
-        404,
+    return from_mapping(
+        NOT_FOUND,
         f"The model '{name}' does not exist or you do not have access to it.",
         param="model",
         code="model_not_found",
+    )
+
+
+def method_not_allowed(method: str, path: str) -> ApiError:
+    return from_mapping(
+        METHOD_NOT_ALLOWED, f"Use {method} for {path}.", code="method_not_allowed"
     )
 
 
@@ -102,14 +136,24 @@ def too_large(size: int | None, cap: int) -> ApiError:
         message = f"The request body exceeds the limit of {cap} bytes."
     else:
         message = f"The request body has {size} bytes; the limit is {cap} bytes."
-    return ApiError(413, message, code="request_too_large")
+    return from_mapping(TOO_LARGE, message, code="request_too_large")
 
 
-def rate_limited(message: str, retry_after_s: int) -> ApiError:
+def invalid_request(
+    message: str, *, param: str | None = None, code: str | None = None
+) -> ApiError:
+    """400: the request cannot be served as sent."""
+    return ApiError(INVALID_REQUEST.status, message, param=param, code=code)
+
+
+def rate_limited(
+    message: str, retry_after_s: int, *, code: str = "rate_limit_exceeded"
+) -> ApiError:
+    """429 with Retry-After: the key, or the client, is over a limit."""
     return ApiError(
-        429,
+        RATE_LIMITED.status,
         message,
-        type="rate_limit_error",
-        code="rate_limit_exceeded",
+        type=RATE_LIMITED.type,
+        code=code,
         retry_after_s=max(1, int(retry_after_s)),
     )

@@ -1,4 +1,5 @@
-"""Per-key admission: requests per minute and requests in flight.
+"""Per-key admission (requests per minute, requests in flight) and the
+per-client throttle on failed keys.
 
 Both limits are counters in Django's default cache, so front processes that share
 the cache (Redis, see CACHES in settings) share the limits.
@@ -17,10 +18,14 @@ the cache (Redis, see CACHES in settings) share the limits.
   counting toward the limit). A single counter with a TTL could not do both: a
   TTL refreshed on use keeps a leaked slot while the key is busy, and one that is
   not refreshed drops the count of requests still in flight.
+
+The throttle on failed keys (`FailureThrottle`) counts in this process's memory:
+it exists to keep a flood of bad keys off the database, so it must cost nothing.
 """
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,7 +38,7 @@ from django.core.cache.backends.locmem import LocMemCache
 from .exceptions import LimitExceeded
 from .models import ApiKey
 
-__all__ = ["LimitExceeded", "key_admission"]
+__all__ = ["FailureThrottle", "LimitExceeded", "key_admission"]
 
 log = logging.getLogger("roundhouse.api")
 
@@ -190,3 +195,67 @@ async def key_admission(key: ApiKey) -> AsyncIterator[None]:
     finally:
         if slot is not None:
             await _give_back(slot)
+
+
+class FailureThrottle:
+    """Failed key lookups per client, in fixed windows: a client with `limit`
+    failures in a window is refused until the window ends (LimitExceeded with
+    the seconds left), without its keys being looked up.
+
+    Callers count a lookup as failed before making it, and take it back with
+    `succeeded`: lookups in flight count, so that concurrent requests cannot
+    all pass `check` before the first of them fails.
+
+    Memory is bounded: at most `max_clients` are tracked; past that the one
+    that failed least recently is forgotten (and starts counting again).
+    """
+
+    def __init__(
+        self, *, limit: int, window_s: float, max_clients: int = 10_000
+    ) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.max_clients = max_clients
+        self.clock = time.monotonic
+        # client -> (start of its window, failures in it); the client that
+        # failed least recently first.
+        self._windows: dict[str, tuple[float, int]] = {}
+
+    def check(self, client: str) -> None:
+        """LimitExceeded if the client is over its failures in this window."""
+        found = self._windows.get(client)
+        if found is None or found[1] < self.limit:
+            return
+        left = found[0] + self.window_s - self.clock()
+        if left <= 0:
+            del self._windows[client]
+            return
+        raise LimitExceeded(
+            f"Too many requests with invalid API keys from this client. Try "
+            f"again in {math.ceil(left)} s.",
+            math.ceil(left),
+            code="too_many_invalid_keys",
+        )
+
+    def failed(self, client: str) -> None:
+        """Count one failed key lookup of the client."""
+        now = self.clock()
+        found = self._windows.pop(client, None)
+        if found is None or now - found[0] >= self.window_s:
+            found = (now, 0)
+        while len(self._windows) >= self.max_clients:
+            del self._windows[next(iter(self._windows))]
+        self._windows[client] = (found[0], found[1] + 1)  # now the newest
+
+    def succeeded(self, client: str) -> None:
+        """Take back one failure counted for the client: its lookup succeeded."""
+        found = self._windows.get(client)
+        if found is not None and found[1] > 0:
+            self._windows[client] = (found[0], found[1] - 1)
+
+    def clear(self) -> None:
+        """Forget every client."""
+        self._windows.clear()
+
+    def __len__(self) -> int:
+        return len(self._windows)

@@ -43,6 +43,23 @@ TIME_TO_FIRST_TOKEN = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
+USAGE_ROWS_DROPPED = Counter(
+    "roundhouse_usage_rows_dropped",
+    "Usage rows never written, by reason: queue_full (the writer was that far "
+    "behind), database_error (the database still failed after the retries), "
+    "refused (the database refused the row), error (a bug).",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in ("queue_full", "database_error", "refused", "error"):
+    USAGE_ROWS_DROPPED.labels(_reason)  # shown from the start, at 0
+USAGE_WRITE_FAILURES = Counter(
+    "roundhouse_usage_write_failures",
+    "Writes of a batch of usage rows that failed with a database error (each "
+    "is tried again, up to a limit).",
+    registry=REGISTRY,
+)
+
 
 class FleetCollector:
     """Engine gauges from the latest routing snapshot (at most a second old)."""

@@ -1,6 +1,7 @@
 """Writes of API keys and usage, and authenticating a request's key."""
 
 import atexit
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -18,7 +19,9 @@ from django.utils import timezone
 
 from catalog.models import ModelConfig
 
+from . import metrics
 from .exceptions import KeyRejected, LimitExceeded
+from .limits import FailureThrottle
 from .models import ApiKey, Usage
 from .selectors import api_key_get_by_hash, in_db_thread
 
@@ -35,6 +38,7 @@ __all__ = [
     "stale_keys_waiting",
     "usage_build",
     "usage_enqueue",
+    "usage_flush",
 ]
 
 log = logging.getLogger("roundhouse.api")
@@ -56,6 +60,17 @@ KEY_STALE_S = 60.0
 KEY_CACHE_SIZE = 10_000
 _recent_keys: dict[str, tuple[ApiKey, float]] = {}
 _stale_keys: set[str] = set()
+# Keys refused recently (unknown or revoked), by hash, with the refusal and when:
+# the same bad key sent again is refused from memory, with no query. A key
+# issued in this process is forgotten here at once; issued by another, it works
+# once REFUSED_KEY_CACHE_S have passed. Oldest first; the oldest goes when full.
+REFUSED_KEY_CACHE_S = 5.0
+REFUSED_KEY_CACHE_SIZE = 10_000
+_refused_keys: dict[str, tuple[str, float]] = {}
+# A client (its address) whose keys failed this often in a window is answered
+# 429 until the window ends, before any lookup; keys in _recent_keys still work
+# from it, as they cost nothing.
+AUTH_FAILURES = FailureThrottle(limit=20, window_s=60.0, max_clients=10_000)
 
 
 def api_key_hash(plaintext: str) -> str:
@@ -76,6 +91,7 @@ def api_key_issue(*, key: ApiKey) -> str:
     key.key_hash = api_key_hash(plaintext)
     key.full_clean()
     key.save()
+    _refused_keys.pop(key.key_hash, None)
     return plaintext
 
 
@@ -145,6 +161,24 @@ def _remember_key(key: ApiKey) -> None:
     _recent_keys[key.key_hash] = (key, time.monotonic())
 
 
+def _refusal(digest: str) -> str | None:
+    """Why the key with this hash was refused moments ago, if it was."""
+    found = _refused_keys.get(digest)
+    if found is None:
+        return None
+    if time.monotonic() - found[1] > REFUSED_KEY_CACHE_S:
+        del _refused_keys[digest]
+        return None
+    return found[0]
+
+
+def _remember_refusal(digest: str, message: str) -> None:
+    _refused_keys.pop(digest, None)
+    while len(_refused_keys) >= REFUSED_KEY_CACHE_SIZE:
+        del _refused_keys[next(iter(_refused_keys))]
+    _refused_keys[digest] = (message, time.monotonic())
+
+
 def _masked(presented: str) -> str:
     """Enough of a presented key to recognise it, never all of it."""
     head = min(7, len(presented) // 4)
@@ -152,12 +186,16 @@ def _masked(presented: str) -> str:
     return f"{presented[:head]}...{presented[-tail:] if tail else ''}"
 
 
-async def api_key_authenticate(*, authorization: str | None) -> ApiKey:
+async def api_key_authenticate(
+    *, authorization: str | None, client: str | None = None
+) -> ApiKey:
     """The live key of an `Authorization: Bearer <key>` header, or KeyRejected.
 
     The key comes back with `allowed_model_names` (a frozenset) set, so that
     `api_key_allows` needs no query. `last_used_at` is written at most once a
-    minute per key.
+    minute per key. A key refused moments ago is refused again from memory;
+    `client` (the caller's address), when given, is throttled on its failed
+    keys: LimitExceeded, before any lookup, once it is over AUTH_FAILURES.
     """
     if not authorization or not authorization.strip():
         raise KeyRejected(
@@ -176,20 +214,37 @@ async def api_key_authenticate(*, authorization: str | None) -> ApiKey:
     digest = api_key_hash(presented)
     key = _recent_key(digest)
     if key is None:
-        key = await api_key_get_by_hash(key_hash=digest)
-        if key is not None and key.revoked_at is None:
-            _remember_key(key)
-    # The lookup by hash already matched; comparing again in constant time keeps
-    # the decision itself free of timing differences, whatever the database does.
-    if key is None or not hmac.compare_digest(key.key_hash, digest):
-        raise KeyRejected(
-            f"Incorrect API key provided: {_masked(presented)}. Ask the "
-            "administrator of this server for a key."
-        )
-    if key.revoked_at is not None:
-        raise KeyRejected(f"The API key {key.prefix}... has been revoked.")
+        key = await _key_looked_up(digest=digest, presented=presented, client=client)
     await _last_used_touch(key=key)
     return key
+
+
+async def _key_looked_up(*, digest: str, presented: str, client: str | None) -> ApiKey:
+    """The live key with this hash from the database, unless the client is
+    over its failed keys (LimitExceeded) or the key was refused moments ago."""
+    if client is not None:
+        AUTH_FAILURES.check(client)
+        AUTH_FAILURES.failed(client)  # until the lookup succeeds
+    refusal = _refusal(digest)
+    if refusal is None:
+        key = await api_key_get_by_hash(key_hash=digest)
+        # The lookup by hash already matched; comparing again in constant time
+        # keeps the decision itself free of timing differences, whatever the
+        # database does.
+        if key is None or not hmac.compare_digest(key.key_hash, digest):
+            refusal = (
+                f"Incorrect API key provided: {_masked(presented)}. Ask the "
+                "administrator of this server for a key."
+            )
+        elif key.revoked_at is not None:
+            refusal = f"The API key {key.prefix}... has been revoked."
+        else:
+            _remember_key(key)
+            if client is not None:
+                AUTH_FAILURES.succeeded(client)
+            return key
+        _remember_refusal(digest, refusal)
+    raise KeyRejected(refusal)
 
 
 async def _last_used_touch(*, key: ApiKey) -> None:
@@ -263,8 +318,19 @@ class UsageWriter:
 
     The API only enqueues a request's row: no thread hop and no database
     connection on a request's path (an ASGI request's ORM work gets a new thread
-    and connection each time). Rows queued when the process exits normally are
-    written by an atexit hook first; only a crash can lose the last ones.
+    and connection each time). Nothing is lost silently:
+
+    - At most MAX_QUEUED rows wait; a row past that is dropped and counted.
+    - A batch the database fails (connection lost, database locked or
+      restarting: DatabaseError) is tried again after each of RETRY_DELAYS_S
+      (about a minute in all, while new rows queue), then dropped and counted.
+    - A batch the database refuses for one of its rows (IntegrityError,
+      DataError) is written row by row: only the rows refused are dropped.
+    - Rows queued when the process stops are written first: `close` runs on
+      the ASGI lifespan's shutdown (uvicorn, after SIGTERM) and at exit.
+
+    Dropped rows are counted in `roundhouse_usage_rows_dropped_total` and
+    logged; failed writes in `roundhouse_usage_write_failures_total`.
     """
 
     BATCH = 500
@@ -272,6 +338,9 @@ class UsageWriter:
     # queued meanwhile wake no thread (waking one costs the event loop 0.1-0.2
     # ms of CPU on a small VM, for every request).
     LINGER_S = 0.25
+    # About 20 s of a busy front's rows at 2,500 requests a second.
+    MAX_QUEUED = 50_000
+    RETRY_DELAYS_S: tuple[float, ...] = (0.5, 1, 2, 4, 8, 15, 30)
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Usage | None] = queue.SimpleQueue()
@@ -279,7 +348,10 @@ class UsageWriter:
         self._lock = threading.Lock()
 
     def put(self, usage: Usage) -> None:
-        """Queue one row for writing."""
+        """Queue one row for writing (dropped and counted when MAX_QUEUED wait)."""
+        if self._queue.qsize() >= self.MAX_QUEUED:
+            self._dropped(1, "queue_full")
+            return
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
@@ -291,9 +363,17 @@ class UsageWriter:
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, then stop the thread."""
-        if self._thread is not None:
+        thread = self._thread
+        if thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout)
+            thread.join(timeout)
+            if thread.is_alive():
+                log.error(
+                    "the usage writer did not finish in %g s: %d queued usage "
+                    "rows are not written yet",
+                    timeout,
+                    self._queue.qsize(),
+                )
 
     def _run(self) -> None:
         stopping = False
@@ -309,17 +389,63 @@ class UsageWriter:
             stopping = None in batch
             rows = [row for row in batch if row is not None]
             if rows:
-                self._write(rows)
-        db.connections.close_all()  # this thread's own connection
+                try:
+                    self._write(rows)
+                except Exception:  # a bug: trying again would fail again
+                    log.exception("could not record %d usage rows", len(rows))
+                    self._dropped(len(rows), "error")
+        db.connections.close_all()  # this thread's own connections
         with self._lock:
             self._thread = None
 
     def _write(self, rows: list[Usage]) -> None:
-        try:
-            Usage.objects.bulk_create(rows)
-        except Exception as error:  # noqa: BLE001 - keep the writer alive
-            log.warning("could not record %d usage rows: %s", len(rows), error)
-            db.connection.close_if_unusable_or_obsolete()
+        """Write a batch, trying again while the database fails."""
+        for delay in (*self.RETRY_DELAYS_S, None):
+            try:
+                self._insert(rows)
+                return
+            except (db.IntegrityError, db.DataError):
+                self._write_each(rows)
+                return
+            except db.DatabaseError as error:
+                metrics.USAGE_WRITE_FAILURES.inc()
+                self._reconnect()
+                if delay is None:
+                    log.error("could not record %d usage rows: %s", len(rows), error)
+                    self._dropped(len(rows), "database_error")
+                    return
+                log.warning(
+                    "could not record %d usage rows, trying again in %g s: %s",
+                    len(rows),
+                    delay,
+                    error,
+                )
+                time.sleep(delay)
+
+    def _write_each(self, rows: list[Usage]) -> None:
+        """Write rows one by one, dropping only those the database refuses."""
+        for index, row in enumerate(rows):
+            try:
+                self._insert([row])
+            except (db.IntegrityError, db.DataError) as error:
+                log.warning("the database refused a usage row: %s", error)
+                self._dropped(1, "refused")
+            except db.DatabaseError:
+                self._write(rows[index:])  # the database itself failed
+                return
+
+    def _insert(self, rows: list[Usage]) -> None:
+        """The one write: one INSERT of these rows."""
+        Usage.objects.bulk_create(rows)
+
+    def _reconnect(self) -> None:
+        """Drop this thread's connection: the next try opens a new one."""
+        with contextlib.suppress(db.DatabaseError):
+            db.connection.close()
+
+    @staticmethod
+    def _dropped(count: int, reason: str) -> None:
+        metrics.USAGE_ROWS_DROPPED.labels(reason).inc(count)
 
 
 USAGE_WRITER = UsageWriter()
@@ -329,3 +455,8 @@ atexit.register(USAGE_WRITER.close)
 def usage_enqueue(**fields) -> None:
     """Record one request's usage in the background (fields as `usage_build`)."""
     USAGE_WRITER.put(usage_build(**fields))
+
+
+def usage_flush() -> None:
+    """Write the usage rows queued so far (blocks: call it from a thread)."""
+    USAGE_WRITER.close()

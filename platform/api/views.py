@@ -4,7 +4,9 @@ Every API request goes: size cap → key → typed body → model (exists, allow
 right task) → key limits → routing → engine, and ends with one usage row and
 its metrics, whatever happened. Streams hold their key's concurrency slot and
 their engine connection until the last byte; a caller that hangs up cancels the
-request in the engine (Django cancels the response, closing the connection).
+request in the engine (Django cancels the response, closing the connection),
+whenever it hangs up: before the answer, between the headers and the first
+token, or mid-stream. A stream cut short records the tokens already sent.
 """
 
 import asyncio
@@ -14,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,6 @@ from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
 from engines.client import (
-    EngineDied,
     EngineError,
     EngineRequestError,
     EngineTimeout,
@@ -38,8 +39,8 @@ from .exceptions import KeyRejected, LimitExceeded
 from .gateway import GATEWAY
 from .limits import key_admission
 from .models import ApiKey
+from .openapi import openapi_document
 from .schemas import (
-    ENDPOINT_SCHEMAS,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -75,10 +76,29 @@ class Call:
     error_code: str = ""
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    # What the request holds until it ends: its key's concurrency slot, its
+    # engine stream.
+    held: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+    ended: bool = False
 
     def failed(self, error: errors.ApiError) -> HttpResponse:
         self.status, self.error_code = error.status, error.code or error.type
         return error.response()
+
+    def hung_up(self) -> None:
+        """The caller went away (an error already recorded stays)."""
+        if self.status < 400:
+            self.status, self.error_code = 499, "client_closed"
+
+    async def end(self) -> None:
+        """Release what the request holds, then `finish` it; once."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            await self.held.aclose()
+        finally:
+            self.finish()
 
     def finish(self) -> None:
         """Count the request and queue its usage row (never raises)."""
@@ -116,16 +136,29 @@ class Call:
             log.exception("could not record usage")
 
 
+async def _authenticated(request: HttpRequest) -> ApiKey:
+    """The request's live key; ApiError (401, or 429 for a client over its
+    failed keys) otherwise."""
+    try:
+        return await api_key_authenticate(
+            authorization=request.headers.get("Authorization"),
+            # Behind a proxy every caller has the proxy's address, and shares
+            # its throttle.
+            client=request.META.get("REMOTE_ADDR") or "unknown",
+        )
+    except KeyRejected as rejected:
+        raise errors.unauthorized(rejected.message) from None
+    except LimitExceeded as over:
+        raise errors.rate_limited(
+            over.message, over.retry_after_s, code=over.code
+        ) from None
+
+
 async def _admitted_model(
     call: Call, request: HttpRequest, schema: type[BaseModel]
 ) -> tuple[Any, ModelRoute, Snapshot]:
     """Authenticate, validate and find the model; ApiError otherwise."""
-    try:
-        call.key = await api_key_authenticate(
-            authorization=request.headers.get("Authorization")
-        )
-    except KeyRejected as rejected:
-        raise errors.unauthorized(rejected.message) from None
+    call.key = await _authenticated(request)
     # Its size was checked before it was read (roundhouse.asgi.BareASGIHandler).
     payload = parse(schema, request.body)
     call.model = payload.model
@@ -137,8 +170,7 @@ async def _admitted_model(
         raise errors.model_not_found(payload.model)
     task = route.task
     if task not in ENDPOINT_TASKS[call.endpoint]:
-        raise errors.ApiError(
-            400,
+        raise errors.invalid_request(
             f"The model '{payload.model}' is a {task or 'unknown'} model and cannot "
             f"serve /v1/{call.endpoint.replace('.', '/')}.",
             param="model",
@@ -174,26 +206,29 @@ async def _with_engine(
                 raise errors.from_mapping(
                     errors.NO_ENGINE, str(error), code="engine_unreachable"
                 ) from None
-        except EngineRequestError as error:
-            raise errors.engine_error(error.code, error.message) from None
-        except EngineDied as error:
-            raise errors.from_mapping(
-                errors.ENGINE_DIED,
-                f"The engine serving this model failed mid-request: {error}",
-                code="engine_died",
-            ) from None
-        except EngineTimeout as error:
-            raise errors.from_mapping(
-                errors.ENGINE_TIMEOUT, str(error), code="engine_timeout"
-            ) from None
+        except EngineError as error:
+            raise _engine_failure(error) from None
+
+
+def _engine_failure(error: EngineError) -> errors.ApiError:
+    """The API error for an engine that failed once it had the request."""
+    if isinstance(error, EngineRequestError):
+        return errors.engine_error(error.code, error.message)
+    if isinstance(error, EngineTimeout):
+        return errors.from_mapping(
+            errors.ENGINE_TIMEOUT, str(error), code="engine_timeout"
+        )
+    return errors.from_mapping(
+        errors.ENGINE_DIED,
+        f"The engine serving this model failed mid-request: {error}",
+        code="engine_died",
+    )
 
 
 def _method_not_allowed(request: HttpRequest, allowed: str) -> HttpResponse | None:
     if request.method == allowed:
         return None
-    response = errors.ApiError(
-        405, f"Use {allowed} for {request.path}.", code="method_not_allowed"
-    ).response()
+    response = errors.method_not_allowed(allowed, request.path).response()
     response["Allow"] = allowed
     return response
 
@@ -209,31 +244,30 @@ async def _serve(
     if refused is not None:
         return refused
     call = Call(endpoint)
-    limits = contextlib.AsyncExitStack()
     try:
         payload, route, snapshot = await _admitted_model(call, request, schema)
         try:
-            await limits.enter_async_context(key_admission(call.key))
+            await call.held.enter_async_context(key_admission(call.key))
         except LimitExceeded as over:
-            raise errors.rate_limited(over.message, over.retry_after_s) from None
+            raise errors.rate_limited(
+                over.message, over.retry_after_s, code=over.code
+            ) from None
         response = await handler(call, payload, route, snapshot)
     except errors.ApiError as error:
         response = call.failed(error)
     except asyncio.CancelledError:  # the caller hung up before the answer
-        await asyncio.shield(limits.aclose())
-        call.status, call.error_code = 499, "client_closed"
-        call.finish()
+        call.hung_up()
+        await asyncio.shield(call.end())
         raise
     except Exception:
         log.exception("%s failed", endpoint)
         internal = errors.engine_error("internal", "Internal error.")
         response = call.failed(internal)
     if isinstance(response, StreamingHttpResponse):
-        # The stream closes `limits` and finishes `call` when it ends.
-        response.streaming_content = _closing(response.streaming_content, limits, call)
+        # The stream ends the call when it ends, however it ends.
+        response.streaming_content = _Relay(response.streaming_content, call)
         return response
-    await limits.aclose()
-    call.finish()
+    await call.end()
     _after_answer()
     return response
 
@@ -256,31 +290,67 @@ def _after_answer() -> None:
         task.add_done_callback(_background.discard)
 
 
-async def _closing(
-    content: AsyncIterator[bytes], limits: contextlib.AsyncExitStack, call: Call
-) -> AsyncIterator[bytes]:
-    # The background refreshes start a moment after the first token: not while
-    # the engine computes the prompt (on a host whose cores the engine fills,
-    # work done then delays the first token), nor with it: streams that started
-    # together get their first tokens together, and a refresh started by the
-    # first of them would hold the GIL while the front relays the others.
-    refreshed = False
-    try:
-        async for chunk in content:
-            yield chunk
-            if not refreshed and call.first_token_at is not None:
-                refreshed = True
-                asyncio.get_running_loop().call_later(
-                    AFTER_FIRST_TOKEN_S, _after_answer
-                )
-    except asyncio.CancelledError:
-        call.status, call.error_code = 499, "client_closed"
-        raise
-    finally:
-        if not refreshed:
-            _after_answer()
-        await asyncio.shield(limits.aclose())
-        call.finish()
+class _Relay:
+    """A stream's body: relays its chunks, and ends its call (gives back the
+    key's slot, hangs up on the engine, records usage) however the stream ends:
+    its last chunk, an engine failure, the caller hanging up mid-stream, or the
+    response closed before its body was read (the caller hung up between the
+    headers and the first token, while the headers were being sent). Django
+    closes a response whatever became of it, and calls `close` on its body."""
+
+    def __init__(self, content: AsyncGenerator[bytes, None], call: Call) -> None:
+        self._content = content
+        self._call = call
+        self._loop = asyncio.get_running_loop()
+        self._chunks = self._relay()
+
+    def __aiter__(self) -> AsyncGenerator[bytes, None]:
+        return self._chunks
+
+    async def _relay(self) -> AsyncGenerator[bytes, None]:
+        # The background refreshes start a moment after the first token: not
+        # while the engine computes the prompt (on a host whose cores the engine
+        # fills, work done then delays the first token), nor with it: streams
+        # that started together get their first tokens together, and a refresh
+        # started by the first of them would hold the GIL while the front
+        # relays the others.
+        refreshed = False
+        try:
+            async for chunk in self._content:
+                yield chunk
+                if not refreshed and self._call.first_token_at is not None:
+                    refreshed = True
+                    self._loop.call_later(AFTER_FIRST_TOKEN_S, _after_answer)
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled while waiting for the engine, or closed while a chunk
+            # was being sent: the caller went away.
+            self._call.hung_up()
+            raise
+        finally:
+            if not refreshed:
+                _after_answer()
+            try:
+                await self._content.aclose()  # left at a chunk: its engine too
+            finally:
+                await asyncio.shield(self._call.end())
+
+    def close(self) -> None:
+        """Django is done with the response: end a stream that did not end
+        (maybe from another thread)."""
+        if not self._call.ended:
+            with contextlib.suppress(RuntimeError):  # the loop is gone
+                self._loop.call_soon_threadsafe(self._abandoned)
+
+    def _abandoned(self) -> None:
+        task = self._loop.create_task(self._end_abandoned())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+    async def _end_abandoned(self) -> None:
+        await self._chunks.aclose()  # if it started, its `finally` ends the call
+        if not self._call.ended:  # it never started
+            self._call.hung_up()
+            await self._call.end()
 
 
 def _usage(call: Call) -> dict[str, int]:
@@ -375,6 +445,8 @@ async def _generate(
         return frames, start
 
     frames, start = await _with_engine(call, route, snapshot, open_stream)
+    # Closed when the call ends, also if the stream's body never starts.
+    call.held.push_async_callback(frames.aclose)
     base = {
         "id": ("chatcmpl-" if chat else "cmpl-") + start.get("request_id", ""),
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -405,6 +477,9 @@ async def _generate(
                 if frame.get("event") == "token":
                     if call.first_token_at is None:
                         call.first_token_at = time.perf_counter()
+                    # Counted as they come: a stream cut short (the caller gone,
+                    # the engine dead or silent) gets no final usage.
+                    call.completion_tokens += int(frame.get("tokens", 1))
                     text = frame.get("text", "")
                     yield pending + chunk({"content": text} if chat else text, None)
                     pending = b""
@@ -427,12 +502,7 @@ async def _generate(
                     yield b"".join(last)
         except EngineError as failure:
             # Headers are sent: the failure travels as an error event.
-            if isinstance(failure, EngineRequestError):
-                error = errors.engine_error(failure.code, failure.message)
-            else:
-                error = errors.from_mapping(
-                    errors.ENGINE_DIED, str(failure), code="engine_died"
-                )
+            error = _engine_failure(failure)
             call.status, call.error_code = error.status, error.code or ""
             yield pending + _sse(error.body())
         finally:
@@ -479,8 +549,7 @@ async def _embed(
         lambda client: client.embed_counted(route.name, texts),
     )
     if payload.dimensions is not None and payload.dimensions != rows.shape[1]:
-        raise errors.ApiError(
-            400,
+        raise errors.invalid_request(
             f"The model '{route.name}' returns {rows.shape[1]} dimensions; "
             f"{payload.dimensions} were asked for.",
             param="dimensions",
@@ -521,11 +590,9 @@ async def models(request: HttpRequest) -> HttpResponse:
     if refused is not None:
         return refused
     try:
-        key = await api_key_authenticate(
-            authorization=request.headers.get("Authorization")
-        )
-    except KeyRejected as rejected:
-        return errors.unauthorized(rejected.message).response()
+        key = await _authenticated(request)
+    except errors.ApiError as error:
+        return error.response()
     snapshot = await GATEWAY.snapshot()
     data = [
         {
@@ -574,85 +641,16 @@ async def metrics_view(request: HttpRequest) -> HttpResponse:
     )
 
 
-def openapi_document() -> dict:
-    """The OpenAPI 3.1 document of the endpoints, from the same schemas."""
-    components: dict[str, Any] = {}
-    paths: dict[str, Any] = {}
-    for route, schema in ENDPOINT_SCHEMAS.items():
-        document = schema.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(document.pop("$defs", {}))
-        components[schema.__name__] = document
-        paths[route] = {
-            "post": {
-                "operationId": route.strip("/").replace("/", "_"),
-                "security": [{"bearer": []}],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "$ref": f"#/components/schemas/{schema.__name__}"
-                            }
-                        }
-                    },
-                },
-                "responses": {
-                    "200": {"description": "The result (JSON, or SSE when stream)."},
-                    **{
-                        str(status): {"$ref": "#/components/responses/Error"}
-                        for status in (400, 401, 404, 413, 429, 502, 503)
-                    },
-                },
-            }
-        }
-    paths["/v1/models"] = {
-        "get": {
-            "operationId": "v1_models",
-            "security": [{"bearer": []}],
-            "responses": {"200": {"description": "The models this key may use."}},
-        }
-    }
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "Roundhouse OpenAI-compatible API", "version": "1"},
-        "paths": paths,
-        "components": {
-            "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "responses": {
-                "Error": {
-                    "description": "An OpenAI-shaped error object.",
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "error": {
-                                        "type": "object",
-                                        "properties": {
-                                            "message": {"type": "string"},
-                                            "type": {"type": "string"},
-                                            "param": {"type": ["string", "null"]},
-                                            "code": {"type": ["string", "null"]},
-                                        },
-                                    }
-                                },
-                            }
-                        }
-                    },
-                }
-            },
-        },
-    }
-
-
 async def openapi(request: HttpRequest) -> HttpResponse:
-    """GET /v1/openapi.json."""
+    """GET /v1/openapi.json (built by api.openapi)."""
+    refused = _method_not_allowed(request, "GET")
+    if refused is not None:
+        return refused
     return JsonResponse(openapi_document())
 
 
 async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
     """Unknown /v1/ paths answer in OpenAI's error shape, not Django's HTML."""
-    return errors.ApiError(
-        404, f"Unknown endpoint {request.path}.", code="unknown_url"
+    return errors.from_mapping(
+        errors.NOT_FOUND, f"Unknown endpoint {request.path}.", code="unknown_url"
     ).response()

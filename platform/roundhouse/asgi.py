@@ -7,6 +7,10 @@ The API (`/v1/`, `/healthz`, `/metrics`) is served by Django without its
 middleware. Those middlewares (sessions, CSRF, auth, messages, clickjacking) mean
 nothing to key-authenticated JSON, and each sync-style one costs a thread hop per
 request on the way in and out: milliseconds before a stream's first token.
+
+On the ASGI lifespan's shutdown (uvicorn sends it once the requests in flight
+are done, after a SIGTERM) the front writes the usage rows still queued: uvicorn
+then ends the process by raising the signal again, which skips atexit hooks.
 """
 
 import asyncio
@@ -32,7 +36,9 @@ sys.setswitchinterval(0.001)
 # Django must be set up before anything imports models (the WebSocket routes will).
 django_application = get_asgi_application()
 
-from api import errors  # noqa: E402  (after set-up: the app imports its models)
+# After set-up: the app imports its models.
+from api import errors  # noqa: E402
+from api.services import usage_flush  # noqa: E402
 
 API_PATHS = ("/v1/", "/healthz", "/metrics")
 
@@ -129,7 +135,9 @@ def _content_length(scope) -> int | None:
             try:
                 return int(value)
             except ValueError:
-                raise errors.ApiError(400, "Content-Length is not a number.") from None
+                raise errors.invalid_request(
+                    "Content-Length is not a number."
+                ) from None
     return None
 
 
@@ -160,4 +168,18 @@ async def http_application(scope, receive, send):
     await chosen(scope, receive, send)
 
 
-application = ProtocolTypeRouter({"http": http_application})
+async def lifespan_application(scope, receive, send):
+    """ASGI lifespan: nothing to start; on shutdown, write the queued usage."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await asyncio.to_thread(usage_flush)
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+application = ProtocolTypeRouter(
+    {"http": http_application, "lifespan": lifespan_application}
+)

@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> None:
         loop="uvloop",
         http="httptools",
         ws="websockets-sansio",
-        # Django answers no ASGI lifespan events; Channels refuses the scope.
-        lifespan="off",
+        # roundhouse.asgi writes the queued usage rows on the lifespan's
+        # shutdown.
+        lifespan="on",
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,

@@ -11,17 +11,23 @@ from api import limits, services
 from api.gateway import GATEWAY
 
 
+def forget_keys() -> None:
+    services._recent_keys.clear()
+    services._stale_keys.clear()
+    services._refused_keys.clear()
+    services.AUTH_FAILURES.clear()
+
+
 @pytest.fixture(autouse=True)
 def empty_cache():
-    """Counters and remembered keys of an earlier test (same key ids, same
-    hashes after a flush) must not leak into this one."""
+    """Counters, remembered and refused keys and throttled clients of an
+    earlier test (same key ids, same hashes after a flush, the test client's
+    one address) must not leak into this one."""
     cache.clear()
-    services._recent_keys.clear()
-    services._stale_keys.clear()
+    forget_keys()
     yield
     cache.clear()
-    services._recent_keys.clear()
-    services._stale_keys.clear()
+    forget_keys()
 
 
 @pytest.fixture(autouse=True)

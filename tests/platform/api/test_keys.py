@@ -1,5 +1,6 @@
 """API keys: only a hash is stored; bearer authentication, models, last use."""
 
+import asyncio
 import hashlib
 import io
 from datetime import timedelta
@@ -7,15 +8,20 @@ from datetime import timedelta
 import pytest
 from asgiref.sync import sync_to_async
 from django.core.management import call_command
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from api import services
 from api.models import ApiKey
 from api.services import (
     KeyRejected,
+    LimitExceeded,
     api_key_allows,
     api_key_authenticate,
     api_key_create,
+    api_key_hash,
     api_key_revoke,
 )
 from tests.factories import ApiKeyFactory, ModelConfigFactory
@@ -219,3 +225,170 @@ async def test_a_recent_key_needs_no_database_read(monkeypatch):
     await sync_to_async(api_key_revoke)(key=other)
     with pytest.raises(KeyRejected):
         await api_key_authenticate(authorization=other_header)
+
+
+# -- unknown keys are cheap ---------------------------------------------------
+
+
+def models_as(address: str, plaintext: str):
+    """GET /v1/models from a client at `address` (the test client runs the view
+    in this thread, so its queries are on this thread's connection)."""
+    return Client().get(
+        "/v1/models", HTTP_AUTHORIZATION=f"Bearer {plaintext}", REMOTE_ADDR=address
+    )
+
+
+@pytest.fixture
+def throttle_clock(monkeypatch):
+    """The failed-key throttle's clock, at `now[0]` seconds."""
+    now = [1000.0]
+    monkeypatch.setattr(services.AUTH_FAILURES, "clock", lambda: now[0])
+    return now
+
+
+@transactional
+def test_a_flood_of_bad_keys_makes_a_bounded_number_of_queries(throttle_clock):
+    """Distinct bad keys from one client are each looked up until the client
+    has failed AUTH_FAILURES.limit times; the rest are refused with 429 and no
+    query. The same bad key from many clients is looked up once."""
+    limit = services.AUTH_FAILURES.limit
+    with CaptureQueriesContext(connection) as queries:
+        statuses = [
+            models_as("10.0.0.1", f"rh-flood-{n}").status_code for n in range(5 * limit)
+        ]
+    assert statuses == [401] * limit + [429] * (4 * limit)
+    assert 1 <= len(queries) <= limit  # the lookups are seen: they are counted
+
+    with CaptureQueriesContext(connection) as queries:
+        statuses = [models_as(f"10.0.1.{n}", "rh-same").status_code for n in range(50)]
+    assert statuses == [401] * 50
+    assert len(queries) == 1
+
+
+@transactional
+async def test_concurrent_bad_keys_of_one_client_are_bounded_too(monkeypatch):
+    """Many bad keys at once from one client: lookups in flight count as
+    failures, so no more than the limit are made, not one per request."""
+    limit = services.AUTH_FAILURES.limit
+    lookups = count_lookups(monkeypatch)
+    outcomes = await asyncio.gather(
+        *(
+            api_key_authenticate(authorization=f"Bearer rh-at-once-{n}", client="a")
+            for n in range(10 * limit)
+        ),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(o, KeyRejected) for o in outcomes) == limit
+    assert sum(isinstance(o, LimitExceeded) for o in outcomes) == 9 * limit
+    assert len(lookups) == limit
+
+
+@transactional
+def test_a_good_key_works_during_a_flood(throttle_clock):
+    """While one client is throttled, another client's key works; from the
+    throttled client, a key remembered from an earlier request still works (it
+    costs no lookup) and any other key is refused before its lookup."""
+    used, unused = ApiKeyFactory(), ApiKeyFactory()
+    for n in range(services.AUTH_FAILURES.limit + 5):
+        models_as("10.0.0.1", f"rh-flood-{n}")
+    assert models_as("10.0.0.1", "rh-flood-more").status_code == 429
+
+    assert models_as("10.0.0.2", used.plaintext).status_code == 200
+    assert models_as("10.0.0.1", used.plaintext).status_code == 200
+    with CaptureQueriesContext(connection) as queries:
+        assert models_as("10.0.0.1", unused.plaintext).status_code == 429
+    assert len(queries) == 0
+    assert models_as("10.0.0.2", unused.plaintext).status_code == 200
+
+
+@transactional
+def test_the_throttle_says_when_to_retry_and_ends_with_its_window(throttle_clock):
+    """Over its failed keys, a client gets 429 with Retry-After (the seconds
+    left in its window); once the window is over its keys are looked up again."""
+    window = services.AUTH_FAILURES.window_s
+    for n in range(services.AUTH_FAILURES.limit):
+        assert models_as("10.0.0.1", f"rh-bad-{n}").status_code == 401
+    refused = models_as("10.0.0.1", "rh-bad-next")
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "too_many_invalid_keys"
+    assert int(refused["Retry-After"]) == window
+
+    throttle_clock[0] += window - 10
+    refused = models_as("10.0.0.1", "rh-bad-next")
+    assert (refused.status_code, refused["Retry-After"]) == (429, "10")
+
+    throttle_clock[0] += 10
+    with CaptureQueriesContext(connection) as queries:
+        assert models_as("10.0.0.1", "rh-bad-next").status_code == 401
+    assert len(queries) == 1
+
+
+@transactional
+async def test_a_key_issued_after_it_was_refused_works_at_once(monkeypatch):
+    """A refused key is refused again from memory; issuing that key in this
+    process forgets the refusal. (The secret is fixed so that the test can
+    present it before it exists.)"""
+    monkeypatch.setattr(services.secrets, "token_urlsafe", lambda n: "fixed-secret")
+    header = "Bearer rh-fixed-secret"
+    lookups = count_lookups(monkeypatch)
+    for _ in range(2):
+        with pytest.raises(KeyRejected, match="Incorrect API key"):
+            await api_key_authenticate(authorization=header)
+    assert len(lookups) == 1  # the second refusal came from memory
+
+    key, plaintext = await sync_to_async(api_key_create)(name="late")
+    assert plaintext == "rh-fixed-secret"
+    assert (await api_key_authenticate(authorization=header)).pk == key.pk
+
+
+@transactional
+async def test_a_key_created_elsewhere_works_once_the_refusal_expires(monkeypatch):
+    """Created by another process (this one saw no api_key_issue), a key
+    refused moments ago stays refused for REFUSED_KEY_CACHE_S, then works."""
+    plaintext = "rh-made-elsewhere"
+    with pytest.raises(KeyRejected):
+        await api_key_authenticate(authorization=f"Bearer {plaintext}")
+    await ApiKey.objects.acreate(
+        name="elsewhere", prefix=plaintext[:11], key_hash=api_key_hash(plaintext)
+    )
+    with pytest.raises(KeyRejected):
+        await api_key_authenticate(authorization=f"Bearer {plaintext}")
+    monkeypatch.setattr(services, "REFUSED_KEY_CACHE_S", 0.0)
+    assert await api_key_authenticate(authorization=f"Bearer {plaintext}")
+
+
+@transactional
+async def test_revoked_keys_are_refused_from_memory_too(monkeypatch):
+    """A revoked key, refused once, is refused again with no lookup."""
+    key = await sync_to_async(ApiKeyFactory)()
+    await sync_to_async(api_key_revoke)(key=key)
+    lookups = count_lookups(monkeypatch)
+    for _ in range(3):
+        with pytest.raises(KeyRejected, match="has been revoked"):
+            await api_key_authenticate(authorization=f"Bearer {key.plaintext}")
+    assert len(lookups) == 1
+
+
+@transactional
+async def test_refused_keys_in_memory_are_bounded(monkeypatch):
+    """At most REFUSED_KEY_CACHE_SIZE refusals are remembered, the newest."""
+    monkeypatch.setattr(services, "REFUSED_KEY_CACHE_SIZE", 5)
+    for n in range(12):
+        with pytest.raises(KeyRejected):
+            await api_key_authenticate(authorization=f"Bearer rh-bad-{n}")
+    assert len(services._refused_keys) == 5
+    assert api_key_hash("rh-bad-11") in services._refused_keys
+    assert api_key_hash("rh-bad-0") not in services._refused_keys
+
+
+def count_lookups(monkeypatch) -> list:
+    """The database lookups of keys made from here on."""
+    lookups = []
+    real = services.api_key_get_by_hash
+
+    async def counted(**kwargs):
+        lookups.append(kwargs)
+        return await real(**kwargs)
+
+    monkeypatch.setattr(services, "api_key_get_by_hash", counted)
+    return lookups

@@ -262,3 +262,71 @@ asyncio.run(main())
     assert held.stdout.strip() == "refused"
     freed = await asyncio.to_thread(run_python, other_front, env=env)
     assert freed.stdout.strip() == "admitted", freed.stderr
+
+
+# -- the failed-key throttle ---------------------------------------------------
+
+
+def throttle(**overrides) -> limits.FailureThrottle:
+    """A throttle of 3 failures a minute, on a clock at `throttle.now`."""
+    made = limits.FailureThrottle(**{"limit": 3, "window_s": 60.0, **overrides})
+    made.now = 0.0
+    made.clock = lambda: made.now
+    return made
+
+
+def test_throttle_refuses_a_client_over_its_failures_until_its_window_ends():
+    """The limit-th failure in a window refuses the client for the rest of the
+    window (Retry-After: the seconds left, rounded up); other clients are free."""
+    gate = throttle()
+    for _ in range(3):
+        gate.check("a")
+        gate.failed("a")
+    gate.now = 20.5
+    with pytest.raises(LimitExceeded) as over:
+        gate.check("a")
+    assert (over.value.retry_after_s, over.value.code) == (40, "too_many_invalid_keys")
+    gate.check("b")
+    gate.now = 60.0
+    gate.check("a")
+    assert len(gate) == 0  # the expired window is forgotten
+
+
+def test_throttle_counts_failures_per_window():
+    """Failures in an earlier window do not count in the next."""
+    gate = throttle()
+    gate.failed("a")
+    gate.failed("a")
+    gate.now = 61.0
+    gate.failed("a")
+    gate.failed("a")
+    gate.check("a")
+    gate.failed("a")
+    with pytest.raises(LimitExceeded):
+        gate.check("a")
+
+
+def test_throttle_memory_is_bounded():
+    """At most max_clients are tracked; the one that failed least recently goes."""
+    gate = throttle(max_clients=3)
+    for client in ("a", "b", "c"):
+        for _ in range(3):
+            gate.failed(client)
+    gate.failed("a")  # a is now the most recent
+    gate.failed("d")
+    assert len(gate) == 3
+    gate.check("b")  # forgotten: free
+    for client in ("a", "c"):
+        with pytest.raises(LimitExceeded):
+            gate.check(client)
+
+
+def test_a_lookup_that_succeeds_is_taken_back():
+    """Lookups count as failures while in flight; one that succeeded does not."""
+    gate = throttle()
+    for _ in range(3):
+        gate.failed("a")
+    with pytest.raises(LimitExceeded):
+        gate.check("a")
+    gate.succeeded("a")
+    gate.check("a")

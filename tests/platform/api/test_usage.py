@@ -1,11 +1,16 @@
 """Usage rows: one per request, queued by the views and written in batches by
-the background writer."""
+the background writer, which loses none to a database that fails for a moment."""
+
+import contextlib
+import time
 
 import pytest
 from django.core.exceptions import ValidationError
+from django.db import connection, transaction
 
-from api.models import Usage
-from api.services import USAGE_WRITER, usage_enqueue
+from api import metrics
+from api.models import ApiKey, Usage
+from api.services import USAGE_WRITER, UsageWriter, usage_build, usage_enqueue
 from tests.factories import ApiKeyFactory
 
 transactional = pytest.mark.django_db(transaction=True)
@@ -95,3 +100,154 @@ def test_rows_queued_together_are_written_together():
         )
     USAGE_WRITER.close()
     assert sorted(Usage.objects.values_list("status", flat=True)) == [200, 429, 499]
+
+
+# -- nothing is lost: a database that fails for a moment ----------------------
+
+
+def sample(name: str, **labels) -> float:
+    """A value of the front's metrics, as /metrics shows it."""
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def dropped(reason: str) -> float:
+    return sample("roundhouse_usage_rows_dropped_total", reason=reason)
+
+
+def failures() -> float:
+    return sample("roundhouse_usage_write_failures_total")
+
+
+def wait_until(predicate, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def impatient_writer(monkeypatch):
+    """A usage writer whose connection (its thread's own, opened after this)
+    gives up waiting for a lock at once: the configured one waits 20 s, then
+    fails."""
+    options = connection.settings_dict["OPTIONS"]
+    if connection.vendor == "sqlite":
+        monkeypatch.setitem(options, "timeout", 0.05)
+    else:
+        monkeypatch.setitem(options, "options", "-c lock_timeout=50")
+    writer = UsageWriter()
+    writer.LINGER_S = 0
+    writer.RETRY_DELAYS_S = (0.02,) * 5000  # until the test lets it write
+    yield writer
+    writer.close()
+
+
+@contextlib.contextmanager
+def usage_table_locked():
+    """Hold the write lock on the usage table: a real lock in the real
+    database, which other connections' INSERTs wait for, then fail on."""
+    with transaction.atomic():
+        if connection.vendor == "sqlite":
+            # The first write of a transaction takes the database's write lock.
+            Usage.objects.filter(pk=-1).update(status=0)
+            Usage.objects.create(model="lock", endpoint="embeddings", status=0)
+        else:
+            with connection.cursor() as cursor:
+                table = Usage._meta.db_table
+                cursor.execute(f"LOCK TABLE {table} IN EXCLUSIVE MODE")
+        yield
+        transaction.set_rollback(True)
+
+
+def row(model: str) -> Usage:
+    return usage_build(
+        key=None,
+        model=model,
+        engine="cpu0",
+        endpoint="completions",
+        prompt_tokens=1,
+        completion_tokens=1,
+        latency_ms=1,
+        status=200,
+    )
+
+
+def stored() -> list[str]:
+    return list(Usage.objects.order_by("pk").values_list("model", flat=True))
+
+
+@transactional
+def test_rows_survive_a_database_that_fails_for_a_moment(impatient_writer):
+    """A write that fails (the table locked: a real OperationalError) is tried
+    again until it succeeds: the row is stored, nothing dropped."""
+    before, lost = failures(), dropped("database_error")
+    with usage_table_locked():
+        impatient_writer.put(row("during the hiccup"))
+        wait_until(lambda: failures() >= before + 2, "two failed writes")
+    impatient_writer.close()
+    assert stored() == ["during the hiccup"]
+    assert dropped("database_error") == lost
+
+
+@transactional
+def test_the_queue_is_bounded_and_rows_over_it_are_counted(impatient_writer):
+    """While the writer retries, at most MAX_QUEUED rows wait; the rest are
+    dropped and counted. The waiting ones are written once it can."""
+    impatient_writer.MAX_QUEUED = 2
+    before, full = failures(), dropped("queue_full")
+    with usage_table_locked():
+        impatient_writer.put(row("r1"))
+        wait_until(lambda: failures() > before, "a failed write")  # r1 is taken
+        for name in ("r2", "r3", "r4", "r5"):
+            impatient_writer.put(row(name))
+    impatient_writer.close()
+    assert stored() == ["r1", "r2", "r3"]
+    assert dropped("queue_full") == full + 2
+
+
+@transactional
+def test_rows_still_failing_after_the_retries_are_counted(impatient_writer):
+    """A batch the database keeps failing is dropped after the last retry, and
+    its rows are counted; the writer goes on with the next."""
+    impatient_writer.RETRY_DELAYS_S = (0.01, 0.01)
+    lost = dropped("database_error")
+    with usage_table_locked():
+        impatient_writer.put(row("lost"))
+        wait_until(lambda: dropped("database_error") == lost + 1, "the row dropped")
+    impatient_writer.put(row("after"))
+    impatient_writer.close()
+    assert stored() == ["after"]
+
+
+@transactional
+def test_a_row_the_database_refuses_does_not_take_its_batch_with_it():
+    """A row of a key deleted meanwhile (by another process) breaks its
+    foreign key: the batch is written row by row, and only that row is dropped
+    (and counted)."""
+    writer = UsageWriter()
+    refused = dropped("refused")
+    ghost = ApiKeyFactory()
+    ghost_row = usage_build(
+        key=ghost,
+        model="ghost",
+        engine="cpu0",
+        endpoint="completions",
+        prompt_tokens=1,
+        completion_tokens=1,
+        latency_ms=1,
+        status=200,
+    )
+    ApiKey.objects.filter(pk=ghost.pk).delete()  # as the admin, elsewhere
+    for usage in (row("before"), ghost_row, row("after")):
+        writer.put(usage)
+    writer.close()
+    assert stored() == ["before", "after"]
+    assert dropped("refused") == refused + 1
+
+
+def test_metrics_show_the_usage_counters():
+    """/metrics exposes the dropped rows by reason from the start, at 0."""
+    text = metrics.exposition().decode()
+    for reason in ("queue_full", "database_error", "refused"):
+        assert f'roundhouse_usage_rows_dropped_total{{reason="{reason}"}}' in text
+    assert "roundhouse_usage_write_failures_total" in text

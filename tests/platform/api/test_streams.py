@@ -1,0 +1,348 @@
+"""Streams that end early: the front's ASGI handler (as uvicorn calls it) and a
+real engine serving SmolLM2 with one slot. However a stream ends (the caller
+hanging up while waiting for admission, while the headers are sent, before the
+first token or mid-stream; the engine dying or going silent), its key's
+concurrency slot comes back, the engine drops the request, and its usage row
+records the tokens already sent."""
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from api.gateway import GATEWAY
+from api.limits import LimitExceeded, key_admission
+from api.models import Usage
+from engines import client as engine_client
+from engines.client import write_connection_file
+from routing.select import EngineStatus, ModelRoute, Snapshot, SnapshotCache
+from tests.engines.conftest import start_engine
+from tests.engines.test_generation import gguf_spec
+from tests.factories import ApiKeyFactory
+from tests.platform.api.test_limits import GatedCache, redis_cache  # noqa: F401
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "smollm2-135m-instruct"
+ENGINE = "streams0"
+DEADLINE_S = 30
+
+
+def chat_engine(log_dir):
+    return start_engine(
+        log_dir,
+        models=[gguf_spec(CHAT, "SmolLM2-135M-Instruct.Q4_1.gguf", slots=1)],
+        preload=[CHAT],
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One engine, one slot: a second request waits in its queue."""
+    engine = chat_engine(tmp_path_factory.mktemp("streams"))
+    yield engine
+    engine.stop()
+
+
+def routed_to(engine, run_dir, settings, monkeypatch):
+    """The front's API handler, its requests routed to this engine: the
+    engine's connection file in a run dir of the test's, and a snapshot in
+    which it is up and serves the chat model."""
+    write_connection_file(run_dir, name=ENGINE, port=engine.port, token=engine.token)
+    settings.RUN_DIR = run_dir
+    snapshot = Snapshot(
+        engines={
+            ENGINE: EngineStatus(
+                ENGINE, "cpu", frozenset({"gguf"}), up=True, resident=frozenset({CHAT})
+            )
+        },
+        models={CHAT: ModelRoute(CHAT, "gguf", task="chat")},
+    )
+    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(lambda: snapshot))
+    from roundhouse.asgi import api_application
+
+    return api_application
+
+
+@pytest.fixture
+def front(engine, tmp_path, settings, monkeypatch):
+    return routed_to(engine, tmp_path, settings, monkeypatch)
+
+
+class Caller:
+    """One streamed chat request as the server hands it to the ASGI app, and
+    the caller's side of it: what came back, and a hang-up the test makes."""
+
+    def __init__(self, key: str, *, stall_headers: bool = False) -> None:
+        body = {
+            "model": CHAT,
+            "messages": [{"role": "user", "content": "Write a very long essay."}],
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+        }
+        self._request: bytes | None = json.dumps(body).encode()
+        self.scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [
+                (b"host", b"127.0.0.1"),
+                (b"content-type", b"application/json"),
+                (b"authorization", f"Bearer {key}".encode()),
+                (b"content-length", str(len(self._request)).encode()),
+            ],
+            "client": ("10.0.0.9", 40000),
+            "server": ("127.0.0.1", 8000),
+        }
+        # A caller whose socket takes no more once the headers are written:
+        # the handler's send waits there until it is cancelled.
+        self.stall_headers = stall_headers
+        self.status: int | None = None
+        self.chunks: list[bytes] = []
+        self.headers_sent = asyncio.Event()
+        self.chunk_arrived = asyncio.Event()
+        self._gone = asyncio.Event()
+
+    async def receive(self) -> dict:
+        if self._request is not None:
+            body, self._request = self._request, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers_sent.set()
+            if self.stall_headers:
+                await asyncio.Event().wait()
+        elif message.get("body"):
+            self.chunks.append(message["body"])
+            self.chunk_arrived.set()
+
+    def hang_up(self) -> None:
+        self._gone.set()
+
+    async def chunks_received(self, count: int) -> None:
+        while len(self.chunks) < count:
+            self.chunk_arrived.clear()
+            await within(self.chunk_arrived.wait())
+
+    def events(self) -> list[str]:
+        text = b"".join(self.chunks).decode()
+        return [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+
+
+async def within(awaitable):
+    return await asyncio.wait_for(awaitable, DEADLINE_S)
+
+
+async def slot_free(key) -> None:
+    """Wait until the key (max_concurrent 1) is admitted again."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            async with key_admission(key):
+                return
+        except LimitExceeded:
+            assert time.monotonic() < deadline, "the key's slot never came back"
+            await asyncio.sleep(0.02)
+
+
+async def usage_row(key) -> Usage:
+    """The key's usage row, once the writer has stored it."""
+    deadline = time.monotonic() + DEADLINE_S
+    while (row := await Usage.objects.filter(key_id=key.pk).afirst()) is None:
+        assert time.monotonic() < deadline, "no usage row"
+        await asyncio.sleep(0.05)
+    return row
+
+
+async def engine_idle(engine) -> None:
+    """Wait until the engine has no request of the model, running or queued."""
+
+    def idle() -> bool:
+        models = engine.client().state()["models"]
+        model = next(m for m in models if m["name"] == CHAT)
+        return model["busy"] == 0 and model["queued"] == 0
+
+    deadline = time.monotonic() + DEADLINE_S
+    while not await asyncio.to_thread(idle):
+        assert time.monotonic() < deadline, "the engine kept the request"
+        await asyncio.sleep(0.05)
+
+
+async def stream_key():
+    return await sync_to_async(ApiKeyFactory)(max_concurrent=1)
+
+
+async def test_hang_up_while_the_headers_are_sent(front, engine):
+    """The caller goes away while the response's headers are being written,
+    before the body is ever asked for: the slot, the engine's request and the
+    usage row are settled all the same (Django closes the response)."""
+    key = await stream_key()
+    caller = Caller(key.plaintext, stall_headers=True)
+    answering = asyncio.create_task(front(caller.scope, caller.receive, caller.send))
+    await within(caller.headers_sent.wait())
+    caller.hang_up()
+    await within(answering)
+    assert caller.chunks == []
+    await slot_free(key)
+    await engine_idle(engine)
+    row = await usage_row(key)
+    assert (row.status, row.error_code) == (499, "client_closed")
+
+
+async def test_hang_up_between_the_headers_and_the_first_token(front, engine):
+    """The engine admitted the request (headers sent) but its one slot is
+    busy: the caller hangs up while waiting for the first token."""
+    occupying = engine.client().generate_stream(
+        CHAT, prompt="Long", max_tokens=500, ignore_eos=True
+    )
+    await asyncio.to_thread(next, occupying)
+    try:
+        key = await stream_key()
+        caller = Caller(key.plaintext)
+        answering = asyncio.create_task(
+            front(caller.scope, caller.receive, caller.send)
+        )
+        await within(caller.headers_sent.wait())
+        assert caller.status == 200
+        caller.hang_up()
+        await within(answering)
+        assert caller.chunks == []
+        await slot_free(key)
+        row = await usage_row(key)
+        assert (row.status, row.completion_tokens) == (499, 0)
+    finally:
+        occupying.close()
+    await engine_idle(engine)
+
+
+async def test_hang_up_mid_stream_records_the_tokens_sent(front, engine):
+    """A stream cut short gets no final usage from the engine: the row counts
+    the tokens streamed so far (each chunk carries at least one)."""
+    key = await stream_key()
+    caller = Caller(key.plaintext)
+    answering = asyncio.create_task(front(caller.scope, caller.receive, caller.send))
+    await caller.chunks_received(3)
+    caller.hang_up()
+    await within(answering)
+    await slot_free(key)
+    await engine_idle(engine)
+    row = await usage_row(key)
+    assert (row.status, row.error_code) == (499, "client_closed")
+    assert 3 <= row.completion_tokens < 400
+    assert row.engine == ENGINE
+
+
+async def test_hang_up_while_waiting_for_admission(
+    front,
+    redis_cache,  # noqa: F811
+    monkeypatch,
+):
+    """With the limits in Redis, the caller goes away while its slot is being
+    counted (in a thread): the count runs on, and is given back."""
+    from api import limits
+
+    gated = GatedCache(redis_cache)
+    monkeypatch.setattr(limits, "cache", gated)
+    key = await stream_key()
+    caller = Caller(key.plaintext)
+    answering = asyncio.create_task(front(caller.scope, caller.receive, caller.send))
+    try:
+        assert await asyncio.to_thread(gated.entered.wait, DEADLINE_S)
+        caller.hang_up()
+        await within(answering)
+    finally:
+        gated.proceed.set()
+    assert caller.status is None  # no answer started
+    await slot_free(key)
+    row = await usage_row(key)
+    assert (row.status, row.error_code) == (499, "client_closed")
+
+
+async def test_an_engine_gone_silent_mid_stream_is_504(front, engine, monkeypatch):
+    """The engine stops answering (stopped with SIGSTOP) mid-stream: the
+    stream ends with a 504 error event, and the row has the tokens sent."""
+    # The front waits this long for each frame: long enough for any token of
+    # a warm engine on a busy machine, short enough for a test.
+    await asyncio.to_thread(engine.client().generate, CHAT, prompt="Hi", max_tokens=1)
+    monkeypatch.setattr(engine_client, "REQUEST_TIMEOUT_S", 5.0)
+    key = await stream_key()
+    caller = Caller(key.plaintext)
+    answering = asyncio.create_task(front(caller.scope, caller.receive, caller.send))
+    await caller.chunks_received(3)
+    os.kill(engine.process.pid, signal.SIGSTOP)
+    try:
+        await within(answering)
+    finally:
+        os.kill(engine.process.pid, signal.SIGCONT)
+    error = json.loads(caller.events()[-1])["error"]
+    assert error["code"] == "engine_timeout"
+    row = await usage_row(key)
+    assert (row.status, row.error_code) == (504, "engine_timeout")
+    assert row.completion_tokens >= 3
+    await slot_free(key)
+    await engine_idle(engine)
+
+
+async def test_an_engine_dead_mid_stream_is_502(tmp_path, settings, monkeypatch):
+    """The engine is killed mid-stream: the stream ends with a 502 error event,
+    and the row has the tokens sent."""
+    doomed = await asyncio.to_thread(chat_engine, tmp_path)
+    try:
+        front = routed_to(doomed, tmp_path / "run", settings, monkeypatch)
+        key = await stream_key()
+        caller = Caller(key.plaintext)
+        answering = asyncio.create_task(
+            front(caller.scope, caller.receive, caller.send)
+        )
+        await caller.chunks_received(3)
+        doomed.process.kill()
+        await within(answering)
+    finally:
+        await asyncio.to_thread(doomed.stop)
+    error = json.loads(caller.events()[-1])["error"]
+    assert error["code"] == "engine_died"
+    row = await usage_row(key)
+    assert (row.status, row.error_code) == (502, "engine_died")
+    assert row.completion_tokens >= 3
+    await slot_free(key)
+
+
+def test_the_occupying_stream_helper_holds_the_slot(engine):
+    """The control for the test of a hang-up before the first token: while the
+    direct stream runs, a request of the model waits in the engine's queue."""
+    occupying = engine.client().generate_stream(
+        CHAT, prompt="Long", max_tokens=500, ignore_eos=True
+    )
+    next(occupying)
+    waiting = threading.Thread(
+        target=lambda: engine.client().generate(CHAT, prompt="Hi", max_tokens=1)
+    )
+    waiting.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            models = engine.client().state()["models"]
+            model = next(m for m in models if m["name"] == CHAT)
+            if model["queued"] == 1:
+                break
+            assert time.monotonic() < deadline, "the request did not queue"
+            time.sleep(0.05)
+    finally:
+        occupying.close()
+        waiting.join(DEADLINE_S)
