@@ -1,0 +1,984 @@
+"""Reliability: SSE chat streams through faults in the engine, the supervisor and
+the database, and a burst of streams whose clients hang up.
+
+Run: .venv/bin/python bench/reliability.py [--tokens 16] [--clients 4] [--keep]
+
+Starts a platform of its own, as bench/front.py does (its `Platform`: a
+temporary run dir, the seed engine cpu0, the bundled models, a fresh API key,
+`manage.py supervise` and the front on loopback), on a fresh PostgreSQL database
+(`--postgres`, default postgres@127.0.0.1:5432; created for the run and dropped
+at its end), so that the database can be taken away. Every scenario but the last
+runs `--clients` clients, each streaming greedy chat answers of at most
+`--tokens` tokens from smollm2-135m-instruct one after another, before, during
+and after one fault:
+
+  engine SIGKILL       kill -9 the engine while streams are mid-flight
+  engine SIGSTOP       kill -STOP the engine (the supervisor replaces an engine
+                       silent for 15 s); SIGCONT afterwards in case it was not
+  supervisor SIGKILL   kill -9 the supervisor and start a new one at once; its
+                       engines should exit by themselves (the lifeline)
+  database down 10 s   ALTER DATABASE ... ALLOW_CONNECTIONS false, its sessions
+                       terminated, for 10 s
+  200 streams          one burst of 200 concurrent streams; every fourth client
+                       hangs up after its first token or two
+
+Each request ends as exactly one of: succeeded (a finish_reason and `[DONE]`),
+429, error (another status, or an error event mid-stream), lost (neither an
+answer nor an error: the stream ended without `[DONE]`, the connection closed
+before a status, or the client's own timeout passed) or, in the burst, hung up
+(by the client, on purpose). Latency: p50/p99 of the succeeded, request to
+`[DONE]`. Recovery: from the fault until the first request started after the
+last failed one succeeds ("-": nothing failed; "n/r": not within the deadline).
+
+After every scenario the bench waits (bounded) until the engine shows no leases
+(queue_depth, slots_in_use, each model's inflight/queued/busy all 0) and the
+fleet's RSS (engine + supervisor + front) is back within 10% of the idle figure
+measured after the warm-up. Every loop is bounded in count and time; the whole
+run takes a few minutes. Exit status non-zero only when the bench itself could
+not run; the platform's misbehaviour is reported in the table and its notes.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psutil
+import psycopg
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.front import ENGINE, MODEL, Platform, http_open  # noqa: E402
+from bench.generation import MODEL_PATH  # noqa: E402
+from engines.client import EngineClient, EngineError, read_connection_file  # noqa: E402
+
+SUCCEEDED, RATE_LIMITED, ERROR, LOST, HUNG_UP = (
+    "succeeded",
+    "429",
+    "error",
+    "lost",
+    "hung up",
+)
+BEFORE_FAULT_S = 5.0  # load before each fault
+STABLE_S = 3.0  # recovered: this long since the first success after the last failure
+PAUSE_S = 0.25  # each client's pause between requests
+MAX_REQUESTS = 800  # per scenario, whatever happens
+CLIENT_TIMEOUT_S = 60.0  # a request with no answer by then is lost
+BURST_TIMEOUT_S = 120.0  # the burst's requests wait in the engine's queue
+DB_DOWN_S = 10.0
+LEASES_DEADLINE_S = 60.0  # after a scenario: no leases by then is a failure
+RSS_DEADLINE_S = 20.0  # then this long more for memory to come back
+RSS_TOLERANCE = 0.10
+
+
+@dataclass
+class Outcome:
+    """One request: when it started and ended (monotonic seconds), how it ended."""
+
+    started: float
+    ended: float
+    kind: str
+    detail: str = ""
+    headers: float | None = None  # the status line arrived
+    first_token: float | None = None
+
+
+@dataclass
+class Result:
+    """One scenario's requests and what was seen of the platform."""
+
+    name: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    fault_at: float | None = None
+    recovery_s: float | None = None
+    failed: bool = False  # some request after the fault did not succeed
+    leases: str = ""
+    rss: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, kind: str) -> int:
+        return sum(outcome.kind == kind for outcome in self.outcomes)
+
+    def latencies_ms(self) -> list[float]:
+        return sorted(
+            (outcome.ended - outcome.started) * 1000
+            for outcome in self.outcomes
+            if outcome.kind == SUCCEEDED
+        )
+
+
+def first_recovered(
+    outcomes: list[Outcome], fault_at: float
+) -> tuple[bool, Outcome | None]:
+    """(whether any request ending after the fault failed, the first request
+    started after the last failed one that succeeded, if any yet)."""
+    after = [o for o in outcomes if o.ended > fault_at and o.kind != HUNG_UP]
+    failed = [o for o in after if o.kind != SUCCEEDED]
+    if not failed:
+        return False, None
+    since = max(fault_at, max(o.started for o in failed))
+    later = [o for o in after if o.kind == SUCCEEDED and o.started >= since]
+    return True, min(later, key=lambda o: o.ended, default=None)
+
+
+def recovery_time(outcomes: list[Outcome], fault_at: float) -> tuple[bool, float]:
+    """(whether any request failed after the fault, seconds from the fault until
+    the first request started after the last failed one succeeded: 0 if none
+    failed, nan if none has succeeded yet)."""
+    failed, first = first_recovered(outcomes, fault_at)
+    if not failed:
+        return False, 0.0
+    return True, (first.ended - fault_at) if first else float("nan")
+
+
+# -- one request ------------------------------------------------------------------
+
+
+def _error_code(body: bytes) -> str:
+    found = re.search(rb'"code":\s*"([^"]*)"', body)
+    return found.group(1).decode() if found else ""
+
+
+async def chat_stream(
+    port: int, key: str, index: int, *, tokens: int, hang_up_after: int = 0
+) -> Outcome:
+    """One streamed chat completion through the front, classified. Not
+    `bench.generation.sse_events`: it cannot tell `[DONE]` from a stream that
+    just stopped, which is what tells a complete answer from a lost one."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Name {index % 7 + 2} colours."}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    started = time.monotonic()
+    seen: dict[str, float] = {}
+
+    def ended(kind: str, detail: str = "") -> Outcome:
+        return Outcome(
+            started,
+            time.monotonic(),
+            kind,
+            detail,
+            seen.get("headers"),
+            seen.get("first_token"),
+        )
+
+    try:
+        reader, writer, status = await http_open(
+            port, "POST", "/v1/chat/completions", key=key, body=body
+        )
+    except (OSError, TimeoutError) as error:
+        return ended(ERROR, f"connect: {type(error).__name__}")
+    except (IndexError, ValueError, asyncio.IncompleteReadError):
+        return ended(LOST, "closed before a status")
+    seen["headers"] = time.monotonic()
+    try:
+        if status != 200:
+            code = _error_code(await reader.read())
+            if status == 429:
+                return ended(RATE_LIMITED, code)
+            return ended(ERROR, f"{status} {code}")
+        content, finish = 0, None
+        while line := await reader.readline():
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                if finish is None:
+                    return ended(LOST, "[DONE] without a finish_reason")
+                return ended(SUCCEEDED, finish)
+            event = json.loads(data)
+            if "error" in event:
+                return ended(ERROR, f"mid-stream {event['error'].get('code')}")
+            for choice in event.get("choices") or []:
+                if choice.get("delta", {}).get("content"):
+                    content += 1
+                    seen.setdefault("first_token", time.monotonic())
+                finish = choice.get("finish_reason") or finish
+            if hang_up_after and content >= hang_up_after:
+                return ended(HUNG_UP, f"after {content} tokens")
+        return ended(LOST, "stream ended without [DONE]")
+    except OSError as error:
+        return ended(ERROR, f"mid-stream {type(error).__name__}")
+    finally:
+        writer.close()
+
+
+async def bounded_stream(
+    port: int, key: str, index: int, *, tokens: int, timeout: float, hang_up_after=0
+) -> Outcome:
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout):
+            return await chat_stream(
+                port, key, index, tokens=tokens, hang_up_after=hang_up_after
+            )
+    except TimeoutError:
+        return Outcome(started, time.monotonic(), LOST, f"no end in {timeout:g} s")
+
+
+# -- the platform's processes -----------------------------------------------------
+
+
+class EngineWatch:
+    """Every engine process this run's connection file has named (the only
+    engines the bench may signal), and when the named pid changed."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.seen: dict[int, psutil.Process] = {}
+        self.current: int | None = None
+        self.changes: list[tuple[float, int | None]] = []
+
+    def sample(self) -> int | None:
+        try:
+            info = read_connection_file(self.run_dir, ENGINE)
+        except (EngineError, OSError, ValueError):
+            info = {}
+        pid = info.get("pid")
+        if pid and pid not in self.seen:
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                started = info.get("pid_started_at")
+                if started is None or abs(process.create_time() - started) < 1:
+                    self.seen[pid] = process
+        if pid != self.current:
+            self.current = pid
+            self.changes.append((time.monotonic(), pid))
+        return pid
+
+    def process(self, pid: int | None) -> psutil.Process | None:
+        """The engine named `pid`, if it is still that same process."""
+        process = self.seen.get(pid)
+        with contextlib.suppress(psutil.Error):
+            if process and process.is_running():
+                if "engines.serve" in " ".join(process.cmdline()):
+                    return process
+        return None
+
+    def alive(self) -> list[psutil.Process]:
+        return [p for pid in self.seen if (p := self.process(pid)) is not None]
+
+    async def follow(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.sample()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+
+
+class FaultPlatform(Platform):
+    """bench/front.py's platform on a PostgreSQL database, with each process's
+    output in its own log, and a supervisor that can be killed and restarted."""
+
+    def __init__(self, run_dir: Path, database_url: str) -> None:
+        super().__init__(run_dir)
+        self.env["DATABASE_URL"] = database_url
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, argv: list[str]):
+        name = "supervisor" if "supervise" in argv else "front"
+        log = open(self.run_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115
+        original, self.log = self.log, log
+        try:
+            return super().spawn(argv)
+        finally:
+            self.log = original
+            log.close()  # the child has its own copy
+
+    @property
+    def supervisor(self):
+        return self.processes[0]
+
+    @property
+    def front(self):
+        return self.processes[1]
+
+    def restart_supervisor(self) -> None:
+        """Start a new supervisor in the dead one's place (stop order kept)."""
+        self.processes.pop(0)
+        self.spawn([sys.executable, "manage.py", "supervise"])
+        self.processes.insert(0, self.processes.pop())
+
+    def fleet_rss_mib(self, engine_rss_mib: float) -> float:
+        total = engine_rss_mib
+        for process in (self.supervisor, self.front):
+            with contextlib.suppress(psutil.Error):
+                total += psutil.Process(process.pid).memory_info().rss / 2**20
+        return total
+
+
+class Database:
+    """A fresh PostgreSQL database for the run, and the admin statements that
+    take it away and give it back."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.admin_url = admin_url
+        self.name = f"roundhouse_bench_{secrets.token_hex(4)}"
+        parts = urlsplit(admin_url)
+        self.url = parts._replace(scheme="postgres", path=f"/{self.name}").geturl()
+
+    def execute(self, statement, params=()) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5) as db:
+            db.execute(statement, params)
+
+    def _allow(self, allowed: bool) -> None:
+        self.execute(
+            sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}").format(
+                sql.Identifier(self.name), sql.Literal(allowed)
+            )
+        )
+
+    def create(self) -> None:
+        self.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.name)))
+
+    def take_away(self) -> None:
+        self._allow(False)
+        self.terminate()
+
+    def terminate(self) -> None:
+        self.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            (self.name,),
+        )
+
+    def give_back(self) -> None:
+        self._allow(True)
+
+    def drop(self) -> None:
+        self.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(self.name)
+            )
+        )
+
+
+# -- the bench --------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, platform: FaultPlatform, database: Database, args) -> None:
+        self.platform = platform
+        self.database = database
+        self.args = args
+        self.watch = EngineWatch(platform.run_dir)
+        self.idle_mib = 0.0
+        self.idle_parts = ""
+        self.index = 0
+        self.results: list[Result] = []
+
+    def next_index(self) -> int:
+        self.index += 1
+        return self.index
+
+    async def engine_state(self) -> dict | None:
+        try:
+            client = EngineClient.for_engine(self.platform.run_dir, ENGINE)
+            return await asyncio.to_thread(client.state)
+        except (EngineError, OSError, ValueError):
+            return None
+
+    # -- load -------------------------------------------------------------------
+
+    async def client_loop(self, result: Result, stop: asyncio.Event) -> None:
+        while not stop.is_set() and len(result.outcomes) < MAX_REQUESTS:
+            outcome = await bounded_stream(
+                self.platform.port,
+                self.platform.key,
+                self.next_index(),
+                tokens=self.args.tokens,
+                timeout=CLIENT_TIMEOUT_S,
+            )
+            result.outcomes.append(outcome)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), PAUSE_S)
+
+    async def under_load(
+        self,
+        name: str,
+        inject: Callable[[Result], Awaitable[None]],
+        *,
+        watch_at_least_s: float,
+        deadline_s: float,
+        overdue: Callable[[Result], Awaitable[float]] | None = None,
+        cleanup: Callable[[], Awaitable[None]] | None = None,
+    ) -> Result:
+        """Clients stream before, during and after `inject`, until the platform
+        has recovered (and at least `watch_at_least_s` has passed) or
+        `deadline_s` after the fault; `overdue` runs once at the deadline if it
+        has not recovered, and returns seconds more to watch."""
+        result = Result(name)
+        stop = asyncio.Event()
+        clients = [
+            asyncio.create_task(self.client_loop(result, stop))
+            for _ in range(self.args.clients)
+        ]
+        try:
+            await asyncio.sleep(BEFORE_FAULT_S)
+            result.fault_at = time.monotonic()
+            await inject(result)
+            deadline = result.fault_at + deadline_s
+            while True:
+                await asyncio.sleep(0.25)
+                now = time.monotonic()
+                _, recovery = recovery_time(result.outcomes, result.fault_at)
+                settled = recovery == recovery and (
+                    now >= result.fault_at + recovery + STABLE_S
+                )
+                if settled and now >= result.fault_at + watch_at_least_s:
+                    break
+                if now >= deadline or len(result.outcomes) >= MAX_REQUESTS:
+                    more = await overdue(result) if overdue else 0.0
+                    overdue = None
+                    if not more:
+                        break
+                    deadline = now + more
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+            if cleanup:
+                await cleanup()
+        result.failed, recovery = recovery_time(result.outcomes, result.fault_at)
+        caught = Counter(
+            f"{o.kind} {o.detail}".strip()
+            for o in result.outcomes
+            if o.started < result.fault_at < o.ended
+        )
+        result.notes.append(
+            f"{sum(caught.values())} requests in flight at the fault, ended: "
+            + (", ".join(f"{what} x{n}" for what, n in caught.items()) or "-")
+        )
+        result.recovery_s = None if recovery != recovery else recovery
+        _, first = first_recovered(result.outcomes, result.fault_at)
+        if first is not None:
+            token = first.first_token or first.ended
+            result.notes.append(
+                f"first success after the last failure: started "
+                f"+{first.started - result.fault_at:.1f} s, first token "
+                f"+{token - result.fault_at:.1f} s, done "
+                f"+{first.ended - result.fault_at:.1f} s"
+            )
+        return result
+
+    # -- the scenarios ------------------------------------------------------------
+
+    async def engine_sigkill(self) -> Result:
+        async def inject(result: Result) -> None:
+            pid = self.watch.sample()
+            process = self.watch.process(pid)
+            if process is None:
+                result.notes.append("no engine process to kill")
+                return
+            process.kill()
+            result.notes.append(f"killed engine pid {pid}")
+
+        result = await self.under_load(
+            "engine SIGKILL mid-stream (SSE)",
+            inject,
+            watch_at_least_s=10,
+            deadline_s=60,
+        )
+        self.note_replacement(result)
+        return result
+
+    async def engine_sigstop(self) -> Result:
+        stopped: list[psutil.Process] = []
+
+        async def inject(result: Result) -> None:
+            pid = self.watch.sample()
+            process = self.watch.process(pid)
+            if process is None:
+                result.notes.append("no engine process to stop")
+                return
+            process.suspend()
+            stopped.append(process)
+            result.notes.append(f"stopped engine pid {pid}")
+
+        async def cleanup() -> None:
+            for process in stopped:
+                if self.watch.process(process.pid):
+                    with contextlib.suppress(psutil.Error):
+                        process.resume()
+                        stopped_left.append(process.pid)
+
+        stopped_left: list[int] = []
+        result = await self.under_load(
+            "engine SIGSTOP",
+            inject,
+            watch_at_least_s=30,
+            deadline_s=90,
+            cleanup=cleanup,
+        )
+        self.note_replacement(result)
+        if stopped_left:
+            result.notes.append(
+                f"engine pid {stopped_left} still there (stopped) at the end: "
+                "sent SIGCONT"
+            )
+        return result
+
+    async def supervisor_sigkill(self) -> Result:
+        old_engines: list[psutil.Process] = []
+        exits: dict[int, float] = {}
+        fault_at: list[float] = []
+
+        def note_exits() -> None:
+            for process in old_engines:
+                if process.pid not in exits and not self.watch.process(process.pid):
+                    exits[process.pid] = time.monotonic() - fault_at[0]
+
+        async def watch_exits(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                if fault_at:
+                    note_exits()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.2)
+
+        async def inject(result: Result) -> None:
+            fault_at.append(result.fault_at)
+            old_engines.extend(self.watch.alive())
+            supervisor = self.platform.supervisor
+            supervisor.kill()
+            await asyncio.to_thread(supervisor.wait)
+            self.platform.restart_supervisor()
+            result.notes.append(
+                f"killed supervisor pid {supervisor.pid}, started pid "
+                f"{self.platform.supervisor.pid}; the old one's engines: "
+                f"{[p.pid for p in old_engines]}"
+            )
+
+        async def overdue(result: Result) -> float:
+            """Not recovered: the dead supervisor's engines, if still there, hold
+            the port; kill them (and restart a supervisor that exited), watch on."""
+            note_exits()
+            more = 0.0
+            left = [p for p in old_engines if self.watch.process(p.pid)]
+            for process in left:
+                process.kill()
+            if left:
+                more = 90.0
+                result.notes.append(
+                    f"not recovered {time.monotonic() - result.fault_at:.0f} s "
+                    f"after the kill with the old engine(s) {[p.pid for p in left]} "
+                    "still running: the bench killed them"
+                )
+            if self.platform.supervisor.poll() is not None:
+                more = 90.0
+                result.notes.append(
+                    f"the new supervisor exited ({self.platform.supervisor.returncode})"
+                    ": the bench started another"
+                )
+                self.platform.restart_supervisor()
+            return more
+
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_exits(stop))
+        try:
+            result = await self.under_load(
+                "supervisor SIGKILL + restart",
+                inject,
+                watch_at_least_s=20,
+                deadline_s=90,
+                overdue=overdue,
+            )
+        finally:
+            stop.set()
+            await watcher
+        note_exits()
+        for process in old_engines:
+            if process.pid in exits:
+                result.notes.append(
+                    f"old engine pid {process.pid} exited "
+                    f"{exits[process.pid]:.1f} s after the supervisor's kill"
+                )
+            elif self.watch.process(process.pid):
+                result.notes.append(
+                    f"old engine pid {process.pid} still running at the end: "
+                    "no lifeline (the bench kills it at exit)"
+                )
+        self.note_replacement(result)
+        return result
+
+    async def database_down(self) -> Result:
+        async def inject(result: Result) -> None:
+            await asyncio.to_thread(self.database.take_away)
+            end = time.monotonic() + DB_DOWN_S
+            while time.monotonic() < end:
+                await asyncio.sleep(1)
+                await asyncio.to_thread(self.database.terminate)
+            await asyncio.to_thread(self.database.give_back)
+            result.notes.append(
+                f"database refused connections for "
+                f"{time.monotonic() - result.fault_at:.1f} s"
+            )
+
+        async def cleanup() -> None:
+            await asyncio.to_thread(self.database.give_back)
+
+        return await self.under_load(
+            f"database down {DB_DOWN_S:g} s",
+            inject,
+            watch_at_least_s=DB_DOWN_S + 10,
+            deadline_s=DB_DOWN_S + 60,
+            cleanup=cleanup,
+        )
+
+    async def burst(self) -> Result:
+        streams = self.args.burst
+        result = Result(f"{streams} streams, 1/4 hang up")
+        result.outcomes = list(
+            await asyncio.gather(
+                *(
+                    bounded_stream(
+                        self.platform.port,
+                        self.platform.key,
+                        self.next_index(),
+                        tokens=self.args.tokens,
+                        timeout=BURST_TIMEOUT_S,
+                        hang_up_after=(1 + index // 4 % 2) if index % 4 == 0 else 0,
+                    )
+                    for index in range(streams)
+                )
+            )
+        )
+        result.notes.append(
+            f"{sum(index % 4 == 0 for index in range(streams))} clients meant to "
+            "hang up after 1-2 tokens; those answered 429 first count as 429"
+        )
+        return result
+
+    def note_replacement(self, result: Result) -> None:
+        changes = [(t, pid) for t, pid in self.watch.changes if t > result.fault_at]
+        if changes:
+            result.notes.append(
+                "connection file's engine pid: "
+                + ", ".join(
+                    f"{pid or 'none'} at +{t - result.fault_at:.1f} s"
+                    for t, pid in changes
+                )
+            )
+
+    # -- after each scenario ------------------------------------------------------
+
+    async def settle(self, result: Result) -> None:
+        """Wait for no leases, then for memory near idle; note what was seen."""
+        began = time.monotonic()
+        state, idle = None, False
+        while time.monotonic() < began + LEASES_DEADLINE_S:
+            state = await self.engine_state()
+            if state is not None and not leases(state):
+                idle = True
+                break
+            await asyncio.sleep(0.5)
+        waited = time.monotonic() - began
+        if idle:
+            result.leases = f"0 in {waited:.1f} s"
+        elif state is None:
+            result.leases = f"no state {waited:.0f} s"
+            result.notes.append("the engine did not answer `state` after the run")
+        else:
+            result.leases = f"{leases(state)} at {waited:.0f} s"
+            result.notes.append(f"engine state after {waited:.0f} s: {leases(state)}")
+        if state is None:
+            result.rss = "?"
+            return
+        ratio = 0.0
+        end = time.monotonic() + RSS_DEADLINE_S
+        while True:
+            mib = self.platform.fleet_rss_mib(state.get("rss_mib", 0.0))
+            ratio = mib / self.idle_mib - 1
+            if abs(ratio) <= RSS_TOLERANCE or time.monotonic() >= end:
+                break
+            await asyncio.sleep(1)
+            state = await self.engine_state() or state
+        verdict = "ok" if abs(ratio) <= RSS_TOLERANCE else "OVER"
+        result.rss = f"{ratio * 100:+.1f}% {verdict}"
+        if verdict != "ok":
+            result.notes.append(
+                f"fleet RSS {mib:.0f} MiB vs idle {self.idle_mib:.0f} MiB "
+                f"({self.rss_parts(state)})"
+            )
+
+    def rss_parts(self, state: dict) -> str:
+        parts = [f"engine {state.get('rss_mib', 0):.0f}"]
+        for label, process in (
+            ("supervisor", self.platform.supervisor),
+            ("front", self.platform.front),
+        ):
+            try:
+                mib = psutil.Process(process.pid).memory_info().rss / 2**20
+                parts.append(f"{label} {mib:.0f}")
+            except psutil.Error:
+                parts.append(f"{label} gone")
+        return " + ".join(parts) + " MiB"
+
+    async def warm_up(self) -> None:
+        """Load the model, let everything settle, measure the idle fleet."""
+        for _ in range(2):
+            await asyncio.gather(
+                *(
+                    bounded_stream(
+                        self.platform.port,
+                        self.platform.key,
+                        self.next_index(),
+                        tokens=self.args.tokens,
+                        timeout=CLIENT_TIMEOUT_S,
+                    )
+                    for _ in range(self.args.clients)
+                )
+            )
+        deadline = time.monotonic() + LEASES_DEADLINE_S
+        state = await self.engine_state()
+        while (state is None or leases(state)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            state = await self.engine_state()
+        if state is None:
+            raise SystemExit("the engine does not answer `state` after the warm-up")
+        await asyncio.sleep(2)
+        samples = []
+        for _ in range(3):
+            state = await self.engine_state() or state
+            samples.append(self.platform.fleet_rss_mib(state.get("rss_mib", 0.0)))
+            await asyncio.sleep(1)
+        self.idle_mib = statistics.median(samples)
+        self.idle_parts = self.rss_parts(state)
+
+    async def run(self) -> None:
+        stop = asyncio.Event()
+        follower = asyncio.create_task(self.watch.follow(stop))
+        try:
+            await self.warm_up()
+            print(f"idle fleet RSS {self.idle_mib:.0f} MiB ({self.idle_parts})")
+            for scenario in (
+                self.engine_sigkill,
+                self.engine_sigstop,
+                self.supervisor_sigkill,
+                self.database_down,
+                self.burst,
+            ):
+                began = time.monotonic()
+                result = await scenario()
+                await self.settle(result)
+                self.results.append(result)
+                print(
+                    f"  {result.name}: {len(result.outcomes)} requests in "
+                    f"{time.monotonic() - began:.0f} s",
+                    flush=True,
+                )
+        finally:
+            stop.set()
+            await follower
+
+
+def leases(state: dict) -> str:
+    """The engine's leases and queue, "" when there are none."""
+    held = []
+    if state.get("queue_depth"):
+        held.append(f"queue {state['queue_depth']}")
+    if state.get("slots_in_use"):
+        held.append(f"slots {state['slots_in_use']}")
+    for model in state.get("models", []):
+        for key in ("inflight", "queued", "busy"):
+            if model.get(key):
+                held.append(f"{model['name']} {key} {model[key]}")
+    return ", ".join(held)
+
+
+# -- report -----------------------------------------------------------------------
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    return values[min(len(values) - 1, int(fraction * len(values)))]
+
+
+def report(bench: Bench) -> None:
+    header = (
+        f"{'scenario':<34}{'requests':>9}{'ok':>6}{'429':>6}{'errors':>7}"
+        f"{'lost':>6}{'hung up':>8}{'p50 ms':>8}{'p99 ms':>8}{'recovery s':>11}"
+        f"  {'leases after':<16}{'RSS vs idle':<12}"
+    )
+    print()
+    print(header)
+    for result in bench.results:
+        latencies = result.latencies_ms()
+        p50 = f"{percentile(latencies, 0.5):.0f}" if latencies else "-"
+        p99 = f"{percentile(latencies, 0.99):.0f}" if latencies else "-"
+        if result.fault_at is None or not result.failed:
+            recovery = "-"
+        elif result.recovery_s is None:
+            recovery = "n/r"
+        else:
+            recovery = f"{result.recovery_s:.1f}"
+        print(
+            f"{result.name:<34}{len(result.outcomes):>9}{result.count(SUCCEEDED):>6}"
+            f"{result.count(RATE_LIMITED):>6}{result.count(ERROR):>7}"
+            f"{result.count(LOST):>6}{result.count(HUNG_UP):>8}{p50:>8}{p99:>8}"
+            f"{recovery:>11}  {result.leases:<16}{result.rss:<12}"
+        )
+        if result.name.startswith("engine SIGKILL"):
+            print(
+                f"{'engine SIGKILL mid-stream (WS)':<34}  not run: the platform has "
+                "no WebSocket endpoint yet"
+            )
+    print(
+        "recovery: from the fault until the first request started after the last "
+        "failed one succeeded; '-' nothing failed, 'n/r' not recovered"
+    )
+    print("notes:")
+    for result in bench.results:
+        details = Counter(
+            f"{o.kind} {o.detail}".strip()
+            for o in result.outcomes
+            if o.kind not in (SUCCEEDED,)
+        )
+        seen = ", ".join(f"{what} x{n}" for what, n in details.most_common())
+        lines = [*result.notes, *([f"not succeeded: {seen}"] if seen else [])]
+        for line in lines:
+            print(f"  {result.name}: {line}")
+
+
+def log_summary(run_dir: Path) -> None:
+    """Error lines per log: where to look (`--keep` keeps them)."""
+    for path in sorted((run_dir / "logs").glob("*.log")):
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        errors = [line for line in text if " ERROR " in line or "Traceback" in line]
+        warnings = sum(" WARNING " in line for line in text)
+        print(f"  log {path.name}: {len(errors)} error lines, {warnings} warnings")
+        for line in errors[-3:]:
+            print(f"    {line[:160]}")
+
+
+def dump(bench: Bench, path: Path) -> None:
+    """Every request of every scenario, in wall-clock seconds (to match the
+    logs' timestamps) and relative to the fault."""
+    offset = time.time() - time.monotonic()
+    scenarios = []
+    for result in bench.results:
+        base = result.fault_at or min(o.started for o in result.outcomes)
+
+        def rel(moment: float | None, base: float = base) -> float | None:
+            return None if moment is None else round(moment - base, 3)
+
+        scenarios.append(
+            {
+                "name": result.name,
+                "fault_at": result.fault_at and result.fault_at + offset,
+                "requests": [
+                    {
+                        "started": rel(o.started),
+                        "headers": rel(o.headers),
+                        "first_token": rel(o.first_token),
+                        "ended": rel(o.ended),
+                        "kind": o.kind,
+                        "detail": o.detail,
+                    }
+                    for o in result.outcomes
+                ],
+            }
+        )
+    path.write_text(json.dumps(scenarios, indent=1))
+
+
+def cleanup(bench: Bench | None, platform: FaultPlatform | None) -> None:
+    """Resume stopped engines, stop the platform, then kill any engine this
+    run's connection files named that is still running (a killed supervisor's)."""
+    engines = bench.watch.alive() if bench else []
+    for process in engines:
+        with contextlib.suppress(psutil.Error):
+            process.resume()
+    if platform is not None:
+        platform.stop()
+    if bench:
+        bench.watch.sample()
+        for process in bench.watch.alive():
+            with contextlib.suppress(psutil.Error):
+                print(f"killing engine pid {process.pid}, left running")
+                process.kill()
+                process.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16, help="max_tokens")
+    parser.add_argument("--clients", type=int, default=4, help="streaming clients")
+    parser.add_argument("--burst", type=int, default=200, help="concurrent streams")
+    parser.add_argument(
+        "--postgres",
+        default="postgresql://postgres@127.0.0.1:5432/postgres",
+        help="an admin connection; the bench creates and drops its own database",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the run dir (logs) and database"
+    )
+    args = parser.parse_args()
+    if not MODEL_PATH.exists():
+        raise SystemExit(f"{MODEL_PATH} missing: run `make test` or `make run` first")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    database = Database(args.postgres)
+    try:
+        database.create()
+    except psycopg.Error as error:
+        raise SystemExit(f"cannot create a PostgreSQL database: {error}") from None
+    run_dir = Path(tempfile.mkdtemp(prefix="roundhouse-reliability-"))
+    began = time.monotonic()
+    print(
+        f"{MODEL} on engine {ENGINE}; {os.cpu_count()} cores "
+        f"({len(os.sched_getaffinity(0))} usable), all processes share them; "
+        f"PostgreSQL database {database.name}; run dir {run_dir}"
+    )
+    print(
+        f"load: {args.clients} clients streaming one request after another "
+        f"({PAUSE_S:g} s apart), SSE chat, max_tokens {args.tokens}, greedy, "
+        f"client timeout {CLIENT_TIMEOUT_S:g} s, {BEFORE_FAULT_S:g} s before each "
+        f"fault; burst: {args.burst} at once, timeout {BURST_TIMEOUT_S:g} s; "
+        "platform defaults (2 slots per model, queue limit 64, queue timeout 60 s)"
+    )
+    platform = bench = None
+    try:
+        platform = FaultPlatform(run_dir, database.url)
+        platform.startup([])
+        print(f"platform up in {time.monotonic() - began:.0f} s", flush=True)
+        bench = Bench(platform, database, args)
+        asyncio.run(bench.run())
+    finally:
+        try:
+            cleanup(bench, platform)
+        finally:
+            if not args.keep:
+                with contextlib.suppress(psycopg.Error):
+                    database.drop()
+        print(f"done in {time.monotonic() - began:.0f} s")
+        if bench and bench.results:
+            report(bench)
+        log_summary(run_dir)
+        if args.keep:
+            if bench and bench.results:
+                dump(bench, run_dir / "outcomes.json")
+            print(
+                f"kept: run dir {run_dir} (outcomes.json: every request), "
+                f"database {database.name}"
+            )
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
