@@ -202,8 +202,8 @@ class FailureThrottle:
     failures in a window is refused until the window ends (LimitExceeded with
     the seconds left), without its keys being looked up.
 
-    Callers count a lookup as failed before making it, and take it back with
-    `succeeded`: lookups in flight count, so that concurrent requests cannot
+    Callers count a lookup as failed before making it, and `take_back` when it
+    finds the key: lookups in flight count, so that concurrent requests cannot
     all pass `check` before the first of them fails.
 
     Memory is bounded: at most `max_clients` are tracked; past that the one
@@ -247,8 +247,9 @@ class FailureThrottle:
             del self._windows[next(iter(self._windows))]
         self._windows[client] = (found[0], found[1] + 1)  # now the newest
 
-    def succeeded(self, client: str) -> None:
-        """Take back one failure counted for the client: its lookup succeeded."""
+    def take_back(self, client: str) -> None:
+        """Take back one failure counted for the client: its lookup found the
+        key, or could not be made."""
         found = self._windows.get(client)
         if found is not None and found[1] > 0:
             self._windows[client] = (found[0], found[1] - 1)

@@ -227,7 +227,12 @@ async def _key_looked_up(*, digest: str, presented: str, client: str | None) -> 
         AUTH_FAILURES.failed(client)  # until the lookup succeeds
     refusal = _refusal(digest)
     if refusal is None:
-        key = await api_key_get_by_hash(key_hash=digest)
+        try:
+            key = await api_key_get_by_hash(key_hash=digest)
+        except BaseException:  # the database failed, or the caller left
+            if client is not None:
+                AUTH_FAILURES.take_back(client)
+            raise
         # The lookup by hash already matched; comparing again in constant time
         # keeps the decision itself free of timing differences, whatever the
         # database does.
@@ -241,7 +246,7 @@ async def _key_looked_up(*, digest: str, presented: str, client: str | None) -> 
         else:
             _remember_key(key)
             if client is not None:
-                AUTH_FAILURES.succeeded(client)
+                AUTH_FAILURES.take_back(client)
             return key
         _remember_refusal(digest, refusal)
     raise KeyRejected(refusal)

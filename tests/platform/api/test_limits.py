@@ -328,5 +328,5 @@ def test_a_lookup_that_succeeds_is_taken_back():
         gate.failed("a")
     with pytest.raises(LimitExceeded):
         gate.check("a")
-    gate.succeeded("a")
+    gate.take_back("a")
     gate.check("a")
