@@ -101,16 +101,31 @@ def connection_file(run_dir: Path | str, name: str) -> Path:
 
 
 def write_connection_file(
-    run_dir: Path | str, *, name: str, port: int, token: str, pid: int | None = None
+    run_dir: Path | str,
+    *,
+    name: str,
+    port: int,
+    token: str,
+    pid: int | None = None,
+    pid_started_at: float | None = None,
 ) -> Path:
-    """Write an engine's connection details readable by this user only."""
+    """Write an engine's connection details readable by this user only. With
+    the process's pid and start time (psutil's create_time), a later supervisor
+    can prove a process left running is this engine, not a reused pid."""
     path = connection_file(run_dir, name)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.unlink(missing_ok=True)
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    info = {
+        "name": name,
+        "port": port,
+        "token": token,
+        "pid": pid,
+        "pid_started_at": pid_started_at,
+    }
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump({"name": name, "port": port, "token": token, "pid": pid}, handle)
+        json.dump(info, handle)
     os.replace(partial, path)
     return path
 

@@ -1,11 +1,18 @@
 """What an engine is told at spawn and by `configure`, and the environment
 variables it reads (all of them, each commented). No Django here: the supervisor
-serialises everything an engine needs into these variables."""
+serialises everything an engine needs into these variables.
 
+One typed schema for both sides: the supervisor builds an `EngineConfig` and the
+engine reads it back with `from_dict`, which refuses unknown keys, missing
+required keys and values of the wrong type with a ValueError naming them (a key
+that has a default may be left out)."""
+
+import contextlib
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+import types
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Union, get_args, get_origin
 
 # ROUNDHOUSE_ENGINE_TOKEN: the per-run secret every request must carry. Only ever
 # in the engine's environment (never argv, logs or the database); the engine
@@ -14,6 +21,19 @@ TOKEN_ENV = "ROUNDHOUSE_ENGINE_TOKEN"  # noqa: S105 - a variable name
 # ROUNDHOUSE_ENGINE_CONFIG: JSON of EngineConfig (name, port, backend, limits,
 # model catalog). Not secret.
 CONFIG_ENV = "ROUNDHOUSE_ENGINE_CONFIG"
+# ROUNDHOUSE_ENGINE_CONFIG_FILE: instead of the above, the path of a 0600 file
+# holding the same JSON, for a configuration too large for the environment (see
+# MAX_ENV_STRING). The engine deletes the file once read.
+CONFIG_FILE_ENV = "ROUNDHOUSE_ENGINE_CONFIG_FILE"
+# ROUNDHOUSE_ENGINE_LIFELINE_FD: the read end of a pipe whose write end only the
+# supervisor holds. It reads end-of-file when the supervisor dies, however it
+# dies (SIGKILL included): the engine then stops as on SIGTERM. Unset: no watch
+# (an engine started by a test or a benchmark).
+LIFELINE_FD_ENV = "ROUNDHOUSE_ENGINE_LIFELINE_FD"
+# Linux refuses to exec with one environment string ("KEY=value") longer than
+# MAX_ARG_STRLEN (32 pages: 128 KiB); all of them together must also fit in
+# ARG_MAX with the arguments. Checked before spawning, and in the admin.
+MAX_ENV_STRING = 128 * 1024
 # Engines never reach a model hub: weights come from the models directory.
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -36,6 +56,40 @@ GPU_BACKENDS = frozenset({"cuda", "rocm", "vulkan"})
 LOOPBACK = "127.0.0.1"
 
 
+def arg_max() -> int:
+    """Bytes exec accepts for arguments and environment together (ARG_MAX)."""
+    try:
+        return int(os.sysconf("SC_ARG_MAX"))
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return 32 * 1024
+
+
+def env_problems(env: dict[str, str], *, budget: int | None = None) -> list[str]:
+    """Why exec would refuse this environment, one line per variable: a NUL in
+    a name or value, one "NAME=value" string over MAX_ENV_STRING bytes, or all
+    of them together over `budget` bytes (default: ARG_MAX less 16 KiB for the
+    command line). Empty: it can be passed."""
+    problems = []
+    total = 0
+    for key, value in env.items():
+        if "\0" in key or "\0" in value:
+            problems.append(f"{key!r} contains a NUL character")
+            continue
+        size = len(f"{key}={value}".encode()) + 1
+        if size > MAX_ENV_STRING:
+            problems.append(
+                f"{key} is {size:,} bytes; the system allows {MAX_ENV_STRING:,} "
+                "per variable"
+            )
+        total += size + 8  # and its pointer
+    budget = arg_max() - 16 * 1024 if budget is None else budget
+    if total > budget:
+        problems.append(
+            f"the variables take {total:,} bytes together; at most {budget:,} fit"
+        )
+    return problems
+
+
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity: a pinned engine or a
     container's cpuset), which os.cpu_count() ignores."""
@@ -45,11 +99,67 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def from_known_fields(cls, data: dict[str, Any]):
-    """Build a dataclass from a dict, ignoring keys it does not know (a newer
-    supervisor may send more than this engine understands)."""
-    known = {item.name for item in fields(cls)}
-    return cls(**{key: value for key, value in data.items() if key in known})
+def from_known_fields(cls, data: Any):
+    """Build a dataclass from a dict of its fields, checked: a ValueError names
+    unknown keys, missing required keys and values of the wrong type. Keys that
+    have a default may be left out (a partial `configure` keeps the defaults)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected an object, not {_kind(data)}")
+    schema = {item.name: item for item in fields(cls)}
+    problems = []
+    unknown = sorted(str(key) for key in data if key not in schema)
+    if unknown:
+        problems.append(f"unknown keys {', '.join(unknown)}")
+    missing = [
+        name
+        for name, item in schema.items()
+        if name not in data
+        and item.default is MISSING
+        and item.default_factory is MISSING
+    ]
+    if missing:
+        problems.append(f"missing keys {', '.join(missing)}")
+    wrong = [
+        f"{name} is {_kind(value)}, not {_type_name(schema[name].type)}"
+        for name, value in data.items()
+        if name in schema and not _conforms(value, schema[name].type)
+    ]
+    problems += wrong
+    if problems:
+        raise ValueError(f"{cls.__name__}: {'; '.join(problems)}")
+    return cls(**data)
+
+
+def _conforms(value: Any, kind: Any) -> bool:
+    """Whether a JSON value fits a field's annotation (an int fits a float)."""
+    origin = get_origin(kind)
+    if kind is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = get_args(kind)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is dict:
+        key, item = get_args(kind)
+        return isinstance(value, dict) and all(
+            _conforms(k, key) and _conforms(v, item) for k, v in value.items()
+        )
+    return isinstance(value, origin or kind)
+
+
+def _type_name(kind: Any) -> str:
+    return str(kind) if get_args(kind) else getattr(kind, "__name__", str(kind))
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 @dataclass
@@ -63,6 +173,9 @@ class Limits:
     models_max: int = 3
     memory_margin_mib: int = 512
     threads: int = 0  # compute threads per model; 0: one per core
+    # The decode loop with work to do and no pass for this long is stuck: the
+    # engine reports itself unhealthy and the supervisor replaces it.
+    stuck_after_s: float = 60.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Limits":
@@ -113,20 +226,24 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
-        return cls(
-            name=str(data["name"]),
-            port=int(data["port"]),
-            backend=str(data.get("backend", "cpu")),
-            limits=Limits.from_dict(data.get("limits", {})),
-            models={
-                item["name"]: ModelSpec.from_dict(item)
-                for item in data.get("models", [])
-            },
-            preload=list(data.get("preload", [])),
-            thermal=dict(data.get("thermal", {})),
-            devices=[str(device) for device in data.get("devices", [])],
-            cpus=[int(core) for core in data.get("cpus", [])],
-        )
+        """Read the JSON form (models as a list), checked as from_known_fields."""
+        if not isinstance(data, dict):
+            raise ValueError(f"EngineConfig: expected an object, not {_kind(data)}")
+        typed = dict(data)
+        if "limits" in data:
+            typed["limits"] = Limits.from_dict(data["limits"])
+        if "models" in data:
+            if not isinstance(data["models"], list):
+                raise ValueError("EngineConfig: models must be a list")
+            specs = [ModelSpec.from_dict(item) for item in data["models"]]
+            typed["models"] = {spec.name: spec for spec in specs}
+            if len(typed["models"]) < len(specs):
+                raise ValueError("EngineConfig: two models share a name")
+        if "thermal" in data:
+            from .thermal import Thresholds  # it imports this module
+
+            Thresholds.from_dict(data["thermal"])
+        return from_known_fields(cls, typed)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -146,7 +263,18 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls) -> "EngineConfig":
-        raw = os.environ.get(CONFIG_ENV)
+        """The configuration the supervisor handed over: the JSON in CONFIG_ENV,
+        or in the file CONFIG_FILE_ENV names (deleted once read)."""
+        path = os.environ.get(CONFIG_FILE_ENV)
+        if path:
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    raw = handle.read()
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        else:
+            raw = os.environ.get(CONFIG_ENV, "")
         if not raw:
             raise SystemExit(
                 f"{CONFIG_ENV} is not set: engines are started by `manage.py supervise`"

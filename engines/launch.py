@@ -1,14 +1,23 @@
 """Starting an engine process: the one place that builds its environment and
 command line (used by the supervisor, the tests and the benchmarks)."""
 
-import json
 import os
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from .config import CONFIG_ENV, OFFLINE_ENV, TOKEN_ENV
+from .config import (
+    CONFIG_ENV,
+    CONFIG_FILE_ENV,
+    LIFELINE_FD_ENV,
+    MAX_ENV_STRING,
+    OFFLINE_ENV,
+    TOKEN_ENV,
+    EngineConfig,
+    env_problems,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,16 +25,30 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRUBBED_ENV = ("SECRET_KEY", "DATABASE_URL", "ROUNDHOUSE_ADMIN_PASSWORD")
 
 
+class SpawnError(ValueError):
+    """The engine cannot be started with this environment; the message says why."""
+
+
+def engine_config(config: EngineConfig | Mapping[str, Any]) -> EngineConfig:
+    """The typed configuration; a dict is read as the engine reads it (unknown,
+    missing or mistyped keys raise ValueError here, not in the engine)."""
+    if isinstance(config, EngineConfig):
+        return config
+    return EngineConfig.from_dict(dict(config))
+
+
 def engine_environment(
     *,
-    config: Mapping,
+    config: EngineConfig | Mapping[str, Any],
     token: str,
     spec_env: Mapping[str, str] | None = None,
     base: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
 ) -> dict[str, str]:
     """The engine's environment: the parent's (secrets removed), offline hub
     settings, the spec's env block on top (empty values kept), then its config
-    and token."""
+    (or the path of the file holding it) and token. SpawnError when exec would
+    refuse it."""
     env = {
         key: value
         for key, value in (os.environ if base is None else base).items()
@@ -37,9 +60,36 @@ def engine_environment(
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
     )
-    env[CONFIG_ENV] = json.dumps(config, sort_keys=True)
+    env.pop(CONFIG_ENV, None)
+    env.pop(CONFIG_FILE_ENV, None)
+    if config_file is None:
+        env[CONFIG_ENV] = engine_config(config).to_json()
+    else:
+        env[CONFIG_FILE_ENV] = str(config_file)
     env[TOKEN_ENV] = token
+    problems = env_problems(env)
+    if problems:
+        raise SpawnError(f"cannot start the engine: {'; '.join(problems)}")
     return env
+
+
+def fits_environment(config: EngineConfig) -> bool:
+    """Whether the configuration can travel as one environment variable: up to
+    half the system's limit for one, leaving ARG_MAX room for the others."""
+    size = len(CONFIG_ENV) + 2 + len(config.to_json().encode())
+    return size <= MAX_ENV_STRING // 2
+
+
+def write_config_file(config: EngineConfig, directory: Path) -> Path:
+    """Write the configuration to `<name>.config.json` in `directory`, readable
+    by this user only (mode 0600, a 0700 directory); the engine deletes it."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / f"{config.name}.config.json"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(config.to_json())
+    return path
 
 
 def popen_detached_kwargs() -> dict:
@@ -58,23 +108,47 @@ def popen_detached_kwargs() -> dict:
 
 def spawn_engine(
     *,
-    config: Mapping,
+    config: EngineConfig | Mapping[str, Any],
     token: str,
     log_path: Path,
     spec_env: Mapping[str, str] | None = None,
+    config_dir: Path | None = None,
+    lifeline_fd: int | None = None,
 ) -> subprocess.Popen:
     """Start `python -m engines.serve` with its output appended to log_path. The
-    token travels in the environment only, never on the command line."""
+    token travels in the environment only, never on the command line.
+
+    A configuration too large for one environment variable goes through a 0600
+    file in `config_dir` (SpawnError without one). `lifeline_fd`, the read end
+    of a pipe whose write end only the caller holds, is passed to the engine,
+    which stops when it reads end-of-file: when the caller dies, however it dies.
+    """
+    config = engine_config(config)
+    config_file = None
+    if not fits_environment(config):
+        if config_dir is None:
+            raise SpawnError(
+                "the engine configuration is too large for the environment and "
+                "no directory was given for its file"
+            )
+        config_file = write_config_file(config, config_dir)
+    env = engine_environment(
+        config=config, token=token, spec_env=spec_env, config_file=config_file
+    )
+    popen_kwargs = popen_detached_kwargs()
+    if lifeline_fd is not None:
+        env[LIFELINE_FD_ENV] = str(lifeline_fd)
+        popen_kwargs["pass_fds"] = (lifeline_fd,)
     argv = [sys.executable, "-m", "engines.serve"]
-    argv += ["--name", str(config["name"]), "--port", str(config["port"])]
+    argv += ["--name", config.name, "--port", str(config.port)]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             argv,
             cwd=ROOT,
-            env=engine_environment(config=config, token=token, spec_env=spec_env),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            **popen_detached_kwargs(),
+            **popen_kwargs,
         )

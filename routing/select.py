@@ -32,6 +32,13 @@ Rule = Literal["pin", "resident", "default", "least-loaded"]
 
 LOGGER_NAME = "roundhouse.routing"
 
+# The engine states (as the supervisor records them) in which an engine takes
+# requests. A loading engine serves too: it bound its port first, and a request
+# for a model still loading waits in the engine's own queue; a cooling one
+# queues work until it cools. Starting, stopping (draining), unhealthy (its
+# decode loop died or is stuck: being replaced), crashed and stopped do not.
+SERVING_STATES = frozenset({"ready", "loading", "cooling"})
+
 
 @dataclass(frozen=True)
 class EngineStatus:

@@ -1,20 +1,32 @@
-"""Reads of catalog data: what is wrong with a model's configuration."""
+"""Reads of catalog data: what is wrong with a model's configuration.
 
-from fleet.selectors import engine_views
+The catalog knows nothing of the fleet (apps depend one way: fleet → catalog):
+checks against engines take the engines as an argument."""
+
+from collections.abc import Mapping
+
 from routing.compat import EngineView, pin_problem
 
 from .models import ModelConfig
 
 
-def model_config_problems(
-    *, model: ModelConfig, engines: dict[str, EngineView] | None = None
-) -> list[str]:
-    """Problems that do not block saving a model but will bite when serving it."""
-    problems = []
-    engines = engine_views() if engines is None else engines
+def model_pin_problem(
+    *, model: ModelConfig, engines: Mapping[str, EngineView]
+) -> str | None:
+    """Why the model's engine pin will be ignored, as a warning; None if it won't."""
     pin = pin_problem(pin=model.engine_pin, model_format=model.format, engines=engines)
+    return f"Pin of {model.name!r} will be ignored: {pin}." if pin else None
+
+
+def model_config_problems(
+    *, model: ModelConfig, engines: Mapping[str, EngineView] | None = None
+) -> list[str]:
+    """Problems that do not block saving a model but will bite when serving it:
+    its path, and, given the engines (fleet.selectors.engine_views()), its pin."""
+    problems = []
+    pin = engines is not None and model_pin_problem(model=model, engines=engines)
     if pin:
-        problems.append(f"Pin of {model.name!r} will be ignored: {pin}.")
+        problems.append(pin)
     if not model.resolved_path.exists():
         problems.append(
             f"Path of {model.name!r} does not exist here: {model.resolved_path}."

@@ -1,8 +1,14 @@
-"""Admin for engines and the fleet-wide limits."""
+"""Admin for engines and the fleet-wide limits, and the placement of the
+catalog's models on engines (the fleet checks pins; the catalog cannot, as it
+does not depend on the fleet)."""
 
 from django.contrib import admin, messages
 from django.http import HttpRequest, HttpResponseRedirect
 from django.urls import reverse
+
+from catalog.admin import ModelConfigAdmin
+from catalog.models import ModelConfig
+from catalog.selectors import model_pin_problem
 
 from .forms import EngineSpecForm
 from .models import (
@@ -10,11 +16,12 @@ from .models import (
     ConcurrencySettings,
     EngineSpec,
     EngineState,
+    EngineStatus,
     ServerSettings,
     ThermalOverride,
     ThermalSettings,
 )
-from .selectors import engine_port
+from .selectors import engine_port, engine_views
 from .services import engine_restart_request
 
 
@@ -69,6 +76,8 @@ class EngineSpecAdmin(admin.ModelAdmin):
             return "never started"
         if state.in_crash_loop:
             return f"crash loop (next try {state.backoff_until:%H:%M:%S} UTC)"
+        if state.status == EngineStatus.UNHEALTHY and state.last_error:
+            return state.last_error.splitlines()[0]  # "unhealthy: <reason>"
         if state.cooling_reason:
             return f"{state.status} ({state.cooling_reason})"
         return state.status
@@ -127,6 +136,21 @@ class EngineStateAdmin(admin.ModelAdmin):
         return False
 
 
+admin.site.unregister(ModelConfig)
+
+
+@admin.register(ModelConfig)
+class PlacedModelConfigAdmin(ModelConfigAdmin):
+    """The catalog's model admin, warning on save about a pin the fleet cannot
+    honour (unknown, disabled or incompatible engine)."""
+
+    def save_model(self, request, obj: ModelConfig, form, change) -> None:
+        super().save_model(request, obj, form, change)  # warns of path problems
+        problem = model_pin_problem(model=obj, engines=engine_views())
+        if problem:
+            self.message_user(request, problem, messages.WARNING)
+
+
 class SingletonAdmin(admin.ModelAdmin):
     """Admin for a one-row settings table: the list opens the row itself."""
 
@@ -153,6 +177,7 @@ class ServerSettingsAdmin(SingletonAdmin):
             {"fields": ["models_max", "memory_margin_mib", "host_ram_cap_gib"]},
         ),
         ("Queue", {"fields": ["queue_limit", "queue_timeout_s"]}),
+        ("Health", {"fields": ["stuck_after_s"]}),
         ("Ports", {"fields": ["base_port"]}),
     ]
 

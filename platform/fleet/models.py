@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
+from engines.config import arg_max, env_problems
 from routing import compat
 
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -35,6 +36,15 @@ def validate_env_block(value: object) -> None:
         raise ValidationError(
             'Values must be strings (use "" for empty): %(keys)s',
             params={"keys": ", ".join(bad_values)},
+        )
+    # What exec would refuse, found here rather than when the engine starts. The
+    # block may take half of ARG_MAX: the rest is for the supervisor's own
+    # environment and the engine's configuration.
+    problems = env_problems(value, budget=arg_max() // 2)
+    if problems:
+        raise ValidationError(
+            "The engine could not be started with this env block: %(problems)s.",
+            params={"problems": "; ".join(problems)},
         )
 
 
@@ -141,6 +151,37 @@ class EngineSpec(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def clean(self) -> None:
+        """Refuse a loopback port another enabled engine already uses."""
+        if not self.enabled:
+            return
+        base_port = ServerSettings.load().base_port
+        field = "port" if self.port else "order"
+        mine = self.port_with(base_port)
+        if mine > PORT_VALIDATORS[1].limit_value:
+            raise ValidationError(
+                {field: f"Base port {base_port} + order {self.order} is past 65535."}
+            )
+        others = EngineSpec.objects.filter(enabled=True).exclude(pk=self.pk)
+        for other in others:
+            if other.port_with(base_port) == mine:
+                raise ValidationError(
+                    {
+                        field: f"Port {mine} is already engine {other.name!r}'s "
+                        f"({other.port_source(base_port)}): set another fixed port "
+                        "or order."
+                    }
+                )
+
+    def port_with(self, base_port: int) -> int:
+        """The loopback port: the fixed one, else the base port + order."""
+        return self.port or base_port + self.order
+
+    def port_source(self, base_port: int) -> str:
+        if self.port:
+            return "its fixed port"
+        return f"base port {base_port} + order {self.order}"
+
     @property
     def effective_capabilities(self) -> frozenset[str]:
         """Formats served: the override when set, else the backend's defaults."""
@@ -165,10 +206,16 @@ class EngineSpec(models.Model):
 
 
 class EngineStatus(models.TextChoices):
+    """What the supervisor last saw; routing.select.SERVING_STATES take requests."""
+
     STARTING = "starting"
     LOADING = "loading"
     READY = "ready"
     COOLING = "cooling"
+    # Its decode loop died or is stuck (the reason is in last_error): being
+    # drained and replaced.
+    UNHEALTHY = "unhealthy"
+    STOPPING = "stopping"  # draining before a stop or restart
     CRASHED = "crashed"
     STOPPED = "stopped"
 
@@ -278,12 +325,37 @@ class ServerSettings(SingletonModel):
         validators=PORT_VALIDATORS,
         help_text="Engine ports are base port + order unless fixed on the spec.",
     )
+    stuck_after_s = models.FloatField(
+        "generation stuck after (s)",
+        default=60.0,
+        validators=[MinValueValidator(1.0)],
+        help_text="An engine whose generation loop has work and has made no step "
+        "for this long reports itself unhealthy, and the supervisor replaces it.",
+    )
 
     class Meta:
         verbose_name = verbose_name_plural = "server settings"
 
     def __str__(self) -> str:
         return "Server settings"
+
+    def clean(self) -> None:
+        """Refuse a base port that gives two enabled engines one port."""
+        taken: dict[int, EngineSpec] = {}
+        for spec in EngineSpec.objects.filter(enabled=True):
+            port = spec.port_with(self.base_port)
+            if port > PORT_VALIDATORS[1].limit_value:
+                raise ValidationError(
+                    {"base_port": f"Engine {spec.name!r} would get port {port}."}
+                )
+            if port in taken:
+                raise ValidationError(
+                    {
+                        "base_port": f"Engines {taken[port].name!r} and "
+                        f"{spec.name!r} would both get port {port}."
+                    }
+                )
+            taken[port] = spec
 
 
 def check_thresholds(errors: dict, *, high: float, resume: float, field: str) -> None:

@@ -1,4 +1,6 @@
-"""Reads of fleet data: engines as routing sees them, ports, effective limits."""
+"""Reads of fleet data: engines as routing sees them, ports, effective limits,
+and the configuration each engine should run (built as engines/config.py's typed
+schema, which the engine reads back)."""
 
 import json
 import time
@@ -6,6 +8,9 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
+from catalog.models import ModelConfig
+from catalog.selectors import models_servable_by
+from engines.config import EngineConfig, Limits, ModelSpec
 from routing import select as routes
 from routing.compat import EngineView
 
@@ -13,7 +18,6 @@ from .models import (
     ConcurrencySettings,
     EngineSpec,
     EngineState,
-    EngineStatus,
     ServerSettings,
     ThermalSettings,
 )
@@ -34,7 +38,7 @@ def engine_port(*, spec: EngineSpec, server: ServerSettings | None = None) -> in
     if spec.port:
         return spec.port
     server = server or ServerSettings.load()
-    return server.base_port + spec.order
+    return spec.port_with(server.base_port)
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,15 @@ class DesiredEngine:
 
     spec_id: int
     name: str
-    port: int
-    backend: str
+    order: int
     env: dict[str, str]
     devices: str
     restart_requested_at: object
-    config: dict
+    config: EngineConfig
+
+    @property
+    def port(self) -> int:
+        return self.config.port
 
     @property
     def spawn_key(self) -> str:
@@ -76,18 +83,18 @@ class DesiredEngine:
         return json.dumps(
             [
                 self.name,
-                self.port,
-                self.backend,
+                self.config.port,
+                self.config.backend,
                 self.env,
                 self.devices,
-                self.config.get("cpus", []),  # applied when the process starts
+                self.config.cpus,  # applied when the process starts
             ],
             sort_keys=True,
         )
 
     @property
     def config_key(self) -> str:
-        return json.dumps(self.config, sort_keys=True)
+        return self.config.to_json()
 
 
 def thermal_thresholds() -> dict:
@@ -105,45 +112,51 @@ def thermal_thresholds() -> dict:
     }
 
 
+def engine_config(
+    *, spec: EngineSpec, server: ServerSettings, thermal: dict
+) -> EngineConfig:
+    """The typed configuration one engine starts with and is pushed live."""
+    limits = engine_limits(spec=spec)
+    models = [
+        ModelSpec.from_dict(item)
+        for item in models_servable_by(capabilities=spec.effective_capabilities)
+    ]
+    return EngineConfig(
+        name=spec.name,
+        port=engine_port(spec=spec, server=server),
+        backend=spec.backend,
+        limits=Limits(
+            max_parallel_requests=limits.max_parallel_requests,
+            max_slots_per_model=limits.max_slots_per_model,
+            queue_limit=server.queue_limit,
+            queue_timeout_s=server.queue_timeout_s,
+            models_max=server.models_max,
+            memory_margin_mib=server.memory_margin_mib,
+            stuck_after_s=server.stuck_after_s,
+        ),
+        models={model.name: model for model in models},
+        thermal=thermal,
+        devices=spec.device_list,
+        cpus=spec.cpu_list,
+    )
+
+
 def engines_desired() -> list[DesiredEngine]:
     """Every enabled engine with the configuration it should be running."""
-    from catalog.selectors import models_servable_by
-
     server = ServerSettings.load()
     thermal = thermal_thresholds()
-    desired = []
-    for spec in EngineSpec.objects.filter(enabled=True).order_by("order", "name"):
-        limits = engine_limits(spec=spec)
-        config = {
-            "name": spec.name,
-            "port": engine_port(spec=spec, server=server),
-            "backend": spec.backend,
-            "limits": {
-                "max_parallel_requests": limits.max_parallel_requests,
-                "max_slots_per_model": limits.max_slots_per_model,
-                "queue_limit": server.queue_limit,
-                "queue_timeout_s": server.queue_timeout_s,
-                "models_max": server.models_max,
-                "memory_margin_mib": server.memory_margin_mib,
-            },
-            "models": models_servable_by(capabilities=spec.effective_capabilities),
-            "thermal": thermal,
-            "devices": spec.device_list,
-            "cpus": spec.cpu_list,
-        }
-        desired.append(
-            DesiredEngine(
-                spec_id=spec.pk,
-                name=spec.name,
-                port=config["port"],
-                backend=spec.backend,
-                env=dict(spec.env),
-                devices=spec.devices,
-                restart_requested_at=spec.restart_requested_at,
-                config=config,
-            )
+    return [
+        DesiredEngine(
+            spec_id=spec.pk,
+            name=spec.name,
+            order=spec.order,
+            env=dict(spec.env),
+            devices=spec.devices,
+            restart_requested_at=spec.restart_requested_at,
+            config=engine_config(spec=spec, server=server, thermal=thermal),
         )
-    return desired
+        for spec in EngineSpec.objects.filter(enabled=True).order_by("order", "name")
+    ]
 
 
 # An engine whose state the supervisor has not refreshed for this long is taken
@@ -153,8 +166,6 @@ HEARTBEAT_STALE_S = 10.0
 
 def routing_snapshot() -> routes.Snapshot:
     """Engines and models as routing sees them now: one read of the fleet."""
-    from catalog.models import ModelConfig
-
     now = timezone.now()
     states = {state.spec_id: state for state in EngineState.objects.all()}
     engines = {}
@@ -165,10 +176,7 @@ def routing_snapshot() -> routes.Snapshot:
             and state.heartbeat_at is not None
             and (now - state.heartbeat_at).total_seconds() < HEARTBEAT_STALE_S
         )
-        # A loading engine serves too: it bound its port first, and a request
-        # for a model still loading waits in the engine's own queue.
-        serving = (EngineStatus.READY, EngineStatus.COOLING, EngineStatus.LOADING)
-        up = spec.enabled and fresh and state.status in serving
+        up = spec.enabled and fresh and state.status in routes.SERVING_STATES
         engines[spec.name] = routes.EngineStatus(
             name=spec.name,
             backend=spec.backend,

@@ -1,13 +1,12 @@
 """Writes of fleet data, and starting the fleet on demand."""
 
-import logging
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from django.conf import settings
-from django.db import DatabaseError
+from django.db import IntegrityError
 from django.utils import timezone
 
 from engines.client import EngineClient, EngineError
@@ -15,8 +14,6 @@ from engines.launch import popen_detached_kwargs
 
 from .models import EngineSpec, EngineState
 from .supervisor_lock import SupervisorLock
-
-log = logging.getLogger("roundhouse.fleet")
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,13 +25,17 @@ def engine_restart_request(*, spec: EngineSpec) -> None:
 
 
 def engine_state_record(*, spec_id: int, **fields) -> None:
-    """Store what the supervisor saw of an engine (supervisor only)."""
+    """Store what the supervisor saw of an engine (supervisor only). A spec
+    deleted meanwhile is skipped; DatabaseError when the database is unavailable
+    (the supervisor keeps the state and writes it when it is back)."""
+    if EngineState.objects.filter(spec_id=spec_id).update(**fields):
+        return
+    if not EngineSpec.objects.filter(pk=spec_id).exists():
+        return
     try:
-        EngineState.objects.update_or_create(spec_id=spec_id, defaults=fields)
-    except DatabaseError as error:
-        # A spec deleted under us, or the database briefly unavailable: the next
-        # poll writes again.
-        log.warning("could not record state of engine %s: %s", spec_id, error)
+        EngineState.objects.create(spec_id=spec_id, **fields)
+    except IntegrityError:
+        pass  # the spec was deleted since the check above
 
 
 class FleetStartError(RuntimeError):

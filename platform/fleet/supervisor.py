@@ -1,6 +1,22 @@
 """The supervisor: spawns one engine process per enabled spec, watches them,
 respawns the ones that die, writes their state to the database and applies admin
-changes without a restart. One per host (see supervisor_lock)."""
+changes without a restart. One per host (see supervisor_lock).
+
+One loop thread owns every RunningEngine and never waits on an engine or on the
+database: each tick it collects what has finished and starts what is due.
+- Each engine's `state` is polled in a worker thread, one poll per engine at a
+  time, so a slow engine delays no other engine's heartbeat.
+- Stopping, restarting and replacing an engine (a drain, bounded, then a kill)
+  is that engine's *operation*, run in a worker thread; meanwhile the loop
+  neither polls, respawns nor kills that engine, and the others carry on.
+- Live changes (`configure`) and the RAM cap's unloads are *requests* made
+  beside the engine's polls.
+- The database is read and written by one thread (recorder.py); an outage is
+  logged once and supervision goes on with the engines last read.
+Engines get a lifeline pipe, so they stop when the supervisor dies however it
+dies; at start, engines a previous supervisor left running are ended first
+(leftovers.py).
+"""
 
 import contextlib
 import logging
@@ -10,15 +26,16 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import psutil
-from django.db import DatabaseError, close_old_connections
 from django.utils import timezone
 
-from catalog.services import model_memory_record
 from engines.client import (
     EngineClient,
     EngineError,
@@ -27,37 +44,49 @@ from engines.client import (
 )
 from engines.launch import spawn_engine
 
-from .models import EngineStatus, ServerSettings
-from .selectors import DesiredEngine, engines_desired
-from .services import engine_state_record
+from .leftovers import engine_leftovers_end
+from .models import EngineStatus
+from .recorder import Recorder
+from .selectors import DesiredEngine
 from .supervisor_lock import SupervisorLock
 
 log = logging.getLogger("roundhouse.supervisor")
+
+# What `configure` changes in a running engine; the rest needs a restart.
+LIVE_SETTINGS = ("limits", "models", "thermal", "devices")
 
 
 @dataclass
 class Timing:
     """The supervisor's clocks, in seconds (tests shorten some)."""
 
+    tick: float = 0.1  # the loop's turn
     poll: float = 1.0  # state poll of every engine
     reconcile: float = 2.0  # desired rows vs running processes
     unanswered: float = 15.0  # alive but silent this long: killed and respawned
-    drain: float = 30.0  # a stopping engine's in-flight work may take this long
+    # A stopping engine drains for up to 30 s and flushes answers for up to 10 s
+    # (engines/server.py); one still running after this is killed.
+    drain: float = 45.0
     backoff_first: float = 1.0  # respawn delay after a crash, doubling...
     backoff_max: float = 60.0  # ...up to this
     healthy_after: float = 30.0  # ready this long: the crash streak is forgotten
     crash_loop: int = 3  # crashes in a row shown as a crash loop
+    flush: float = 10.0  # at shutdown, the last states may take this long to write
 
 
 @dataclass
 class RunningEngine:
-    """One engine process the supervisor owns."""
+    """One engine process the supervisor owns (touched by the loop thread only;
+    an operation's worker reads `process`, `token` and `desired`, which do not
+    change while it runs)."""
 
     desired: DesiredEngine
-    token: str
+    token: str = ""
     process: subprocess.Popen | None = None
+    lifeline: int | None = None  # the pipe's write end; closed, the engine stops
     started_at: float = 0.0
     answered_at: float = 0.0
+    next_poll: float = 0.0
     ready_since: float | None = None
     pushed_config: str = ""
     restarts: int = 0
@@ -68,6 +97,11 @@ class RunningEngine:
     log_path: Path = field(default_factory=Path)
     last_state: dict = field(default_factory=dict)
     recorded_memory: dict[str, tuple[float, float]] = field(default_factory=dict)
+    poll: Future | None = None
+    operation: Future | None = None  # stop, restart, replace or kill
+    after_operation: Callable[[], None] | None = None
+    request: Future | None = None  # configure or unload
+    after_request: Callable[[bool], None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -81,141 +115,186 @@ class Supervisor:
         self.run_dir = Path(run_dir)
         self.timing = timing or Timing()
         self.lock = SupervisorLock(self.run_dir)
+        self.recorder = Recorder(read_every=self.timing.reconcile)
+        self.workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine")
         self.engines: dict[int, RunningEngine] = {}
         self.stopping = threading.Event()
         self.ram_cap_mib: float | None = None
+        self._desired_version = 0
+        self._next_ram_check = 0.0
 
     # -- lifecycle ------------------------------------------------------------
 
     def startup(self) -> None:
-        """Take the host lock (SupervisorRunning if taken) and hook signals."""
+        """Take the host lock (SupervisorRunning if taken), hook signals, end a
+        previous run's leftover engines, start the database thread."""
         self.lock.acquire()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stopping.set())
         log.info("supervisor %s started (run dir %s)", os.getpid(), self.run_dir)
+        engine_leftovers_end(self.run_dir, grace_s=self.timing.drain)
+        self.recorder.start()
 
     def run(self) -> None:
-        """Reconcile and poll until a signal arrives."""
-        next_reconcile = 0.0
+        """Supervise until a signal arrives."""
         while not self.stopping.is_set():
-            now = time.monotonic()
-            if now >= next_reconcile:
-                self.reconcile()
-                next_reconcile = now + self.timing.reconcile
-            self.poll()
-            self.stopping.wait(self.timing.poll)
+            self.tick()
+            self.stopping.wait(self.timing.tick)
+
+    def tick(self) -> None:
+        """One turn of the loop; never waits on an engine or the database."""
+        now = time.monotonic()
+        desired = self.recorder.desired
+        if desired is not None and desired.version != self._desired_version:
+            self._desired_version = desired.version
+            self.ram_cap_mib = desired.ram_cap_mib
+            self.reconcile(desired.engines)
+        for engine in list(self.engines.values()):
+            self._advance(engine, now)
+        if now >= self._next_ram_check:
+            self._next_ram_check = now + self.timing.poll
+            self._enforce_ram_cap()
 
     def shutdown(self) -> None:
-        """Drain and stop every engine, record them stopped, release the lock."""
-        log.info("supervisor stopping: draining %d engines", len(self.engines))
+        """Drain and stop every engine at once, record them stopped, release the
+        lock."""
         engines = list(self.engines.values())
+        log.info("supervisor stopping: draining %d engines", len(engines))
+        wait_all([engine.operation for engine in engines if engine.operation])
+        stops = []
         for engine in engines:
-            self._ask_to_stop(engine)
+            if engine.alive:
+                self._record(engine, status=EngineStatus.STOPPING)
+                stops.append(self.workers.submit(self._drain_and_end, engine))
+        wait_all(stops)
         for engine in engines:
-            self._wait_stopped(engine)
+            self._ended(engine)
             self._record(engine, status=EngineStatus.STOPPED, pid=None)
         self.engines.clear()
+        if not self.recorder.close(timeout=self.timing.flush):
+            log.warning("database unavailable: the engines' last state is not saved")
+        self.workers.shutdown(wait=False, cancel_futures=True)
         self.lock.release()
         log.info("supervisor stopped")
 
     # -- reconcile ------------------------------------------------------------
 
-    def reconcile(self) -> None:
-        """Make the running processes match the enabled specs."""
-        close_old_connections()
-        try:
-            desired = {item.spec_id: item for item in engines_desired()}
-            cap_gib = ServerSettings.load().host_ram_cap_gib
-            self.ram_cap_mib = cap_gib * 1024 if cap_gib else None
-        except DatabaseError as error:
-            log.warning("cannot read engine specs: %s", error)
-            return
-        for spec_id in list(self.engines):
-            if spec_id not in desired:
-                engine = self.engines.pop(spec_id)
+    def reconcile(self, wanted: Iterable[DesiredEngine]) -> None:
+        """Make the running processes match the enabled specs. An engine in the
+        middle of an operation is left alone: the next read looks at it again."""
+        desired = {item.spec_id: item for item in wanted}
+        for spec_id, engine in list(self.engines.items()):
+            if spec_id not in desired and engine.operation is None:
                 log.info("engine %s disabled or removed: stopping", engine.desired.name)
-                self._stop(engine)
-                self._record(engine, status=EngineStatus.STOPPED, pid=None)
-        for spec_id, wanted in desired.items():
+                self._stop(engine, then=lambda engine=engine: self._removed(engine))
+        for spec_id, wanted_engine in desired.items():
             engine = self.engines.get(spec_id)
             if engine is None:
                 engine = RunningEngine(
-                    desired=wanted,
-                    token="",
-                    handled_restart=wanted.restart_requested_at,
+                    desired=wanted_engine,
+                    handled_restart=wanted_engine.restart_requested_at,
                 )
                 self.engines[spec_id] = engine
                 self._spawn(engine)
-                continue
-            restart = (
-                wanted.restart_requested_at is not None
-                and wanted.restart_requested_at != engine.handled_restart
-            )
-            if restart or wanted.spawn_key != engine.desired.spawn_key:
-                reason = "restart requested" if restart else "spawn settings changed"
-                log.info("restarting engine %s: %s", wanted.name, reason)
-                engine.handled_restart = wanted.restart_requested_at
-                self._stop(engine)
+            elif engine.operation is None:
+                self._reconcile_one(engine, wanted_engine)
+
+    def _reconcile_one(self, engine: RunningEngine, wanted: DesiredEngine) -> None:
+        restart = (
+            wanted.restart_requested_at is not None
+            and wanted.restart_requested_at != engine.handled_restart
+        )
+        if restart or wanted.spawn_key != engine.desired.spawn_key:
+            reason = "restart requested" if restart else "spawn settings changed"
+            log.info("restarting engine %s: %s", wanted.name, reason)
+            engine.handled_restart = wanted.restart_requested_at
+
+            def respawn() -> None:
                 engine.desired = wanted
                 engine.crash_streak = 0
                 self._spawn(engine)
-                continue
-            engine.desired = wanted
-            if (
-                engine.alive
-                and engine.answered_at
-                and (wanted.config_key != engine.pushed_config)
-            ):
-                self._push_config(engine)
+
+            if engine.process is None:
+                respawn()
+            else:
+                self._stop(engine, then=respawn)
+            return
+        engine.desired = wanted
+        if (
+            engine.alive
+            and engine.answered_at
+            and engine.request is None
+            and wanted.config_key != engine.pushed_config
+        ):
+            self._push_config(engine)
 
     def _push_config(self, engine: RunningEngine) -> None:
-        config = engine.desired.config
-        try:
-            live = ("limits", "models", "thermal", "devices")
-            self._client(engine).call(
-                "configure", config={key: config[key] for key in live}
-            )
-        except EngineError as error:
-            log.warning("configure %s failed: %s", engine.desired.name, error)
-            return
-        engine.pushed_config = engine.desired.config_key
-        log.info("pushed new limits to engine %s", engine.desired.name)
+        key = engine.desired.config_key
+        config = engine.desired.config.to_dict()
+        live = {name: config[name] for name in LIVE_SETTINGS}
+
+        def pushed(ok: bool) -> None:
+            if ok:
+                engine.pushed_config = key
+                log.info("pushed new settings to engine %s", engine.desired.name)
+
+        self._ask(engine, "configure", pushed, config=live)
 
     # -- processes ------------------------------------------------------------
 
     def _spawn(self, engine: RunningEngine) -> None:
+        """Start the engine's process (an error fails this engine only: it is
+        recorded as a crash and retried with backoff)."""
         wanted = engine.desired
         engine.token = secrets.token_hex(32)
         engine.log_path = self.run_dir / "logs" / f"engine-{wanted.name}.log"
-        engine.process = spawn_engine(
-            config=wanted.config,
-            token=engine.token,
-            log_path=engine.log_path,
-            spec_env=wanted.env,
-        )
+        engine.started_at = engine.next_poll = time.monotonic()
+        engine.answered_at = 0.0
+        engine.ready_since = None
+        engine.pushed_config = wanted.config_key
+        read_end = None
+        if os.name == "posix":
+            read_end, engine.lifeline = os.pipe()
+        try:
+            engine.process = spawn_engine(
+                config=wanted.config,
+                token=engine.token,
+                log_path=engine.log_path,
+                spec_env=wanted.env,
+                config_dir=self.run_dir / "engines",
+                lifeline_fd=read_end,
+            )
+        except Exception as error:  # noqa: BLE001 - any failure is this engine's
+            log.exception("could not start engine %s", wanted.name)
+            self._crashed(engine, f"could not start: {error}")
+            return
+        finally:
+            if read_end is not None:
+                os.close(read_end)
+        pid = engine.process.pid
+        started_at = None
+        with contextlib.suppress(psutil.Error):
+            started_at = psutil.Process(pid).create_time()
         write_connection_file(
             self.run_dir,
             name=wanted.name,
             port=wanted.port,
             token=engine.token,
-            pid=engine.process.pid,
+            pid=pid,
+            pid_started_at=started_at,
         )
-        engine.started_at = time.monotonic()
-        engine.answered_at = 0.0
-        engine.ready_since = None
-        engine.pushed_config = wanted.config_key
         log.info(
             "spawned engine %s (pid %s, port %s, log %s)",
             wanted.name,
-            engine.process.pid,
+            pid,
             wanted.port,
             engine.log_path,
         )
         self._record(
             engine,
             status=EngineStatus.STARTING,
-            pid=engine.process.pid,
+            pid=pid,
             port=wanted.port,
             started_at=timezone.now(),
             backoff_until=None,
@@ -226,59 +305,149 @@ class Supervisor:
             port=engine.desired.port, token=engine.token, name=engine.desired.name
         )
 
-    def _ask_to_stop(self, engine: RunningEngine) -> None:
-        """Ask for a drained exit: in-flight requests finish first."""
-        if not engine.alive:
+    def _stop(self, engine: RunningEngine, *, then: Callable[[], None]) -> None:
+        """Drain and end the engine beside the loop, then `then()` on the loop."""
+        if engine.alive:
+            self._record(engine, status=EngineStatus.STOPPING)
+
+        def stopped() -> None:
+            self._ended(engine)
+            then()
+
+        self._begin(engine, self._drain_and_end, then=stopped)
+
+    def _removed(self, engine: RunningEngine) -> None:
+        self._record(engine, status=EngineStatus.STOPPED, pid=None)
+        self.engines.pop(engine.desired.spec_id, None)
+
+    def _ended(self, engine: RunningEngine) -> None:
+        """Forget the engine's process (ended and reaped)."""
+        engine.process = None
+        engine.poll = None
+        if engine.lifeline is not None:
+            os.close(engine.lifeline)
+            engine.lifeline = None
+        connection_file(self.run_dir, engine.desired.name).unlink(missing_ok=True)
+
+    # -- operations: beside the loop, one per engine ---------------------------
+
+    def _begin(
+        self,
+        engine: RunningEngine,
+        work: Callable[[RunningEngine], None],
+        *,
+        then: Callable[[], None],
+    ) -> None:
+        engine.poll = None  # a poll in flight is of no interest any more
+        engine.after_operation = then
+        engine.operation = self.workers.submit(work, engine)
+
+    def _finish(self, engine: RunningEngine) -> None:
+        operation, engine.operation = engine.operation, None
+        then, engine.after_operation = engine.after_operation, None
+        if operation.exception() is not None:
+            log.error(
+                "engine %s: operation failed: %r",
+                engine.desired.name,
+                operation.exception(),
+            )
+        if then is not None:
+            then()
+
+    def _drain_and_end(self, engine: RunningEngine) -> None:
+        """Ask for a drained exit (SIGTERM if it does not answer); kill it if
+        still running after the drain bound. In a worker thread."""
+        process = engine.process
+        if process is None or process.poll() is not None:
             return
         try:
             self._client(engine).call("shutdown")
         except EngineError:
-            engine.process.terminate()  # SIGTERM drains too
-
-    def _wait_stopped(self, engine: RunningEngine) -> None:
-        if engine.process is None:
-            return
+            process.terminate()  # SIGTERM drains too
         try:
-            engine.process.wait(self.timing.drain)
+            process.wait(self.timing.drain)
         except subprocess.TimeoutExpired:
-            log.warning("engine %s did not drain in time: killing", engine.desired.name)
-            engine.process.kill()
-            engine.process.wait()
-        connection_file(self.run_dir, engine.desired.name).unlink(missing_ok=True)
+            log.warning(
+                "engine %s did not drain in %g s: killing",
+                engine.desired.name,
+                self.timing.drain,
+            )
+            self._kill(engine)
 
-    def _stop(self, engine: RunningEngine) -> None:
-        self._ask_to_stop(engine)
-        self._wait_stopped(engine)
+    def _kill(self, engine: RunningEngine) -> None:
+        """SIGKILL and reap. In a worker thread."""
+        process = engine.process
+        if process is None:
+            return
+        process.kill()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            log.error("engine pid %s survives SIGKILL", process.pid)
 
-    # -- polling -----------------------------------------------------------------
+    # -- requests: beside the polls ------------------------------------------------
 
-    def poll(self) -> None:
-        """Check every engine: respawn the dead and the silent, record the rest."""
-        now = time.monotonic()
-        for engine in list(self.engines.values()):
-            if engine.process is None:
-                if now >= engine.respawn_at:
-                    self._spawn(engine)
-                continue
+    def _ask(
+        self,
+        engine: RunningEngine,
+        kind: str,
+        then: Callable[[bool], None],
+        **fields,
+    ) -> None:
+        engine.after_request = then
+        engine.request = self.workers.submit(self._client(engine).call, kind, **fields)
+
+    def _answered_request(self, engine: RunningEngine) -> None:
+        request, engine.request = engine.request, None
+        then, engine.after_request = engine.after_request, None
+        error = request.exception()
+        if error is not None:
+            log.warning("engine %s: %s", engine.desired.name, error)
+        if then is not None:
+            then(error is None)
+
+    # -- polling ------------------------------------------------------------------
+
+    def _advance(self, engine: RunningEngine, now: float) -> None:
+        """Move one engine on: finished work, respawn, exit, poll."""
+        if engine.operation is not None:
+            if engine.operation.done():
+                self._finish(engine)
+            return
+        if engine.request is not None and engine.request.done():
+            self._answered_request(engine)
+        if engine.process is None:
+            if now >= engine.respawn_at:
+                self._spawn(engine)
+            return
+        if engine.poll is not None:
+            if engine.poll.done():
+                self._polled(engine, now)
+            return
+        code = engine.process.poll()
+        if code is not None:
+            self._crashed(engine, f"exited with code {code}")
+        elif now >= engine.next_poll:
+            engine.next_poll = now + self.timing.poll
+            engine.poll = self.workers.submit(self._client(engine).state)
+
+    def _polled(self, engine: RunningEngine, now: float) -> None:
+        poll, engine.poll = engine.poll, None
+        try:
+            state = poll.result()
+        except Exception as error:  # noqa: BLE001 - EngineError, or a bad answer
             code = engine.process.poll()
             if code is not None:
                 self._crashed(engine, f"exited with code {code}")
-                continue
-            try:
-                state = self._client(engine).state()
-            except EngineError as error:
-                silent_since = engine.answered_at or engine.started_at
-                if now - silent_since > self.timing.unanswered:
-                    engine.process.kill()
-                    engine.process.wait()
-                    self._crashed(
-                        engine, f"stopped answering for {now - silent_since:.0f} s"
-                    )
-                elif engine.answered_at:
-                    log.warning("engine %s: %s", engine.desired.name, error)
-                continue
-            self._answered(engine, state, now)
-        self._enforce_ram_cap()
+                return
+            silent_since = engine.answered_at or engine.started_at
+            if now - silent_since > self.timing.unanswered:
+                why = f"stopped answering for {now - silent_since:.0f} s"
+                self._begin(engine, self._kill, then=lambda: self._crashed(engine, why))
+            elif engine.answered_at:
+                log.warning("engine %s: %s", engine.desired.name, error)
+            return
+        self._answered(engine, state, now)
 
     def _enforce_ram_cap(self) -> None:
         """Over the shared host-RAM cap (supervisor + all engines), unload the
@@ -297,7 +466,7 @@ class Supervisor:
         idle = [
             (model.get("idle_s", 0), engine, model["name"])
             for engine in self.engines.values()
-            if engine.alive
+            if engine.alive and engine.operation is None and engine.request is None
             for model in engine.last_state.get("models", [])
             if not model.get("inflight") and not model.get("queued")
         ]
@@ -312,10 +481,7 @@ class Supervisor:
             name,
             engine.desired.name,
         )
-        try:
-            self._client(engine).call("unload", model=name)
-        except EngineError as error:
-            log.warning("unloading %s failed: %s", name, error)
+        self._ask(engine, "unload", lambda ok: None, model=name)
         engine.last_state["models"] = [
             m for m in engine.last_state.get("models", []) if m["name"] != name
         ]
@@ -323,6 +489,9 @@ class Supervisor:
     def _answered(self, engine: RunningEngine, state: dict, now: float) -> None:
         engine.answered_at = now
         engine.last_state = state
+        if state.get("healthy") is False:
+            self._unhealthy(engine, str(state.get("unhealthy_reason") or "no reason"))
+            return
         phase = state.get("phase", "ready")
         if state.get("cooling_reason"):
             status = EngineStatus.COOLING
@@ -338,17 +507,9 @@ class Supervisor:
             # A load's measurement does not change while the model stays resident:
             # store it once per load, not on every poll.
             measured = (item["memory_mib"], item.get("device_memory_mib", 0.0))
-            if engine.recorded_memory.get(item["name"]) == measured:
-                continue
-            try:
-                model_memory_record(
-                    name=item["name"],
-                    memory_mib=measured[0],
-                    device_memory_mib=measured[1],
-                )
+            if engine.recorded_memory.get(item["name"]) != measured:
+                self.recorder.memory(item["name"], *measured)
                 engine.recorded_memory[item["name"]] = measured
-            except DatabaseError as error:
-                log.warning("could not store memory of %s: %s", item["name"], error)
         self._record(
             engine,
             status=status,
@@ -370,8 +531,27 @@ class Supervisor:
             backoff_until=None,
         )
 
+    def _unhealthy(self, engine: RunningEngine, reason: str) -> None:
+        """The engine says it cannot serve (its decode loop died or is stuck):
+        shown as unhealthy, so routing avoids it, while it drains; then it is
+        respawned like a crashed engine."""
+        why = f"unhealthy: {reason}"
+        log.error("engine %s is %s: replacing it", engine.desired.name, why)
+        engine.last_error = why
+        self._record(
+            engine,
+            status=EngineStatus.UNHEALTHY,
+            pid=engine.process.pid,
+            heartbeat_at=timezone.now(),
+        )
+        self._begin(
+            engine,
+            self._drain_and_end,
+            then=lambda: self._crashed(engine, why),
+        )
+
     def _crashed(self, engine: RunningEngine, why: str) -> None:
-        engine.process = None
+        self._ended(engine)
         engine.restarts += 1
         engine.crash_streak += 1
         delay = min(
@@ -387,7 +567,6 @@ class Supervisor:
             + (f"\n{tail}" if tail else "")
         )
         log.error("engine %s %s", engine.desired.name, engine.last_error)
-        connection_file(self.run_dir, engine.desired.name).unlink(missing_ok=True)
         self._record(
             engine,
             status=EngineStatus.CRASHED,
@@ -396,8 +575,8 @@ class Supervisor:
         )
 
     def _record(self, engine: RunningEngine, **fields) -> None:
-        engine_state_record(
-            spec_id=engine.desired.spec_id,
+        self.recorder.record(
+            engine.desired.spec_id,
             restart_count=engine.restarts,
             last_error=engine.last_error,
             **fields,

@@ -176,3 +176,65 @@ def test_engine_list_filters_and_search(admin_client):
     assert "radeon" in body and ">cpu0<" not in body
     body = admin_client.get(url, {"q": "cpu"}).content.decode()
     assert ">cpu0<" in body and "radeon" not in body
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ("BAD=a\x00b", "contains a NUL character"),
+        ("HUGE=" + "x" * 200_000, "HUGE is 200,006 bytes"),
+    ],
+)
+def test_env_blocks_exec_would_refuse_are_errors(admin_client, env, message):
+    """A NUL, or a variable over the system's limit, is refused when saved, not
+    found when the engine starts; a harmless block is saved (control)."""
+    url = reverse("admin:fleet_enginespec_add")
+    response = admin_client.post(url, engine_post(env=env))
+    assert response.status_code == 200
+    assert message in response.content.decode()
+    assert not EngineSpec.objects.filter(name="gpu0").exists()
+    response = admin_client.post(url, engine_post(env="GOOD=" + "x" * 1000))
+    assert response.status_code == 302
+
+
+@pytest.mark.parametrize(
+    ("fields", "other"),
+    [
+        ({"port": "9100"}, "Port 9100 is already engine 'fixed'"),
+        ({"port": "8787"}, "Port 8787 is already engine 'seventh'"),
+        ({"order": "5"}, "Port 8785 is already engine 'pinned'"),
+        ({"order": "7"}, "Port 8787 is already engine 'seventh'"),
+    ],
+)
+def test_two_engines_on_one_port_are_refused(admin_client, fields, other):
+    """A fixed port another engine has, a fixed port equal to another's base
+    port + order, or a base port + order equal to another's port: refused,
+    naming the other engine; a free order is saved (control)."""
+    EngineSpecFactory(name="fixed", port=9100)
+    EngineSpecFactory(name="pinned", port=8785)
+    EngineSpecFactory(name="seventh", order=7)
+    url = reverse("admin:fleet_enginespec_add")
+    response = admin_client.post(url, engine_post(**fields))
+    assert response.status_code == 200
+    assert other.replace("'", "&#x27;") in response.content.decode()
+    assert not EngineSpec.objects.filter(name="gpu0").exists()
+    response = admin_client.post(url, engine_post(order="6"))
+    assert response.status_code == 302
+
+
+def test_a_base_port_that_gives_two_engines_one_port_is_refused(admin_client):
+    """Moving the base port onto another engine's fixed port is refused."""
+    EngineSpecFactory(name="fixed", port=9100)
+    url = reverse("admin:fleet_serversettings_change", args=[1])
+    data = {
+        "models_max": "3",
+        "memory_margin_mib": "512",
+        "queue_limit": "64",
+        "queue_timeout_s": "60",
+        "stuck_after_s": "60",
+    }
+    response = admin_client.post(url, {**data, "base_port": "9100"})
+    assert response.status_code == 200
+    assert "would both get port 9100" in response.content.decode()
+    response = admin_client.post(url, {**data, "base_port": "9200"})
+    assert response.status_code == 302

@@ -40,9 +40,9 @@ def test_cores_reach_the_engine_config_and_restart_it_when_changed():
 
     spec = EngineSpecFactory(name="pinned", cpus="1")
     before = desired()
-    assert before.config["cpus"] == [1]
+    assert before.config.cpus == [1]
     spec.cpus = ""
     spec.save()
     after = desired()
-    assert after.config["cpus"] == []
+    assert after.config.cpus == []
     assert after.spawn_key != before.spawn_key  # affinity is set at start

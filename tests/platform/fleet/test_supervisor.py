@@ -6,12 +6,7 @@ import os
 import signal
 import socket
 import stat
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 import pytest
@@ -27,155 +22,14 @@ from fleet.models import (
     ThermalSettings,
 )
 from fleet.supervisor_lock import SupervisorLock
-from tests.conftest import ROOT
-from tests.platform.live import database_url, free_port_block, wait_for
-
-EMBEDDER = "all-minilm-l6-v2"
-BIG_BATCH = [
-    f"sentence number {i} about engines, batches and slots" for i in range(6000)
-]
-
-
-def state_of(name: str) -> EngineState | None:
-    return EngineState.objects.filter(spec__name=name).first()
-
-
-@dataclass
-class Fleet:
-    run_dir: Path
-    env: dict
-    base_port: int
-    temperatures: Path
-    processes: list = field(default_factory=list)
-
-    def command(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "manage.py", "supervise", *args],
-            cwd=ROOT,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def start(self) -> subprocess.Popen:
-        log = open(self.run_dir / "supervisor-test.log", "ab")  # noqa: SIM115
-        process = subprocess.Popen(
-            [sys.executable, "manage.py", "supervise"],
-            cwd=ROOT,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        self.processes.append(process)
-        return process
-
-    def client(self, name: str = "cpu0") -> EngineClient:
-        return EngineClient.for_engine(self.run_dir, name)
-
-    def ready(self, name: str = "cpu0", *, other_than: int | None = None) -> int:
-        """Wait until the engine is ready (with a new pid if asked); its pid."""
-
-        def check():
-            state = state_of(name)
-            if state and state.status == "ready" and state.pid != other_than:
-                return state.pid
-            return None
-
-        return wait_for(check, what=f"{name} ready")
-
-    def logs(self) -> str:
-        return "\n".join(
-            path.read_text(errors="replace") for path in self.run_dir.rglob("*.log")
-        )
-
-
-@pytest.fixture
-def fleet(transactional_db, tmp_path, settings):
-    """Rows for one cpu engine serving MiniLM, and the supervisor's environment."""
-    base_port = free_port_block()
-    server = ServerSettings.load()
-    server.base_port = base_port
-    server.save()
-    EngineSpec.objects.get_or_create(name="cpu0", defaults={"backend": "cpu"})
-    ModelConfig.objects.get_or_create(
-        name=EMBEDDER,
-        defaults={
-            "format": "embedding",
-            "task": "embedding",
-            "path": "all-MiniLM-L6-v2",
-        },
-    )
-    ModelConfig.objects.update_or_create(
-        name="smollm2-135m-instruct",
-        defaults={
-            "format": "gguf",
-            "task": "chat",
-            "path": "SmolLM2-135M-Instruct.Q4_1.gguf",
-            "context_length": 256,
-            "sampling": {"max_tokens": 3, "temperature": 0},
-        },
-    )
-    ConcurrencySettings.load()
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(mode=0o700)
-    temperatures = tmp_path / "temperatures.json"
-    temperatures.write_text(json.dumps({"cpu": 50}))
-    env = {
-        "ROUNDHOUSE_THERMAL_FILE": str(temperatures),
-        **os.environ,
-        "DATABASE_URL": database_url(),
-        "ROUNDHOUSE_RUN_DIR": str(run_dir),
-        "ROUNDHOUSE_MODELS_DIR": str(settings.MODELS_DIR),
-        "SECRET_KEY": "supervisor-tests-not-secret",
-    }
-    fleet = Fleet(
-        run_dir=run_dir, env=env, base_port=base_port, temperatures=temperatures
-    )
-    yield fleet
-    for process in fleet.processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    holder = SupervisorLock(run_dir)
-    info = holder.info_path
-    if info.exists():
-        os.kill(json.loads(info.read_text())["pid"], signal.SIGTERM)
-    for process in fleet.processes:
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    wait_for(lambda: not holder.is_held(), timeout=60, what="supervisor gone")
-    # Nothing of this test may outlive it.
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if "engines.serve" in cmdline and any(
-            f"--port {port}" in cmdline for port in range(base_port, base_port + 4)
-        ):
-            proc.kill()
-
-
-def embed_in_background(client: EngineClient, texts: list[str]) -> dict:
-    """Run one embed request in a thread; its outcome lands in the dict."""
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["rows"] = client.embed(EMBEDDER, texts)
-        except Exception as error:  # noqa: BLE001 - the test inspects it
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    outcome["thread"] = thread
-    return outcome
-
-
-def wait_until_batch_runs(client: EngineClient) -> None:
-    wait_for(
-        lambda: client.state()["slots_in_use"] > 0, timeout=30, what="batch running"
-    )
+from tests.platform.fleet.live_fleet import (
+    BIG_BATCH,
+    EMBEDDER,
+    embed_in_background,
+    state_of,
+    wait_until_batch_runs,
+)
+from tests.platform.live import wait_for
 
 
 def test_second_supervisor_refused_and_killed_engine_respawned(fleet):

@@ -1,0 +1,126 @@
+"""The engine configuration: one typed schema, read back exactly as written, and
+anything it does not describe refused by name instead of dropped."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from engines.config import (
+    CONFIG_ENV,
+    CONFIG_FILE_ENV,
+    MAX_ENV_STRING,
+    EngineConfig,
+    Limits,
+    ModelSpec,
+    env_problems,
+)
+from engines.launch import write_config_file
+
+
+def full_config() -> EngineConfig:
+    return EngineConfig(
+        name="gpu0",
+        port=8791,
+        backend="cuda",
+        limits=Limits(max_parallel_requests=8, queue_timeout_s=0.0, threads=2),
+        models={
+            "chat": ModelSpec(
+                name="chat",
+                format="gguf",
+                path="/models/chat.gguf",
+                task="chat",
+                context_length=2048,
+                slots=4,
+                measured_mib=812.0,
+                sampling={"temperature": 0.2, "stop": ["\n\n"]},
+                chat_template="{{ messages }}",
+            ),
+            "embed": ModelSpec(name="embed", format="embedding", path="/m/e"),
+        },
+        preload=["embed"],
+        thermal={"gpu_high": 88, "overrides": {"amd": {"high": 95, "resume": 92}}},
+        devices=["GPU-1"],
+        cpus=[0, 2],
+    )
+
+
+def test_a_configuration_reads_back_as_written():
+    """to_json, then from_dict, gives the same configuration, field for field."""
+    config = full_config()
+    again = EngineConfig.from_dict(json.loads(config.to_json()))
+    assert again == config
+    assert again.to_json() == config.to_json()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(host="0.0.0.0"), "EngineConfig: unknown keys host"),
+        (
+            lambda d: d["limits"].update(max_paralel=3),
+            "Limits: unknown keys max_paralel",
+        ),
+        (lambda d: d["models"][0].update(temp=1), "ModelSpec: unknown keys temp"),
+        (lambda d: d["thermal"].update(cpu_hot=1), "Thresholds: unknown keys cpu_hot"),
+        (lambda d: d.pop("port"), "EngineConfig: missing keys port"),
+        (lambda d: d["models"][1].pop("path"), "ModelSpec: missing keys path"),
+        (lambda d: d.update(port="8791"), "port is str, not int"),
+        (lambda d: d["limits"].update(queue_limit=True), "queue_limit is bool"),
+        (lambda d: d.update(cpus=["0"]), "cpus is list"),
+        (lambda d: d.update(models={}), "models must be a list"),
+        (lambda d: d["models"].append(d["models"][0]), "two models share a name"),
+    ],
+)
+def test_unknown_missing_and_mistyped_keys_are_refused_by_name(change, message):
+    """Each of these is a ValueError naming the key, not a key silently dropped
+    or a failure later; the unchanged configuration is the control."""
+    data = json.loads(full_config().to_json())
+    EngineConfig.from_dict(data)  # control: as written, it is accepted
+    change(data)
+    with pytest.raises(ValueError) as error:
+        EngineConfig.from_dict(data)
+    assert message in str(error.value)
+
+
+def test_keys_with_defaults_may_be_left_out():
+    """A partial limits block (what `configure` pushes) keeps the defaults; only
+    keys without a default are required."""
+    config = EngineConfig.from_dict({"name": "cpu0", "port": 9000, "limits": {}})
+    assert config.limits == Limits()
+    assert Limits.from_dict({"queue_limit": 1}).queue_limit == 1
+    with pytest.raises(ValueError, match="missing keys name, format, path"):
+        ModelSpec.from_dict({})
+
+
+def test_the_configuration_file_is_private_and_deleted_once_read(tmp_path, monkeypatch):
+    """A configuration too large for the environment travels in a 0600 file in
+    a 0700 directory, which the engine reads and deletes."""
+    config = full_config()
+    path = write_config_file(config, tmp_path / "engines")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(path))
+    assert EngineConfig.from_env() == config
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"A": "x\0y"}, "'A' contains a NUL character"),
+        ({"BIG": "x" * MAX_ENV_STRING}, "BIG is 131,077 bytes"),
+        ({f"V{i}": "x" * 1000 for i in range(10)}, "at most 5,000 fit"),
+    ],
+)
+def test_environments_exec_would_refuse_are_named(env, message):
+    """NUL characters, one variable over the system's limit, all of them over
+    the budget; a harmless environment is the control."""
+    assert env_problems({"A": "1", "EMPTY": ""}, budget=5000) == []
+    assert any(message in problem for problem in env_problems(env, budget=5000))
+
+
+def test_the_real_environment_passes():
+    assert env_problems(dict(os.environ)) == []

@@ -1,0 +1,225 @@
+"""Starting and stopping engine processes: configurations too large for the
+environment, environments exec would refuse, the lifeline to the supervisor,
+and the bounds on stopping. Real engine processes on loopback."""
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from engines.client import EngineClient, EngineDied, EngineError
+from engines.config import (
+    CONFIG_ENV,
+    CONFIG_FILE_ENV,
+    EngineConfig,
+    Limits,
+    ModelSpec,
+)
+from engines.launch import SpawnError, spawn_engine
+from engines.serve import EXIT_STUCK
+from tests.conftest import ROOT
+from tests.engines.conftest import EMBEDDER, embedder_spec, free_port
+
+
+class Engine:
+    """An engine process started with spawn_engine, stopped at the end."""
+
+    def __init__(self, tmp_path, config: EngineConfig, **spawn) -> None:
+        self.token = secrets.token_hex(32)
+        self.log_path = tmp_path / f"engine-{config.port}.log"
+        self.process = spawn_engine(
+            config=config, token=self.token, log_path=self.log_path, **spawn
+        )
+        self.client = EngineClient(port=config.port, token=self.token)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if self.client.ping()["phase"] == "ready":
+                    return
+            except EngineError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"engine did not start:\n{self.log()}")
+            time.sleep(0.1)
+
+    def wait_logged(self, text: str) -> None:
+        deadline = time.monotonic() + 60
+        while text not in self.log():
+            assert time.monotonic() < deadline, f"never logged {text!r}"
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def end(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+
+
+@pytest.fixture
+def engines(tmp_path):
+    started: list[Engine] = []
+
+    def start(config: EngineConfig, **spawn) -> Engine:
+        engine = Engine(tmp_path, config, **spawn)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.end()
+
+
+def small_config(**fields) -> EngineConfig:
+    return EngineConfig(name="test", port=free_port(), **fields)
+
+
+def test_a_configuration_too_large_for_the_environment_goes_through_a_file(
+    engines, tmp_path
+):
+    """Over half the system's per-variable limit, the configuration reaches the
+    engine through a 0600 file the engine deletes once read; the engine runs
+    with it. A small configuration travels in the environment (control)."""
+    catalog = {
+        f"model-{i}": ModelSpec(
+            name=f"model-{i}", format="gguf", path=f"/models/{'x' * 150}/{i}.gguf"
+        )
+        for i in range(600)
+    }
+    big = small_config(models=catalog, limits=Limits(queue_limit=7))
+    assert len(big.to_json()) > 100_000
+    with pytest.raises(SpawnError, match="too large for the environment"):
+        spawn_engine(config=big, token="t", log_path=tmp_path / "never.log")
+
+    engine = engines(big, config_dir=tmp_path / "engines")
+    engine.wait_ready()
+    state = engine.client.state()
+    assert state["limits"]["queue_limit"] == 7
+    environ = psutil.Process(engine.process.pid).environ()
+    assert CONFIG_ENV not in environ and CONFIG_FILE_ENV in environ
+    assert list((tmp_path / "engines").iterdir()) == []  # read, then deleted
+
+    small = engines(small_config(), config_dir=tmp_path / "engines")
+    small.wait_ready()
+    environ = psutil.Process(small.process.pid).environ()
+    assert CONFIG_ENV in environ and CONFIG_FILE_ENV not in environ
+
+
+def test_an_environment_exec_would_refuse_is_refused_before_spawning(tmp_path):
+    """A NUL in a value is named in the error; no process is started."""
+    before = {child.pid for child in psutil.Process().children()}
+    with pytest.raises(SpawnError, match="'BAD' contains a NUL character"):
+        spawn_engine(
+            config=small_config(),
+            token="t",
+            log_path=tmp_path / "engine.log",
+            spec_env={"GOOD": "", "BAD": "a\0b"},
+        )
+    assert {child.pid for child in psutil.Process().children()} == before
+
+
+def test_an_unknown_configuration_key_is_refused_before_spawning(tmp_path):
+    """A dict configuration is read as the engine would read it."""
+    config = {**small_config().to_dict(), "host": "0.0.0.0"}
+    with pytest.raises(ValueError, match="unknown keys host"):
+        spawn_engine(config=config, token="t", log_path=tmp_path / "e.log")
+
+
+def test_an_engine_stops_when_its_lifeline_closes(engines):
+    """Closing the only write end of its lifeline (what the kernel does when the
+    supervisor dies) stops the engine cleanly; an engine whose lifeline stays
+    open keeps serving (control)."""
+    lines = {}
+    for name in ("orphan", "kept"):
+        read_end, lines[name] = os.pipe()
+        engine = engines(small_config(), lifeline_fd=read_end)
+        os.close(read_end)
+        lines[name] = (engine, lines[name])
+    for engine, _ in lines.values():
+        engine.wait_ready()
+
+    orphan, orphan_line = lines["orphan"]
+    os.close(orphan_line)
+    assert orphan.process.wait(60) == 0
+    assert "stopping (the supervisor is gone)" in orphan.log()
+
+    kept, kept_line = lines["kept"]
+    assert kept.client.ping()["status"] == "ok"
+    os.close(kept_line)
+    assert kept.process.wait(60) == 0
+
+
+def test_a_second_sigterm_ends_a_draining_engine_at_once(engines):
+    """The first SIGTERM drains (the request in flight keeps the engine up); a
+    second one exits at once, whatever is in flight."""
+    engine = engines(
+        small_config(models={EMBEDDER: ModelSpec.from_dict(embedder_spec())}),
+    )
+    engine.wait_ready()
+    engine.client.call("load", model=EMBEDDER)
+    texts = [f"sentence {i} about engines, batches and slots" for i in range(6000)]
+    outcome = {}
+    worker = threading.Thread(
+        target=lambda: outcome.update(result=_embed(engine.client, texts))
+    )
+    worker.start()
+    deadline = time.monotonic() + 30
+    while engine.client.state()["slots_in_use"] == 0:
+        assert time.monotonic() < deadline, "the batch never started"
+        time.sleep(0.05)
+
+    engine.process.send_signal(signal.SIGTERM)
+    engine.wait_logged("stopping (SIGTERM)")
+    assert engine.process.poll() is None  # draining: the batch is still running
+    engine.process.send_signal(signal.SIGTERM)
+    assert engine.process.wait(30) == 128 + signal.SIGTERM
+    worker.join(30)
+    assert isinstance(outcome["result"], EngineDied)
+
+
+def _embed(client: EngineClient, texts: list[str]):
+    try:
+        return client.embed(EMBEDDER, texts)
+    except EngineError as error:
+        return error
+
+
+HANGING_DRAIN = """
+import signal, sys, threading
+from engines.serve import Stopper
+stopper = Stopper(1.0)
+stopper.attach(lambda: None)  # a drain that never ends
+signal.signal(signal.SIGTERM, stopper.on_signal)
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def test_the_stop_deadline_ends_a_process_whose_drain_never_finishes():
+    """After SIGTERM a process whose drain hangs exits by the deadline, with the
+    code that says so."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HANGING_DRAIN],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == EXIT_STUCK
+        assert "still running 1 s after the stop request" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -1,0 +1,75 @@
+"""What the supervisor and routing read from the fleet's rows."""
+
+import json
+
+import pytest
+from django.utils import timezone
+
+from engines.config import EngineConfig
+from fleet.models import EngineState, EngineStatus, ThermalOverride, ThermalSettings
+from fleet.selectors import engines_desired, routing_snapshot
+from fleet.services import engine_state_record
+from tests.factories import EngineSpecFactory, ModelConfigFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.mark.parametrize(
+    ("status", "up"),
+    [
+        (EngineStatus.READY, True),
+        (EngineStatus.LOADING, True),
+        (EngineStatus.COOLING, True),
+        (EngineStatus.UNHEALTHY, False),
+        (EngineStatus.STOPPING, False),
+        (EngineStatus.STARTING, False),
+        (EngineStatus.CRASHED, False),
+        (EngineStatus.STOPPED, False),
+    ],
+)
+def test_routing_sends_requests_only_to_engines_that_serve(status, up):
+    """An unhealthy engine (being replaced) or one draining to stop is down for
+    routing, like a crashed one, though its heartbeat is fresh."""
+    spec = EngineSpecFactory(name="e1")
+    EngineState.objects.create(spec=spec, status=status, heartbeat_at=timezone.now())
+    assert routing_snapshot().engines["e1"].up is up
+
+
+def test_the_configuration_the_supervisor_writes_is_what_the_engine_reads():
+    """Built through engines/config.py's dataclasses from the rows (catalog
+    models with their measured memory, sampling and template, limits, thermal
+    overrides, devices, cores), it reads back unchanged with the engine's
+    strict reader."""
+    spec = EngineSpecFactory(name="gpu9", backend="cuda", devices="GPU-1", cpus="0-1")
+    ModelConfigFactory(
+        name="chatty",
+        format="gguf",
+        sampling={"temperature": 0.3},
+        chat_template="{{ messages }}",
+        measured_memory_mib=300,
+    )
+    ThermalOverride.objects.create(
+        settings=ThermalSettings.load(), vendor="amd", high=95, resume=92
+    )
+    [desired] = [item for item in engines_desired() if item.spec_id == spec.pk]
+    config = desired.config
+    assert isinstance(config, EngineConfig)
+    assert config.models["chatty"].sampling == {"temperature": 0.3}
+    assert config.models["chatty"].measured_mib == 300
+    assert config.thermal["overrides"] == {"amd": {"high": 95, "resume": 92}}
+    assert (config.devices, config.cpus) == (["GPU-1"], [0, 1])
+    assert EngineConfig.from_dict(json.loads(desired.config_key)) == config
+
+
+def test_state_of_a_deleted_engine_is_not_recorded():
+    """The supervisor may record an engine whose spec was just deleted: nothing
+    is written and nothing fails; a live spec's state is created, then updated."""
+    spec = EngineSpecFactory(name="short-lived")
+    engine_state_record(spec_id=spec.pk, status=EngineStatus.STARTING, pid=12)
+    engine_state_record(spec_id=spec.pk, status=EngineStatus.READY)
+    state = EngineState.objects.get(spec=spec)
+    assert (state.status, state.pid) == (EngineStatus.READY, 12)
+    spec_id = spec.pk
+    spec.delete()
+    engine_state_record(spec_id=spec_id, status=EngineStatus.READY)
+    assert not EngineState.objects.filter(spec_id=spec_id).exists()
