@@ -1,6 +1,6 @@
 """Admin for engines and the fleet-wide limits, and the placement of the
-catalog's models on engines (the fleet checks pins; the catalog cannot, as it
-does not depend on the fleet)."""
+catalog's models on engines (the pin input, pin status and owner columns and
+pin warnings; the catalog cannot show them, as it does not depend on the fleet)."""
 
 from django.contrib import admin, messages
 from django.http import HttpRequest, HttpResponseRedirect
@@ -9,8 +9,9 @@ from django.urls import reverse
 from catalog.admin import ModelConfigAdmin
 from catalog.models import ModelConfig
 from catalog.selectors import model_pin_problem
+from routing.compat import pin_problem
 
-from .forms import EngineSpecForm
+from .forms import EngineNameInput, EngineSpecForm
 from .models import (
     ConcurrencyOverride,
     ConcurrencySettings,
@@ -21,7 +22,7 @@ from .models import (
     ThermalOverride,
     ThermalSettings,
 )
-from .selectors import engine_port, engine_views
+from .selectors import engine_port, engine_views, routing_snapshot
 from .services import engine_restart_request
 
 
@@ -136,13 +137,49 @@ class EngineStateAdmin(admin.ModelAdmin):
         return False
 
 
+def _inserted_after(names: list[str], anchor: str, *inserted: str) -> list[str]:
+    """names with inserted placed right after anchor."""
+    at = names.index(anchor) + 1
+    return [*names[:at], *inserted, *names[at:]]
+
+
 admin.site.unregister(ModelConfig)
 
 
 @admin.register(ModelConfig)
 class PlacedModelConfigAdmin(ModelConfigAdmin):
-    """The catalog's model admin, warning on save about a pin the fleet cannot
-    honour (unknown, disabled or incompatible engine)."""
+    """The catalog's model admin with placement: engine names suggested for the
+    pin, pin status and owner engine columns, and a warning on save about a pin
+    the fleet cannot honour (unknown, disabled or incompatible engine)."""
+
+    list_display = _inserted_after(
+        ModelConfigAdmin.list_display, "engine_pin", "pin_status", "owner"
+    )
+
+    def formfield_for_dbfield(self, db_field, request, **kwargs):
+        if db_field.name == "engine_pin":
+            kwargs["widget"] = EngineNameInput()
+        return super().formfield_for_dbfield(db_field, request, **kwargs)
+
+    @admin.display(description="pin")
+    def pin_status(self, model: ModelConfig) -> str:
+        if not model.engine_pin:
+            return "routed"
+        problem = pin_problem(
+            pin=model.engine_pin, model_format=model.format, engines=engine_views()
+        )
+        return f"⚠ {problem}" if problem else "ok"
+
+    def changelist_view(self, request, extra_context=None):
+        # One snapshot for the whole list, not one per row. Shared by requests
+        # running at once, which would only see each other's equally fresh copy.
+        self._owners = routing_snapshot().owners()
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="owner engine")
+    def owner(self, model: ModelConfig) -> str:
+        """The engine routing assigns the model to (pin, default or balanced)."""
+        return getattr(self, "_owners", {}).get(model.name, "—")
 
     def save_model(self, request, obj: ModelConfig, form, change) -> None:
         super().save_model(request, obj, form, change)  # warns of path problems

@@ -2,8 +2,11 @@
 
 from django import forms
 from django.core.exceptions import ValidationError
+from django.utils.html import format_html, format_html_join
 
 from routing import compat
+
+from .models import EngineSpec
 
 
 class EnvBlockField(forms.CharField):
@@ -34,6 +37,22 @@ class EnvBlockField(forms.CharField):
                 raise ValidationError(f"Line {number}: {key} is set twice.")
             block[key] = item
         return block
+
+
+class EngineNameInput(forms.TextInput):
+    """A text input suggesting the configured engine names (a pin may name an
+    engine that does not exist yet; that is warned about, not refused)."""
+
+    def render(self, name, value, attrs=None, renderer=None):
+        list_id = f"{(attrs or {}).get('id', name)}_engines"
+        names = EngineSpec.objects.order_by("order", "name").values_list(
+            "name", flat=True
+        )
+        field = super().render(
+            name, value, {**(attrs or {}), "list": list_id}, renderer
+        )
+        options = format_html_join("", '<option value="{}">', ((n,) for n in names))
+        return format_html('{}<datalist id="{}">{}</datalist>', field, list_id, options)
 
 
 class EngineSpecForm(forms.ModelForm):

@@ -95,37 +95,3 @@ def test_sampling_is_validated(admin_client):
     body = response.content.decode()
     assert "unknown parameter &#x27;temprature&#x27;" in body
     assert "top_k must be a whole number" in body
-
-
-def test_model_list_shows_pin_status(admin_client):
-    """The list flags a model whose pin cannot be honoured."""
-    ModelConfig.objects.filter(name="gemma3-270m").update(engine_pin="gpu7")
-    body = admin_client.get(reverse("admin:catalog_modelconfig_changelist")).content
-    assert "engine &#x27;gpu7&#x27; does not exist" in body.decode()
-
-
-def test_engine_pin_input_suggests_engines(admin_client):
-    """The pin field offers the configured engine names."""
-    body = admin_client.get(reverse("admin:catalog_modelconfig_add")).content.decode()
-    assert '<option value="cpu0">' in body
-
-
-def test_list_shows_each_models_owner_engine(admin_client):
-    """Owners: a pin wins; the rest go to a compatible engine (vulkan engines
-    serve GGUF only, so not the embedder)."""
-    from django.contrib import admin
-    from django.urls import reverse
-
-    from tests.factories import EngineSpecFactory, ModelConfigFactory
-
-    ModelConfig.objects.all().delete()
-    EngineSpecFactory(name="cpu0"), EngineSpecFactory(name="cpu1")
-    EngineSpecFactory(name="vk", backend="vulkan")
-    ModelConfigFactory(name="pinned", engine_pin="vk")
-    ModelConfigFactory(name="embedder", format="embedding", task="embedding")
-    response = admin_client.get(reverse("admin:catalog_modelconfig_changelist"))
-    assert response.status_code == 200
-    assert "owner engine" in response.content.decode().lower()
-    listed = admin.site._registry[ModelConfig]
-    assert listed.owner(ModelConfig.objects.get(name="pinned")) == "vk"
-    assert listed.owner(ModelConfig.objects.get(name="embedder")) in ("cpu0", "cpu1")

@@ -1,8 +1,11 @@
-"""Operators edit engines and fleet limits in the admin, with validation."""
+"""Operators edit engines and fleet limits in the admin, with validation, and
+see where the catalog's models are placed."""
 
 import pytest
+from django.contrib import admin
 from django.urls import reverse
 
+from catalog.models import ModelConfig
 from fleet.models import (
     ConcurrencyOverride,
     ConcurrencySettings,
@@ -11,7 +14,7 @@ from fleet.models import (
     ThermalOverride,
     ThermalSettings,
 )
-from tests.factories import EngineSpecFactory
+from tests.factories import EngineSpecFactory, ModelConfigFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -238,3 +241,32 @@ def test_a_base_port_that_gives_two_engines_one_port_is_refused(admin_client):
     assert "would both get port 9100" in response.content.decode()
     response = admin_client.post(url, {**data, "base_port": "9200"})
     assert response.status_code == 302
+
+
+def test_model_list_shows_pin_status(admin_client):
+    """The list flags a model whose pin cannot be honoured."""
+    ModelConfig.objects.filter(name="gemma3-270m").update(engine_pin="gpu7")
+    body = admin_client.get(reverse("admin:catalog_modelconfig_changelist")).content
+    assert "engine &#x27;gpu7&#x27; does not exist" in body.decode()
+
+
+def test_engine_pin_input_suggests_engines(admin_client):
+    """The pin field offers the configured engine names."""
+    body = admin_client.get(reverse("admin:catalog_modelconfig_add")).content.decode()
+    assert '<option value="cpu0">' in body
+
+
+def test_list_shows_each_models_owner_engine(admin_client):
+    """Owners: a pin wins; the rest go to a compatible engine (vulkan engines
+    serve GGUF only, so not the embedder)."""
+    ModelConfig.objects.all().delete()
+    EngineSpecFactory(name="cpu0"), EngineSpecFactory(name="cpu1")
+    EngineSpecFactory(name="vk", backend="vulkan")
+    ModelConfigFactory(name="pinned", engine_pin="vk")
+    ModelConfigFactory(name="embedder", format="embedding", task="embedding")
+    response = admin_client.get(reverse("admin:catalog_modelconfig_changelist"))
+    assert response.status_code == 200
+    assert "owner engine" in response.content.decode().lower()
+    listed = admin.site._registry[ModelConfig]
+    assert listed.owner(ModelConfig.objects.get(name="pinned")) == "vk"
+    assert listed.owner(ModelConfig.objects.get(name="embedder")) in ("cpu0", "cpu1")
