@@ -72,6 +72,9 @@ NOT_FOUND = Mapping(404, "invalid_request_error")
 METHOD_NOT_ALLOWED = Mapping(405, "invalid_request_error")
 TOO_LARGE = Mapping(413, "invalid_request_error")
 RATE_LIMITED = Mapping(429, "rate_limit_error", retry_after_s=1)
+# The database is unavailable: a key this process does not remember cannot be
+# checked, a fleet snapshot too old to use cannot be read again.
+DATABASE_UNAVAILABLE = Mapping(503, "server_error", retry_after_s=5)
 
 # What each step of a request can answer instead of its result. The OpenAPI
 # document (api.openapi) lists for each endpoint the statuses of the steps it
@@ -81,11 +84,13 @@ STEP_ERRORS: dict[str, tuple[Mapping, ...]] = {
     # a body over the size cap (roundhouse.asgi).
     "read": (INVALID_REQUEST, TOO_LARGE),
     "method": (METHOD_NOT_ALLOWED,),
-    # An unknown or revoked key; a client over its failed keys.
-    "key": (UNAUTHORIZED, RATE_LIMITED),
+    # An unknown or revoked key; a client over its failed keys; a key that
+    # cannot be checked while the database is down.
+    "key": (UNAUTHORIZED, RATE_LIMITED, DATABASE_UNAVAILABLE),
     "body": (INVALID_REQUEST,),
-    # An unknown or forbidden model; one of the wrong task for the endpoint.
-    "model": (NOT_FOUND, INVALID_REQUEST),
+    # An unknown or forbidden model; one of the wrong task for the endpoint;
+    # the fleet unreadable while the database is down.
+    "model": (NOT_FOUND, INVALID_REQUEST, DATABASE_UNAVAILABLE),
     "limits": (RATE_LIMITED,),
     "engine": (*ENGINE_ERRORS.values(), ENGINE_DIED, ENGINE_TIMEOUT, NO_ENGINE),
 }
@@ -122,6 +127,11 @@ def model_not_found(name: str) -> ApiError:
         param="model",
         code="model_not_found",
     )
+
+
+def database_unavailable(message: str) -> ApiError:
+    """503 with Retry-After: the request needs the database, which is down."""
+    return from_mapping(DATABASE_UNAVAILABLE, message, code="database_unavailable")
 
 
 def method_not_allowed(method: str, path: str) -> ApiError:

@@ -10,8 +10,18 @@ class KeyRejected(Exception):
         self.code = code
 
 
+class KeyCheckUnavailable(Exception):
+    """The key cannot be checked now: the database is unavailable and this
+    process does not remember the key (HTTP 503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 class LimitExceeded(Exception):
-    """The key is over its request rate or its concurrent requests (HTTP 429)."""
+    """The key is over its request rate or its concurrent requests, or the
+    client (its address) over its failed keys (HTTP 429)."""
 
     def __init__(
         self, message: str, retry_after_s: int, *, code: str = "rate_limit_exceeded"

@@ -34,8 +34,10 @@ STATUS_DESCRIPTIONS = {
     "client over its requests with invalid keys, or the engine's queue is full.",
     500: "The engine failed to serve the request.",
     502: "The engine failed mid-request.",
-    503: "No engine can serve the model now: none serves its format, or all "
-    "that do are down, cooling or short of memory.",
+    503: "Unavailable for now (Retry-After says when to try again): no engine "
+    "can serve the model (none serves its format, or all that do are down, "
+    "cooling or short of memory), or the database is down and the API key is "
+    "not one this front remembers.",
     504: "The engine stopped answering.",
 }
 

@@ -6,16 +6,20 @@ does not implement are refused by name (`extra="forbid"`) rather than ignored.
 """
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     ValidationError,
+    WithJsonSchema,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 
 from engines.protocol import (
     MAX_MESSAGES,
@@ -36,12 +40,50 @@ from engines.protocol import (
 
 from .errors import ApiError
 
+
+@dataclass(frozen=True)
+class NoNul:
+    """States in the JSON Schema (as a `pattern`) the rule `Strict._clean_text`
+    enforces on every string: no NUL character. The check itself stays a plain
+    search, which names the field; a regex would scan each text once more."""
+
+    PATTERN = r"^[^\u0000]*$"
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        return {**handler(schema), "pattern": self.PATTERN}
+
+
 # The bounds are the engines' own (engines.protocol), checked here first so that
 # a bad value is a 400 naming its field before any engine is asked.
-Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Name = Annotated[str, NoNul()]
+ModelName = Annotated[str, Field(min_length=1, max_length=200), NoNul()]
+Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), NoNul()]
+# The engine refuses an empty prompt: so does the schema.
+Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS), NoNul()]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), NoNul()]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)]
+# 0 is greedy; between 0 and MIN_TEMPERATURE is refused (`_greedy_or_warm`),
+# which the document states as one of two alternatives.
+Temperature = Annotated[
+    float,
+    Field(ge=0, le=MAX_TEMPERATURE),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"const": 0},
+                {
+                    "type": "number",
+                    "minimum": MIN_TEMPERATURE,
+                    "maximum": MAX_TEMPERATURE,
+                },
+            ],
+            "description": TEMPERATURE_RANGE,
+        }
+    ),
+]
 
 
 class Strict(BaseModel):
@@ -71,7 +113,7 @@ class TextPart(Strict):
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart] | None = None
-    name: str | None = None
+    name: Name | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -86,8 +128,8 @@ class StreamOptions(Strict):
 class Sampling(Strict):
     """Fields shared by chat and text completions."""
 
-    model: Annotated[str, Field(min_length=1, max_length=200)]
-    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    model: ModelName
+    temperature: Temperature | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     stop: (
         StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
@@ -98,7 +140,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
-    user: str | None = None
+    user: Name | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -155,7 +197,7 @@ class ChatCompletionRequest(Sampling):
 class CompletionRequest(Sampling):
     """POST /v1/completions."""
 
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)]
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)]
     max_tokens: MaxTokens | None = 16
     echo: Literal[False] = False
     logprobs: None = None
@@ -173,11 +215,11 @@ class CompletionRequest(Sampling):
 class EmbeddingRequest(Strict):
     """POST /v1/embeddings."""
 
-    model: Annotated[str, Field(min_length=1, max_length=200)]
+    model: ModelName
     input: Text | Annotated[list[Text], Field(min_length=1)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
-    user: str | None = None
+    user: Name | None = None
 
     @field_validator("input")
     @classmethod

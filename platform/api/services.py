@@ -20,12 +20,14 @@ from django.utils import timezone
 from catalog.models import ModelConfig
 
 from . import metrics
-from .exceptions import KeyRejected, LimitExceeded
+from .exceptions import KeyCheckUnavailable, KeyRejected, LimitExceeded
 from .limits import FailureThrottle
 from .models import ApiKey, Usage
 from .selectors import api_key_get_by_hash, in_db_thread
 
 __all__ = [
+    "DATABASE_OUTAGE",
+    "KeyCheckUnavailable",
     "KeyRejected",
     "LimitExceeded",
     "api_key_allows",
@@ -54,9 +56,15 @@ LAST_USED_RESOLUTION = timedelta(minutes=1)
 # their path. An entry older than KEY_CACHE_S is still used (up to KEY_STALE_S)
 # while `api_keys_revalidate` reads it again after the request. A key revoked in
 # this process (the admin runs in the front) stops working at once; revoked from
-# another process, at the first check after KEY_CACHE_S.
+# another process, at the first check after KEY_CACHE_S. While the database is
+# down a remembered key keeps working, however old: it was live when last read,
+# and no revocation can be recorded meanwhile.
 KEY_CACHE_S = 5.0
 KEY_STALE_S = 60.0
+# After the database failed a revalidation, the next waits this long: requests
+# that find stale keys meanwhile do not each send a query to a database that is
+# down.
+REVALIDATE_RETRY_S = 1.0
 KEY_CACHE_SIZE = 10_000
 _recent_keys: dict[str, tuple[ApiKey, float]] = {}
 _stale_keys: set[str] = set()
@@ -71,6 +79,37 @@ _refused_keys: dict[str, tuple[str, float]] = {}
 # 429 until the window ends, before any lookup; keys in _recent_keys still work
 # from it, as they cost nothing.
 AUTH_FAILURES = FailureThrottle(limit=20, window_s=60.0, max_clients=10_000)
+
+
+class DatabaseOutage:
+    """Whether the database failed the last key lookup or write; logged once
+    per outage (when it starts and when it ends), not once per request."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.failed_at = -float("inf")  # time.monotonic()
+
+    def failed(self, what: str, error: BaseException) -> None:
+        self.failed_at = time.monotonic()
+        if not self.down:
+            self.down = True
+            log.error(
+                "the database is unavailable (%s: %s); API keys this process "
+                "remembers keep working, others get 503 until it is back",
+                what,
+                error,
+            )
+
+    def worked(self) -> None:
+        if self.down:
+            self.down = False
+            log.warning("the database is available again")
+
+    def failed_within(self, seconds: float) -> bool:
+        return time.monotonic() - self.failed_at < seconds
+
+
+DATABASE_OUTAGE = DatabaseOutage()
 
 
 def api_key_hash(plaintext: str) -> str:
@@ -139,16 +178,24 @@ def _recent_key(digest: str) -> ApiKey | None:
 
 
 def stale_keys_waiting() -> bool:
-    """Whether remembered keys wait for `api_keys_revalidate`."""
-    return bool(_stale_keys)
+    """Whether remembered keys wait for `api_keys_revalidate` (not within
+    REVALIDATE_RETRY_S of a revalidation the database failed)."""
+    return bool(_stale_keys) and not DATABASE_OUTAGE.failed_within(REVALIDATE_RETRY_S)
 
 
 async def api_keys_revalidate() -> None:
     """Read again the remembered keys that were used while stale: revoked or
-    deleted ones are forgotten, the others remembered afresh."""
+    deleted ones are forgotten, the others remembered afresh. A database that
+    fails leaves them as they are, to be read again at the next try."""
     while _stale_keys:
         digest = _stale_keys.pop()
-        key = await api_key_get_by_hash(key_hash=digest)
+        try:
+            key = await api_key_get_by_hash(key_hash=digest)
+        except db.Error as error:
+            _stale_keys.add(digest)
+            DATABASE_OUTAGE.failed("reading API keys again", error)
+            return
+        DATABASE_OUTAGE.worked()
         if key is None or key.revoked_at is not None:
             _recent_keys.pop(digest, None)
         else:
@@ -193,9 +240,12 @@ async def api_key_authenticate(
 
     The key comes back with `allowed_model_names` (a frozenset) set, so that
     `api_key_allows` needs no query. `last_used_at` is written at most once a
-    minute per key. A key refused moments ago is refused again from memory;
-    `client` (the caller's address), when given, is throttled on its failed
-    keys: LimitExceeded, before any lookup, once it is over AUTH_FAILURES.
+    minute per key, if the database allows (a failed write fails no request).
+    A key refused moments ago is refused again from memory; `client` (the
+    caller's address), when given, is throttled on its failed keys:
+    LimitExceeded, before any lookup, once it is over AUTH_FAILURES. While the
+    database is down, a key this process remembers is used; any other is
+    KeyCheckUnavailable.
     """
     if not authorization or not authorization.strip():
         raise KeyRejected(
@@ -229,10 +279,20 @@ async def _key_looked_up(*, digest: str, presented: str, client: str | None) -> 
     if refusal is None:
         try:
             key = await api_key_get_by_hash(key_hash=digest)
-        except BaseException:  # the database failed, or the caller left
+        except BaseException as error:  # the database failed, or the caller left
             if client is not None:
                 AUTH_FAILURES.take_back(client)
-            raise
+            if not isinstance(error, db.Error):
+                raise
+            DATABASE_OUTAGE.failed("looking up an API key", error)
+            remembered = _recent_keys.get(digest)
+            if remembered is not None:  # older than KEY_STALE_S
+                return remembered[0]
+            raise KeyCheckUnavailable(
+                "The API key could not be checked: the database is unavailable. "
+                "Try again shortly."
+            ) from None
+        DATABASE_OUTAGE.worked()
         # The lookup by hash already matched; comparing again in constant time
         # keeps the decision itself free of timing differences, whatever the
         # database does.
@@ -253,13 +313,22 @@ async def _key_looked_up(*, digest: str, presented: str, client: str | None) -> 
 
 
 async def _last_used_touch(*, key: ApiKey) -> None:
-    """Record that the key was used, unless that was recorded in the last minute."""
+    """Record that the key was used, unless that was recorded in the last
+    minute. Best-effort: a write the database fails is tried again a minute
+    later, and fails no request."""
     now = timezone.now()
     stale = now - LAST_USED_RESOLUTION
     if key.last_used_at is not None and key.last_used_at > stale:
         return
-    await _last_used_write(pk=key.pk, now=now, stale=stale)
+    # Set first: requests with this key meanwhile neither write it too nor,
+    # while the database is down, each try again.
     key.last_used_at = now
+    try:
+        await _last_used_write(pk=key.pk, now=now, stale=stale)
+    except db.Error as error:
+        DATABASE_OUTAGE.failed("recording when an API key was last used", error)
+    else:
+        DATABASE_OUTAGE.worked()
 
 
 @in_db_thread

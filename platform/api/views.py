@@ -1,26 +1,30 @@
-"""The OpenAI-compatible REST API, /healthz and /metrics.
+"""The OpenAI-compatible REST API (/healthz and /metrics: api.health).
 
 Every API request goes: size cap → key → typed body → model (exists, allowed,
 right task) → key limits → routing → engine, and ends with one usage row and
-its metrics, whatever happened. Streams hold their key's concurrency slot and
-their engine connection until the last byte; a caller that hangs up cancels the
-request in the engine (Django cancels the response, closing the connection),
-whenever it hangs up: before the answer, between the headers and the first
-token, or mid-stream. A stream cut short records the tokens already sent.
+its metrics, whatever happened (its `Call`, api.calls). Streams hold their key's
+concurrency slot and their engine connection until the last byte; a caller that
+hangs up cancels the request in the engine (Django cancels the response,
+closing the connection), whenever it hangs up: before the answer, between the
+headers and the first token, or mid-stream. A stream cut short records the
+prompt's tokens and the completion's tokens already sent.
+
+A database that is down fails no request that can do without it: a key this
+process remembers keeps working; what needs the database (an unknown key, a
+fleet snapshot too old to use) is a 503 with Retry-After, never a 500.
 """
 
 import asyncio
 import base64
-import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
+from django import db
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
@@ -31,12 +35,13 @@ from engines.client import (
     EngineTimeout,
     EngineUnreachable,
 )
-from fleet.selectors import engine_counters
 from routing.select import ModelRoute, NoEngine, Snapshot
 
-from . import errors, metrics, services
-from .exceptions import KeyRejected, LimitExceeded
+from . import errors
+from .calls import Call, Relay, after_answer
+from .exceptions import KeyCheckUnavailable, KeyRejected, LimitExceeded
 from .gateway import GATEWAY
+from .health import healthz, metrics_view  # noqa: F401 (routed by roundhouse.urls)
 from .limits import key_admission
 from .models import ApiKey
 from .openapi import openapi_document
@@ -46,8 +51,7 @@ from .schemas import (
     EmbeddingRequest,
     parse,
 )
-from .selectors import in_db_thread
-from .services import api_key_allows, api_key_authenticate, usage_enqueue
+from .services import DATABASE_OUTAGE, api_key_allows, api_key_authenticate
 
 log = logging.getLogger("roundhouse.api")
 
@@ -62,83 +66,9 @@ ENDPOINT_TASKS = {
 MAX_ENGINE_TRIES = 3
 
 
-@dataclass
-class Call:
-    """One API request's bookkeeping: becomes its usage row and metrics."""
-
-    endpoint: str
-    key: ApiKey | None = None
-    model: str = ""
-    engine: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    status: int = 200
-    error_code: str = ""
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    # What the request holds until it ends: its key's concurrency slot, its
-    # engine stream.
-    held: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
-    ended: bool = False
-
-    def failed(self, error: errors.ApiError) -> HttpResponse:
-        self.status, self.error_code = error.status, error.code or error.type
-        return error.response()
-
-    def hung_up(self) -> None:
-        """The caller went away (an error already recorded stays)."""
-        if self.status < 400:
-            self.status, self.error_code = 499, "client_closed"
-
-    async def end(self) -> None:
-        """Release what the request holds, then `finish` it; once."""
-        if self.ended:
-            return
-        self.ended = True
-        try:
-            await self.held.aclose()
-        finally:
-            self.finish()
-
-    def finish(self) -> None:
-        """Count the request and queue its usage row (never raises)."""
-        latency = time.perf_counter() - self.started
-        model = self.model or "-"
-        metrics.REQUESTS.labels(
-            self.endpoint, model, self.engine or "-", str(self.status)
-        ).inc()
-        metrics.LATENCY.labels(self.endpoint, model).observe(latency)
-        if self.first_token_at is not None:
-            metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(
-                self.first_token_at - self.started
-            )
-        for kind, count in (
-            ("prompt", self.prompt_tokens),
-            ("completion", self.completion_tokens),
-        ):
-            if count:
-                metrics.TOKENS.labels(model, self.engine or "-", kind).inc(count)
-        if self.key is None:
-            return  # refused before a key was known: metrics only
-        try:
-            usage_enqueue(
-                key=self.key,
-                model=self.model,
-                engine=self.engine,
-                endpoint=self.endpoint,
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=self.completion_tokens,
-                latency_ms=round(latency * 1000, 3),
-                status=self.status,
-                error_code=self.error_code,
-            )
-        except Exception:  # the answer is already sent; keep serving
-            log.exception("could not record usage")
-
-
 async def _authenticated(request: HttpRequest) -> ApiKey:
-    """The request's live key; ApiError (401, or 429 for a client over its
-    failed keys) otherwise."""
+    """The request's live key; ApiError (401, 429 for a client over its failed
+    keys, 503 for a key that cannot be checked now) otherwise."""
     try:
         return await api_key_authenticate(
             authorization=request.headers.get("Authorization"),
@@ -152,6 +82,16 @@ async def _authenticated(request: HttpRequest) -> ApiKey:
         raise errors.rate_limited(
             over.message, over.retry_after_s, code=over.code
         ) from None
+    except KeyCheckUnavailable as unavailable:
+        raise errors.database_unavailable(unavailable.message) from None
+
+
+def _database_failed(error: db.Error) -> errors.ApiError:
+    """The 503 for a request that needed the database while it failed."""
+    DATABASE_OUTAGE.failed("serving an API request", error)
+    return errors.database_unavailable(
+        "The database is unavailable; try again shortly."
+    )
 
 
 async def _admitted_model(
@@ -255,6 +195,8 @@ async def _serve(
         response = await handler(call, payload, route, snapshot)
     except errors.ApiError as error:
         response = call.failed(error)
+    except db.Error as error:  # the database failed (reading the fleet)
+        response = call.failed(_database_failed(error))
     except asyncio.CancelledError:  # the caller hung up before the answer
         call.hung_up()
         await asyncio.shield(call.end())
@@ -265,112 +207,11 @@ async def _serve(
         response = call.failed(internal)
     if isinstance(response, StreamingHttpResponse):
         # The stream ends the call when it ends, however it ends.
-        response.streaming_content = _Relay(response.streaming_content, call)
+        response.streaming_content = Relay(response.streaming_content, call)
         return response
     await call.end()
-    _after_answer()
+    after_answer()
     return response
-
-
-# How long after a stream's first token its background refreshes start.
-AFTER_FIRST_TOKEN_S = 0.1
-# Background work started after a request reached its engine; referenced here
-# until done (the event loop keeps only weak references to tasks).
-_background: set[asyncio.Task] = set()
-
-
-def _after_answer() -> None:
-    """Refresh what requests read from memory (the fleet snapshot, stale keys)
-    in the background, once this request's answer has started: that work then
-    does not delay it."""
-    GATEWAY.refresh_later()
-    if services.stale_keys_waiting():
-        task = asyncio.ensure_future(services.api_keys_revalidate())
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-
-
-class _Relay:
-    """A stream's body: relays its chunks, and ends its call (gives back the
-    key's slot, hangs up on the engine, records usage) however the stream ends:
-    its last chunk, an engine failure, the caller hanging up mid-stream, or the
-    response closed before its body was read (the caller hung up between the
-    headers and the first token, while the headers were being sent). Django
-    closes a response whatever became of it, and calls `close` on its body."""
-
-    def __init__(self, content: AsyncGenerator[bytes, None], call: Call) -> None:
-        self._content = content
-        self._call = call
-        self._loop = asyncio.get_running_loop()
-        self._chunks = self._relay()
-
-    def __aiter__(self) -> AsyncGenerator[bytes, None]:
-        return self._chunks
-
-    async def _relay(self) -> AsyncGenerator[bytes, None]:
-        # The background refreshes start a moment after the first token: not
-        # while the engine computes the prompt (on a host whose cores the engine
-        # fills, work done then delays the first token), nor with it: streams
-        # that started together get their first tokens together, and a refresh
-        # started by the first of them would hold the GIL while the front
-        # relays the others.
-        refreshed = False
-        try:
-            async for chunk in self._content:
-                yield chunk
-                if not refreshed and self._call.first_token_at is not None:
-                    refreshed = True
-                    self._loop.call_later(AFTER_FIRST_TOKEN_S, _after_answer)
-        except (asyncio.CancelledError, GeneratorExit):
-            # Cancelled while waiting for the engine, or closed while a chunk
-            # was being sent: the caller went away.
-            self._call.hung_up()
-            raise
-        finally:
-            if not refreshed:
-                _after_answer()
-            try:
-                await self._content.aclose()  # left at a chunk: its engine too
-            finally:
-                await asyncio.shield(self._call.end())
-
-    def close(self) -> None:
-        """Django is done with the response: end a stream that did not end
-        (maybe from another thread)."""
-        if not self._call.ended:
-            with contextlib.suppress(RuntimeError):  # the loop is gone
-                self._loop.call_soon_threadsafe(self._abandoned)
-
-    def _abandoned(self) -> None:
-        task = self._loop.create_task(self._end_abandoned())
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-
-    async def _end_abandoned(self) -> None:
-        await self._chunks.aclose()  # if it started, its `finally` ends the call
-        if not self._call.ended:  # it never started
-            self._call.hung_up()
-            await self._call.end()
-
-
-def _usage(call: Call) -> dict[str, int]:
-    return {
-        "prompt_tokens": call.prompt_tokens,
-        "completion_tokens": call.completion_tokens,
-        "total_tokens": call.prompt_tokens + call.completion_tokens,
-    }
-
-
-def _timings(call: Call, reply: dict) -> dict:
-    """Which engine answered, and its own times from the request's arrival
-    (Roundhouse's addition to OpenAI's shape, like llama.cpp server's
-    `timings`): what the front and the network add is the rest."""
-    measured = reply.get("timings") or {}
-    return {
-        "engine": call.engine,
-        "engine_first_token_ms": measured.get("first_token_ms"),
-        "engine_total_ms": measured.get("total_ms"),
-    }
 
 
 def _sse(data: dict | str) -> bytes:
@@ -430,8 +271,8 @@ async def _generate(
                 "model": route.name,
                 "system_fingerprint": None,
                 "choices": [choice],
-                "usage": _usage(call),
-                "timings": _timings(call, reply),
+                "usage": call.usage(),
+                "timings": call.timings(reply),
             }
         )
 
@@ -445,6 +286,9 @@ async def _generate(
         return frames, start
 
     frames, start = await _with_engine(call, route, snapshot, open_stream)
+    # The engine counted the prompt when a slot took the request: a stream cut
+    # short records it too (the done frame's usage replaces it).
+    call.prompt_tokens = int(start.get("prompt_tokens", 0))
     # Closed when the call ends, also if the stream's body never starts.
     call.held.push_async_callback(frames.aclose)
     base = {
@@ -485,18 +329,18 @@ async def _generate(
                     pending = b""
                 elif frame.get("event") == "done":
                     usage = frame.get("usage", {})
-                    call.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                    call.prompt_tokens = int(
+                        usage.get("prompt_tokens", call.prompt_tokens)
+                    )
                     call.completion_tokens = int(usage.get("completion_tokens", 0))
                     reason = _finish_reason(frame.get("finish_reason", "stop"))
                     last = [
                         pending,
-                        chunk(
-                            {} if chat else "", reason, timings=_timings(call, frame)
-                        ),
+                        chunk({} if chat else "", reason, timings=call.timings(frame)),
                     ]
                     if payload.include_usage:
                         last.append(
-                            _sse({**base, "choices": [], "usage": _usage(call)})
+                            _sse({**base, "choices": [], "usage": call.usage()})
                         )
                     last.append(_sse("[DONE]"))
                     yield b"".join(last)
@@ -581,7 +425,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     return await _serve(request, "embeddings", EmbeddingRequest, _embed)
 
 
-# -- models, health, metrics, OpenAPI ---------------------------------------------
+# -- models, OpenAPI ----------------------------------------------------------------
 
 
 async def models(request: HttpRequest) -> HttpResponse:
@@ -591,9 +435,11 @@ async def models(request: HttpRequest) -> HttpResponse:
         return refused
     try:
         key = await _authenticated(request)
+        snapshot = await GATEWAY.snapshot()
     except errors.ApiError as error:
         return error.response()
-    snapshot = await GATEWAY.snapshot()
+    except db.Error as error:
+        return _database_failed(error).response()
     data = [
         {
             "id": name,
@@ -604,41 +450,8 @@ async def models(request: HttpRequest) -> HttpResponse:
         for name in sorted(snapshot.models)
         if api_key_allows(key=key, model=name)
     ]
-    _after_answer()
+    after_answer()
     return JsonResponse({"object": "list", "data": data})
-
-
-async def healthz(request: HttpRequest) -> HttpResponse:
-    """GET /healthz: the front answers; each engine's readiness. No secrets."""
-    snapshot = await GATEWAY.snapshot()
-    engines = {
-        name: {
-            "ready": engine.up,
-            "cooling": engine.cooling,
-            "resident_models": sorted(engine.resident),
-        }
-        for name, engine in snapshot.engines.items()
-        if engine.enabled
-    }
-    ready = any(engine["ready"] for engine in engines.values())
-    GATEWAY.refresh_later()
-    return JsonResponse(
-        {"status": "ok", "engines_ready": ready, "engines": engines},
-        status=200,
-    )
-
-
-_engine_counters = in_db_thread(engine_counters)
-
-
-async def metrics_view(request: HttpRequest) -> HttpResponse:
-    """GET /metrics in Prometheus' text format."""
-    metrics.FLEET.snapshot = await GATEWAY.snapshot()
-    restarts, model_queues = await _engine_counters()
-    metrics.FLEET.restarts, metrics.FLEET.model_queues = restarts, model_queues
-    return HttpResponse(
-        metrics.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8"
-    )
 
 
 async def openapi(request: HttpRequest) -> HttpResponse:

@@ -16,13 +16,15 @@ def forget_keys() -> None:
     services._stale_keys.clear()
     services._refused_keys.clear()
     services.AUTH_FAILURES.clear()
+    services.DATABASE_OUTAGE.down = False
+    services.DATABASE_OUTAGE.failed_at = -float("inf")
 
 
 @pytest.fixture(autouse=True)
 def empty_cache():
-    """Counters, remembered and refused keys and throttled clients of an
-    earlier test (same key ids, same hashes after a flush, the test client's
-    one address) must not leak into this one."""
+    """Counters, remembered and refused keys, throttled clients and a
+    database outage of an earlier test (same key ids, same hashes after a
+    flush, the test client's one address) must not leak into this one."""
     cache.clear()
     forget_keys()
     yield

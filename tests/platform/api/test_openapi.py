@@ -31,6 +31,7 @@ def key_refusals() -> list[errors.ApiError]:
     return [
         errors.unauthorized("unknown"),
         errors.rate_limited("too many invalid keys", 30, code="too_many_invalid_keys"),
+        errors.database_unavailable("the key cannot be checked now"),
     ]
 
 
@@ -71,14 +72,17 @@ def test_model_endpoints_document_every_status_they_can_answer(path, method):
 
 
 def test_other_endpoints_document_their_statuses():
-    """/v1/models can refuse the key; the document itself, only the request."""
+    """/v1/models can refuse the key, or fail to check it (503 while the
+    database is down); the document itself, only the request."""
     models = [
         *refusals_before_the_view(),
         errors.method_not_allowed("GET", "/v1/models"),
         *key_refusals(),
     ]
     assert missing("/v1/models", "get", models) == set()
-    assert documented("/v1/models", "get") == {200, 400, 401, 405, 413, 429}
+    assert documented("/v1/models", "get") == {200, 400, 401, 405, 413, 429, 503}
+    retry = openapi_responses("/v1/models", "get")["503"]["headers"]["Retry-After"]
+    assert retry["required"] is True
     document = [*refusals_before_the_view(), errors.method_not_allowed("GET", "x")]
     assert missing("/v1/openapi.json", "get", document) == set()
     assert 401 not in documented("/v1/openapi.json", "get")

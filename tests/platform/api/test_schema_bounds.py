@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api.errors import ApiError
+from api.openapi import openapi_document
 from api.schemas import (
     ENDPOINT_SCHEMAS,
     ChatCompletionRequest,
@@ -130,6 +131,13 @@ def test_surrogate_pairs_pass():
     assert parse(CompletionRequest, b'{"model": "m", "prompt": "\\ud83d\\ude00"}')
 
 
+def test_an_empty_prompt_is_a_400():
+    """The engine refuses an empty prompt: so does the edge, in either form."""
+    assert refusal(body(prompt="")).param == "prompt"
+    assert refusal(body(prompt=[""])).param == "prompt.0"
+    assert parse(CompletionRequest, body(prompt=" "))  # control
+
+
 def test_chat_messages_are_capped_in_total():
     """Many messages each under the cap, together over it: a 400 on `messages`."""
     half = "x" * (MAX_PROMPT_CHARS // 2 + 1)
@@ -138,6 +146,84 @@ def test_chat_messages_are_capped_in_total():
     assert refusal(raw, ChatCompletionRequest).param == "messages"
     raw = json.dumps({"model": "m", "messages": messages[:1]}).encode()
     assert parse(ChatCompletionRequest, raw)
+
+
+# -- the document states the rules -----------------------------------------------
+
+jsonschema_rs = pytest.importorskip("jsonschema_rs")  # schemathesis' validator
+
+# Bodies at the rules the document states: each is refused by the edge iff the
+# document refuses it, so that generated requests (schemathesis) need no
+# workaround of their own. Each rule has a control that passes.
+CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
+DOCUMENTED = [
+    ("/v1/completions", {"max_tokens": MAX_TOKENS_CAP}, True),
+    ("/v1/completions", {"max_tokens": MAX_TOKENS_CAP + 1}, False),
+    ("/v1/chat/completions", {"max_completion_tokens": MAX_TOKENS_CAP}, True),
+    ("/v1/chat/completions", {"max_completion_tokens": MAX_TOKENS_CAP + 1}, False),
+    ("/v1/chat/completions", {"max_tokens": MAX_TOKENS_CAP + 1}, False),
+    ("/v1/completions", {"prompt": "x"}, True),
+    ("/v1/completions", {"prompt": ""}, False),
+    ("/v1/completions", {"prompt": [""]}, False),
+    ("/v1/completions", {"temperature": 0}, True),
+    ("/v1/completions", {"temperature": MIN_TEMPERATURE}, True),
+    ("/v1/completions", {"temperature": MAX_TEMPERATURE}, True),
+    ("/v1/completions", {"temperature": MIN_TEMPERATURE / 2}, False),
+    ("/v1/completions", {"temperature": MAX_TEMPERATURE + 0.01}, False),
+    ("/v1/completions", {"prompt": "a\x00b"}, False),
+    ("/v1/completions", {"prompt": ["a\x00b"]}, False),
+    ("/v1/completions", {"stop": "\x00"}, False),
+    ("/v1/completions", {"user": "u\x00"}, False),
+    ("/v1/completions", {"model": "m\x00"}, False),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "\x00"}]},
+        False,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\x00"}]}]},
+        False,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi", "name": "\x00"}]},
+        False,
+    ),
+    ("/v1/embeddings", {"input": ["ok", "a\x00"]}, False),
+    ("/v1/embeddings", {"input": ["ok", "a\x01"]}, True),
+]
+
+
+def documented_body(endpoint: str, fields: dict) -> dict:
+    base = {
+        "/v1/completions": {"model": "m", "prompt": "hi"},
+        "/v1/chat/completions": {"model": "m", "messages": CHAT_MESSAGES},
+        "/v1/embeddings": {"model": "m", "input": "hi"},
+    }[endpoint]
+    return {**base, **fields}
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "valid"), DOCUMENTED)
+def test_the_document_states_the_bounds_the_edge_applies(endpoint, fields, valid):
+    """/v1/openapi.json refuses what the edge refuses, at the same values: the
+    engine's max_tokens bound, a prompt of at least one character, temperature
+    0 or from MIN_TEMPERATURE, no NUL character in any text."""
+    schema = ENDPOINT_SCHEMAS[endpoint]
+    document = openapi_document()
+    validator = jsonschema_rs.Draft202012Validator(
+        {
+            "$ref": f"#/components/schemas/{schema.__name__}",
+            "components": document["components"],
+        }
+    )
+    request = documented_body(endpoint, fields)
+    assert validator.is_valid(request) is valid
+    raw = json.dumps(request).encode()
+    if valid:
+        assert parse(schema, raw)
+    else:
+        refusal(raw, schema)
 
 
 # -- the edge and the engine agree ----------------------------------------------

@@ -1,0 +1,63 @@
+"""GET /healthz and GET /metrics: what the front, its engines and its database
+are doing. No key needed, no secrets shown; a database that is down fails
+neither (they show the fleet as last read)."""
+
+from django import db
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+from fleet.selectors import engine_counters
+from routing.select import Snapshot
+
+from . import metrics
+from .gateway import GATEWAY
+from .selectors import in_db_thread
+from .services import DATABASE_OUTAGE
+
+_engine_counters = in_db_thread(engine_counters)
+
+
+async def _fleet_or_last() -> Snapshot | None:
+    """The fleet snapshot; while the database fails, the last one read (None
+    if there is none)."""
+    try:
+        return await GATEWAY.snapshot()
+    except db.Error as error:
+        DATABASE_OUTAGE.failed("reading the fleet", error)
+        peeked = GATEWAY.cache.peek()
+        return None if peeked is None else peeked[0]
+
+
+async def healthz(request: HttpRequest) -> HttpResponse:
+    """GET /healthz: the front answers; each engine's readiness (as last read,
+    while the database is down). No secrets."""
+    snapshot = await _fleet_or_last()
+    engines = {
+        name: {
+            "ready": engine.up,
+            "cooling": engine.cooling,
+            "resident_models": sorted(engine.resident),
+        }
+        for name, engine in (snapshot.engines.items() if snapshot else ())
+        if engine.enabled
+    }
+    ready = any(engine["ready"] for engine in engines.values())
+    GATEWAY.refresh_later()
+    return JsonResponse(
+        {"status": "ok", "engines_ready": ready, "engines": engines},
+        status=200,
+    )
+
+
+async def metrics_view(request: HttpRequest) -> HttpResponse:
+    """GET /metrics in Prometheus' text format (the fleet's gauges and counters
+    as last read, while the database is down)."""
+    metrics.FLEET.snapshot = await _fleet_or_last() or metrics.FLEET.snapshot
+    try:
+        restarts, model_queues = await _engine_counters()
+    except db.Error as error:
+        DATABASE_OUTAGE.failed("reading the engines' counters", error)
+    else:
+        metrics.FLEET.restarts, metrics.FLEET.model_queues = restarts, model_queues
+    return HttpResponse(
+        metrics.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8"
+    )

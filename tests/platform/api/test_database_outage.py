@@ -1,0 +1,276 @@
+"""The database down: API keys this process remembers keep working, any other
+key gets 503 with Retry-After, nothing answers 500, background work swallows
+nothing unseen, and the outage is logged once, not once per request.
+
+The outages are real. "unreachable": new connections go to a closed port
+(PostgreSQL) or to a file that cannot be opened (SQLite), and the open ones are
+closed. "refusing" (PostgreSQL, the reliability bench's fault): the database
+accepts no connection and its sessions are terminated."""
+
+import asyncio
+import gc
+import logging
+import socket
+from datetime import timedelta
+
+import psycopg
+import pytest
+from asgiref.sync import sync_to_async
+from django import db
+from django.db import connection, connections
+from django.test import Client
+from django.utils import timezone
+
+from api import calls, services
+from api.gateway import GATEWAY
+from api.models import ApiKey
+from routing.select import ModelRoute, Snapshot, SnapshotCache
+from tests.factories import ApiKeyFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "outage-chat"
+UNAVAILABLE = "the database is unavailable"
+
+
+class Outage:
+    """A database outage of one kind, which the test starts and ends. Connections
+    of the calling thread and of the gateway's loader are closed at both ends,
+    so that they connect again (and fail, then succeed)."""
+
+    def __init__(self, kind: str, tmp_path) -> None:
+        self.kind = kind
+        self.settings = connection.settings_dict  # shared by every thread's
+        self.saved: dict[str, object] = {}
+        self.tmp_path = tmp_path
+        self.name = self.settings["NAME"]
+
+    def start(self) -> None:
+        if self.kind == "refusing":
+            self._admin(f'ALTER DATABASE "{self.name}" ALLOW_CONNECTIONS false')
+            self._admin(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = %s AND pid <> pg_backend_pid()",
+                [self.name],
+            )
+        elif connection.vendor == "sqlite":
+            self._set("NAME", str(self.tmp_path / "no-such-dir" / "db.sqlite3"))
+        else:
+            with socket.socket() as probe:  # a port nothing listens on
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            self._set("HOST", "127.0.0.1")
+            self._set("PORT", str(port))
+        self._close_connections()
+
+    def end(self) -> None:
+        if self.kind == "refusing":
+            self._admin(f'ALTER DATABASE "{self.name}" ALLOW_CONNECTIONS true')
+        self.settings.update(self.saved)
+        self.saved.clear()
+        self._close_connections()
+
+    def _set(self, name: str, value: object) -> None:
+        self.saved.setdefault(name, self.settings[name])
+        self.settings[name] = value
+
+    def _admin(self, sql: str, params: list | None = None) -> None:
+        with psycopg.connect(
+            host=self.settings["HOST"] or None,
+            port=self.settings["PORT"] or None,
+            user=self.settings["USER"] or None,
+            password=self.settings["PASSWORD"] or None,
+            dbname="postgres",
+            autocommit=True,
+        ) as admin:
+            admin.execute(sql, params)
+
+    @staticmethod
+    def _close_connections() -> None:
+        connections.close_all()
+        GATEWAY.close()
+
+
+@pytest.fixture(params=["unreachable", "refusing"])
+def outage(request, transactional_db, tmp_path):
+    """An outage the test starts (ended at teardown if the test did not)."""
+    if request.param == "refusing" and connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's ALLOW_CONNECTIONS")
+    outage = Outage(request.param, tmp_path)
+    yield outage
+    if outage.saved or outage.kind == "refusing":
+        outage.end()
+
+
+@pytest.fixture
+def fleet_in_memory(monkeypatch):
+    """A routing snapshot that needs no database: one chat model."""
+    snapshot = Snapshot(engines={}, models={CHAT: ModelRoute(CHAT, "gguf", "chat")})
+    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(lambda: snapshot))
+
+
+def models_with(plaintext: str, address: str = "10.0.0.1"):
+    return Client().get(
+        "/v1/models", HTTP_AUTHORIZATION=f"Bearer {plaintext}", REMOTE_ADDR=address
+    )
+
+
+def outage_logs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if UNAVAILABLE in r.getMessage()]
+
+
+def test_the_outage_is_real(outage):
+    """The control: while it lasts, a query fails with the driver's own error,
+    in this thread and in the gateway's loader; afterwards both work."""
+    ApiKeyFactory()
+    outage.start()
+    # What the bench saw, on PostgreSQL refusing connections.
+    refused = None
+    if outage.kind == "refusing":
+        refused = "not currently accepting connections"
+    with pytest.raises(db.OperationalError, match=refused):
+        ApiKey.objects.exists()
+    with pytest.raises(db.OperationalError, match=refused):
+        GATEWAY._loader.submit(GATEWAY._load).result()
+    outage.end()
+    assert ApiKey.objects.exists()
+    GATEWAY._loader.submit(GATEWAY._load).result()
+
+
+def test_a_remembered_key_keeps_working(outage, fleet_in_memory, caplog, monkeypatch):
+    """The bench's 500: a remembered key whose last use was recorded over a
+    minute ago. Its last use is not recorded while the database is down, and
+    its requests succeed all the same, also once it is older than KEY_STALE_S
+    (its lookup fails, and the key is used as last read). One log line for the
+    outage, one when it is over; the last use is recorded again then."""
+    key = ApiKeyFactory()
+    assert models_with(key.plaintext).status_code == 200  # remembered
+    remembered = services._recent_keys[key.key_hash][0]
+    over_a_minute = timezone.now() - timedelta(minutes=2)
+    ApiKey.objects.filter(pk=key.pk).update(last_used_at=over_a_minute)
+    remembered.last_used_at = over_a_minute
+
+    outage.start()
+    statuses = [models_with(key.plaintext).status_code for _ in range(3)]
+    monkeypatch.setattr(services, "KEY_STALE_S", 0.0)
+    statuses += [models_with(key.plaintext).status_code for _ in range(3)]
+    assert statuses == [200] * 6
+    assert len(outage_logs(caplog)) == 1
+    outage.end()
+
+    assert ApiKey.objects.get(pk=key.pk).last_used_at == over_a_minute
+    remembered.last_used_at = over_a_minute  # as a minute later
+    assert models_with(key.plaintext).status_code == 200
+    assert ApiKey.objects.get(pk=key.pk).last_used_at > over_a_minute
+    assert "the database is available again" in caplog.text
+    assert len(outage_logs(caplog)) == 1
+
+
+def test_a_key_not_remembered_is_503_until_the_database_is_back(
+    outage, fleet_in_memory
+):
+    """Unknown or not yet seen, a key cannot be checked: 503 with Retry-After,
+    not counted against the client's failed keys (no 429 however many). The
+    control: once the database is back, the same requests get 401 and 200."""
+    key = ApiKeyFactory()
+    outage.start()
+    answers = [
+        models_with(plaintext)
+        for plaintext in ["rh-unknown", key.plaintext]
+        * (services.AUTH_FAILURES.limit + 2)
+    ]
+    assert {answer.status_code for answer in answers} == {503}
+    error = answers[0].json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "database_unavailable")
+    assert int(answers[0]["Retry-After"]) >= 1
+    outage.end()
+    assert models_with("rh-unknown").status_code == 401
+    assert models_with(key.plaintext).status_code == 200
+
+
+def test_a_fleet_that_cannot_be_read_is_503_and_health_still_answers(outage):
+    """With no routing snapshot in memory and the database down, a request is
+    a 503 (not a 500); /healthz and /metrics answer all the same."""
+    key = ApiKeyFactory()
+    assert models_with(key.plaintext).status_code == 200  # key remembered
+    GATEWAY.cache.invalidate()
+    outage.start()
+    answer = models_with(key.plaintext)
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "database_unavailable"
+    completion = Client().post(
+        "/v1/chat/completions",
+        {"model": CHAT, "messages": [{"role": "user", "content": "hi"}]},
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {key.plaintext}",
+    )
+    assert completion.status_code == 503
+    assert "Retry-After" in completion
+    health = Client().get("/healthz")
+    assert health.status_code == 200
+    assert health.json()["engines"] == {}
+    assert Client().get("/metrics").status_code == 200
+
+
+async def test_revalidation_waits_for_the_database(outage, monkeypatch):
+    """A stale remembered key is read again after the request; while the
+    database is down that read fails quietly: the key stays remembered and
+    waiting, and is not tried again for REVALIDATE_RETRY_S. Once the database
+    is back, the next revalidation sees a revocation made meanwhile."""
+    key = await sync_to_async(ApiKeyFactory)()
+    header = f"Bearer {key.plaintext}"
+    await services.api_key_authenticate(authorization=header)
+    monkeypatch.setattr(services, "KEY_CACHE_S", 0.0)
+    await services.api_key_authenticate(authorization=header)  # stale now
+    assert services.stale_keys_waiting()
+
+    await sync_to_async(outage.start)()  # in the thread the lookups use
+    await services.api_keys_revalidate()
+    assert not services.stale_keys_waiting()  # not again at once
+    assert await services.api_key_authenticate(authorization=header)
+    monkeypatch.setattr(services, "REVALIDATE_RETRY_S", 0.0)
+    assert services.stale_keys_waiting()
+    await calls.spawn(services.api_keys_revalidate(), "reading API keys again")
+    assert key.key_hash in services._recent_keys
+    await sync_to_async(outage.end)()
+
+    await ApiKey.objects.filter(pk=key.pk).aupdate(revoked_at=timezone.now())
+    await services.api_keys_revalidate()
+    with pytest.raises(services.KeyRejected):
+        await services.api_key_authenticate(authorization=header)
+
+
+async def test_background_failures_are_logged_not_left_unretrieved(caplog):
+    """A background task that fails is logged by name, and its exception is
+    retrieved: asyncio has nothing to report when it is collected. The
+    control: a task nobody retrieves is reported."""
+    loop = asyncio.get_running_loop()
+    reports: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reports.append(context["message"]))
+
+    async def failing() -> None:
+        raise db.OperationalError("the database went away")
+
+    try:
+        spawned = calls.spawn(failing(), "doing background work")
+        await asyncio.wait([spawned])
+        await asyncio.sleep(0)  # its done callbacks run
+        del spawned
+        gc.collect()
+        assert reports == []
+        assert "doing background work failed" in caplog.text
+        assert "the database went away" in caplog.text
+
+        bare = asyncio.ensure_future(failing())
+        await asyncio.wait([bare])
+        del bare
+        gc.collect()
+        assert reports == ["Task exception was never retrieved"]
+    finally:
+        loop.set_exception_handler(previous)
+
+
+@pytest.fixture(autouse=True)
+def api_logs(caplog):
+    caplog.set_level(logging.INFO, logger="roundhouse.api")
