@@ -1,9 +1,12 @@
 """Streams that end early: the front's ASGI handler (as uvicorn calls it) and a
 real engine serving SmolLM2 with one slot. However a stream ends (the caller
-hanging up while waiting for admission, while the headers are sent, before the
-first token or mid-stream; the engine dying or going silent), its key's
-concurrency slot comes back, the engine drops the request, and its usage row
-records the tokens already sent."""
+hanging up while waiting for admission, in the engine's queue, while the headers
+are sent, before the first token or mid-stream; the engine dying or going
+silent), its key's concurrency slot comes back, the engine drops the request,
+and its usage row records the prompt's tokens (counted by the engine when a slot
+took the request, in its start frame) and the completion's tokens already sent.
+The response's status leaves once the engine admitted the request into a slot:
+a request that times out in the engine's queue is a 429."""
 
 import asyncio
 import json
@@ -31,13 +34,17 @@ pytestmark = pytest.mark.django_db(transaction=True)
 CHAT = "smollm2-135m-instruct"
 ENGINE = "streams0"
 DEADLINE_S = 30
+ESSAY = "Write a very long essay."
+# About 330 tokens: the engine takes a while over it before the first token.
+LONG_PROMPT = " ".join(["The harbour is quiet tonight."] * 50)
 
 
-def chat_engine(log_dir):
+def chat_engine(log_dir, **limits):
     return start_engine(
         log_dir,
         models=[gguf_spec(CHAT, "SmolLM2-135M-Instruct.Q4_1.gguf", slots=1)],
         preload=[CHAT],
+        limits=limits,
     )
 
 
@@ -78,10 +85,12 @@ class Caller:
     """One streamed chat request as the server hands it to the ASGI app, and
     the caller's side of it: what came back, and a hang-up the test makes."""
 
-    def __init__(self, key: str, *, stall_headers: bool = False) -> None:
+    def __init__(
+        self, key: str, *, stall_headers: bool = False, content: str = ESSAY
+    ) -> None:
         body = {
             "model": CHAT,
-            "messages": [{"role": "user", "content": "Write a very long essay."}],
+            "messages": [{"role": "user", "content": content}],
             "max_tokens": 400,
             "temperature": 0,
             "stream": True,
@@ -188,6 +197,39 @@ async def stream_key():
     return await sync_to_async(ApiKeyFactory)(max_concurrent=1)
 
 
+async def prompt_tokens(engine, content: str = ESSAY) -> int:
+    """What the engine counts for a chat request with this one message."""
+    reply = await asyncio.to_thread(
+        engine.client().generate,
+        CHAT,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=1,
+    )
+    return reply["usage"]["prompt_tokens"]
+
+
+def occupy(engine):
+    """A direct stream that holds the engine's one slot until closed."""
+    occupying = engine.client().generate_stream(
+        CHAT, prompt="Long", max_tokens=500, ignore_eos=True
+    )
+    next(occupying)  # the start frame: it has the slot
+    return occupying
+
+
+async def queued(engine) -> None:
+    """Wait until a request of the model waits in the engine's queue."""
+
+    def waiting() -> bool:
+        models = engine.client().state()["models"]
+        return next(m for m in models if m["name"] == CHAT)["queued"] == 1
+
+    deadline = time.monotonic() + DEADLINE_S
+    while not await asyncio.to_thread(waiting):
+        assert time.monotonic() < deadline, "the request did not queue"
+        await asyncio.sleep(0.05)
+
+
 async def test_hang_up_while_the_headers_are_sent(front, engine):
     """The caller goes away while the response's headers are being written,
     before the body is ever asked for: the slot, the engine's request and the
@@ -203,32 +245,77 @@ async def test_hang_up_while_the_headers_are_sent(front, engine):
     await engine_idle(engine)
     row = await usage_row(key)
     assert (row.status, row.error_code) == (499, "client_closed")
+    assert row.prompt_tokens == await prompt_tokens(engine)
 
 
-async def test_hang_up_between_the_headers_and_the_first_token(front, engine):
-    """The engine admitted the request (headers sent) but its one slot is
-    busy: the caller hangs up while waiting for the first token."""
-    occupying = engine.client().generate_stream(
-        CHAT, prompt="Long", max_tokens=500, ignore_eos=True
-    )
-    await asyncio.to_thread(next, occupying)
+async def test_hang_up_while_queued_in_the_engine(front, engine):
+    """The engine's one slot is busy: the request waits in its queue, with no
+    answer yet (the status leaves at admission). The caller hangs up there:
+    the engine drops the queued request; nothing was counted."""
+    occupying = await asyncio.to_thread(occupy, engine)
     try:
         key = await stream_key()
         caller = Caller(key.plaintext)
         answering = asyncio.create_task(
             front(caller.scope, caller.receive, caller.send)
         )
-        await within(caller.headers_sent.wait())
-        assert caller.status == 200
+        await queued(engine)
+        assert caller.status is None
         caller.hang_up()
         await within(answering)
-        assert caller.chunks == []
+        assert caller.status is None
         await slot_free(key)
         row = await usage_row(key)
-        assert (row.status, row.completion_tokens) == (499, 0)
+        assert (row.status, row.error_code) == (499, "client_closed")
+        assert (row.prompt_tokens, row.completion_tokens) == (0, 0)
     finally:
         occupying.close()
     await engine_idle(engine)
+
+
+async def test_hang_up_between_the_headers_and_the_first_token(front, engine):
+    """The engine admitted the request (headers sent) and computes its long
+    prompt: the caller hangs up before the first token. The row has the
+    prompt's tokens, from the start frame, and no completion tokens."""
+    expected = await prompt_tokens(engine, LONG_PROMPT)
+    key = await stream_key()
+    caller = Caller(key.plaintext, content=LONG_PROMPT)
+    answering = asyncio.create_task(front(caller.scope, caller.receive, caller.send))
+    await within(caller.headers_sent.wait())
+    assert caller.status == 200
+    caller.hang_up()
+    await within(answering)
+    assert caller.chunks == []
+    await slot_free(key)
+    await engine_idle(engine)
+    row = await usage_row(key)
+    assert (row.status, row.error_code) == (499, "client_closed")
+    assert (row.prompt_tokens, row.completion_tokens) == (expected, 0)
+
+
+async def test_a_queue_timeout_is_a_429_before_any_header(
+    tmp_path, settings, monkeypatch
+):
+    """The engine refuses a request that waited past its queue timeout, before
+    any start frame: the caller gets a 429 with Retry-After, not a stream."""
+    impatient = await asyncio.to_thread(chat_engine, tmp_path, queue_timeout_s=0.5)
+    try:
+        front = routed_to(impatient, tmp_path / "run", settings, monkeypatch)
+        occupying = await asyncio.to_thread(occupy, impatient)
+        try:
+            key = await stream_key()
+            caller = Caller(key.plaintext)
+            await within(front(caller.scope, caller.receive, caller.send))
+        finally:
+            occupying.close()
+    finally:
+        await asyncio.to_thread(impatient.stop)
+    assert caller.status == 429
+    error = json.loads(b"".join(caller.chunks))["error"]
+    assert error["code"] == "overloaded"
+    row = await usage_row(key)
+    assert (row.status, row.error_code) == (429, "overloaded")
+    await slot_free(key)
 
 
 async def test_hang_up_mid_stream_records_the_tokens_sent(front, engine):
@@ -244,6 +331,7 @@ async def test_hang_up_mid_stream_records_the_tokens_sent(front, engine):
     await engine_idle(engine)
     row = await usage_row(key)
     assert (row.status, row.error_code) == (499, "client_closed")
+    assert row.prompt_tokens == await prompt_tokens(engine)
     assert 3 <= row.completion_tokens < 400
     assert row.engine == ENGINE
 
@@ -294,6 +382,7 @@ async def test_an_engine_gone_silent_mid_stream_is_504(front, engine, monkeypatc
     assert error["code"] == "engine_timeout"
     row = await usage_row(key)
     assert (row.status, row.error_code) == (504, "engine_timeout")
+    assert row.prompt_tokens > 0
     assert row.completion_tokens >= 3
     await slot_free(key)
     await engine_idle(engine)
@@ -319,17 +408,16 @@ async def test_an_engine_dead_mid_stream_is_502(tmp_path, settings, monkeypatch)
     assert error["code"] == "engine_died"
     row = await usage_row(key)
     assert (row.status, row.error_code) == (502, "engine_died")
+    assert row.prompt_tokens > 0
     assert row.completion_tokens >= 3
     await slot_free(key)
 
 
 def test_the_occupying_stream_helper_holds_the_slot(engine):
-    """The control for the test of a hang-up before the first token: while the
-    direct stream runs, a request of the model waits in the engine's queue."""
-    occupying = engine.client().generate_stream(
-        CHAT, prompt="Long", max_tokens=500, ignore_eos=True
-    )
-    next(occupying)
+    """The control for the tests of a hang-up in the engine's queue and of a
+    queue timeout: while the direct stream runs, a request of the model waits
+    in the engine's queue."""
+    occupying = occupy(engine)
     waiting = threading.Thread(
         target=lambda: engine.client().generate(CHAT, prompt="Hi", max_tokens=1)
     )
