@@ -25,8 +25,9 @@ _ids = itertools.count(1)
 class GenerationRequest:
     """One generation: its prompt tokens, sampling, and where its events go.
 
-    `emit` is called from the decode thread with event dicts:
-    {"event": "token", "text": ..., "tokens": n} any number of times, then exactly
+    `emit` is called from the decode thread with event dicts: {"event":
+    "admitted", "prompt_tokens": n} once it has a slot, then {"event": "token",
+    "text": ..., "tokens": n} any number of times, then exactly
     one {"event": "done", "finish_reason": ..., "usage": {...}} or
     {"event": "error", "code": ..., "message": ...}.
     """
@@ -341,6 +342,11 @@ class GenerationRunner:
             except Exception as error:
                 log.exception("admitting %s to %s failed", request.id, self.name)
                 request.finish(_error_event(error, "admitting the request failed"))
+                continue
+            if not request.finished:  # in a slot: no queue timeout can reach it
+                request.emit(
+                    {"event": "admitted", "prompt_tokens": len(request.prompt_tokens)}
+                )
         if step and self.backend.active():
             try:
                 self.backend.step()

@@ -59,8 +59,9 @@ async def serve_generation(
     generations: dict[str, GenerationRunner],
 ) -> None:
     """Run one generation, writing its frames: for generate_stream a start
-    frame, one frame per text chunk and a final frame; for generate one frame
-    with the whole text. `generations` maps request ids to runners (for
+    frame once a slot takes the request (with its `prompt_tokens`), one frame
+    per text chunk and a final frame; for generate one frame with the whole
+    text. `generations` maps request ids to runners (for
     `cancel` from another connection). The final frame's `timings` are measured
     from the request's arrival (a load it waited for included)."""
     stream = message["kind"] == "generate_stream"
@@ -101,20 +102,24 @@ async def serve_generation(
     hangup.add_done_callback(lambda _: ready.set())
     parts: list[str] = []
     final = False
+    # A stream's start frame leaves once the request has a slot (the front
+    # answers its HTTP status then): a request refused in the queue (full,
+    # timed out, unloading) gets its error frame instead, before any start.
+    started = not stream
+    start = {"status": "ok", "event": "start", "request_id": request.id}
     try:
-        if stream:
-            writer.write(
-                encode_message(
-                    {"status": "ok", "event": "start", "request_id": request.id}
-                )
-            )
-            await writer.drain()
         while True:
             await ready.wait()
             ready.clear()
             frames: list[bytes] = []
             while events and not final:
                 event = events.popleft()
+                if event["event"] == "admitted":
+                    if not started:
+                        start["prompt_tokens"] = event["prompt_tokens"]
+                        frames.append(encode_message(start))
+                        started = True
+                    continue
                 if event["event"] == "token":
                     if first_token_ms is None:
                         first_token_ms = _ms_since(received)
@@ -127,6 +132,10 @@ async def serve_generation(
                 if event["event"] == "error":
                     reply = error_frame(event["code"], event["message"])
                 else:
+                    if not started:  # cancelled while queued: a stream all the same
+                        start["prompt_tokens"] = len(prompt_tokens)
+                        frames.append(encode_message(start))
+                        started = True
                     reply = {"status": "ok", **event, "request_id": request.id}
                     reply["timings"] = {
                         "first_token_ms": first_token_ms,

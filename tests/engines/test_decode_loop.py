@@ -99,7 +99,7 @@ class Caller:
         deadline = time.monotonic() + timeout
         while True:
             event = self.events.get(timeout=max(deadline - time.monotonic(), 0.01))
-            if event["event"] != "token":
+            if event["event"] not in ("admitted", "token"):
                 return event
 
 

@@ -76,6 +76,8 @@ def test_chat_answer_arrives_as_a_stream(llm_engine):
     assert len(tokens) >= 5
     assert sum(f["tokens"] for f in tokens) == done["usage"]["completion_tokens"]
     assert done["usage"]["prompt_tokens"] > 10
+    # The start frame names the prompt's tokens: a stream cut short still has them.
+    assert frames[0]["prompt_tokens"] == done["usage"]["prompt_tokens"]
     # The engine's own times: the first token came before the end, both after
     # the request arrived.
     assert 0 < done["timings"]["first_token_ms"] <= done["timings"]["total_ms"]
@@ -370,6 +372,12 @@ def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine):
         assert "waited more than 0.3 s" in error.value.message
         # Refused while the long request still runs, not when its slot freed.
         assert model_state(llm_engine, SMOL)["busy"] == 1
+        # A stream refused in the queue gets the error as its first frame, not
+        # a start frame (the front has not answered 200 yet: it answers 429).
+        frames = client.generate_stream(SMOL, prompt="Late too", max_tokens=2)
+        with pytest.raises(EngineRequestError) as error:
+            next(frames)
+        assert error.value.code == "overloaded"
         stream.close()
     finally:
         client.call("configure", config={"limits": {"max_parallel_requests": 16}})

@@ -5,6 +5,7 @@ ROUNDHOUSE_THERMAL_FILE does in production-like runs."""
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -117,18 +118,23 @@ def test_hot_gpu_pauses_its_engine_and_hot_cpu_pauses_all(two_engines):
     stream = cpu0.client().generate_stream(
         TINY, prompt="ships", max_tokens=5, ignore_eos=True
     )
-    assert next(stream)["event"] == "start"
-    state = cpu0.client().state()
-    steps = state["models"][0]["steps"]
+    # The start frame comes once a slot takes the request: not while cooling.
+    waiter = ThreadPoolExecutor(1)
+    first = waiter.submit(next, stream)
+    wait_until(lambda: cpu0.client().state()["queue_depth"] == 1)
+    steps = cpu0.client().state()["models"][0]["steps"]
     time.sleep(1.5)
     state = cpu0.client().state()
     assert state["models"][0]["steps"] == steps  # paused: no decode step ran
     assert state["queue_depth"] == 1  # the request waits in the queue
+    assert not first.done()
 
     write_temperatures(temps, cpu=85)  # below high, above resume: still cooling
     time.sleep(1.5)
     assert "cooling until below 80" in cooling(cpu0)
     write_temperatures(temps, cpu=60)
+    assert first.result(timeout=60)["event"] == "start"
+    waiter.shutdown()
     frames = list(stream)
     assert frames[-1]["finish_reason"] == "length"
     assert cooling(cpu0) == ""
