@@ -14,12 +14,18 @@ from engines.client import AsyncEngineClient, connection_file
 from fleet.selectors import routing_snapshot
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
 
+from .services import DATABASE_OUTAGE
+
 log = logging.getLogger("roundhouse.api")
 
 # A snapshot older than the cache's max age is still used while a fresh one loads
 # in the background, up to this age; older than that, the request waits for the
 # load (a front that saw no request for a while).
 STALE_LIMIT_S = 10.0
+# After a load failed on the database, the last snapshot (however old) is used
+# and the next load waits this long: requests during an outage do not each try
+# a database that is down.
+RELOAD_AFTER_FAILURE_S = 1.0
 
 
 def _log_failure(done: asyncio.Future) -> None:
@@ -38,6 +44,7 @@ class Gateway:
         # connection: asgiref's threads reconnect for every request.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._clients: dict[str, tuple[tuple, AsyncEngineClient]] = {}
+        self._failed_at = -float("inf")  # loop.time() of the last failed load
 
     def close(self) -> None:
         """Close the loader thread's database connection (it reconnects when
@@ -60,14 +67,31 @@ class Gateway:
         once a second and, while requests keep coming, never on a request's
         path: a stale snapshot (up to STALE_LIMIT_S old) is used, and
         `refresh_later` loads the next one once the request is under way.
-        `fresh`: wait for a snapshot under a second old."""
+        `fresh`: wait for a snapshot under a second old.
+
+        While the database is down, the last snapshot is used however old it
+        is (an engine it shows up but that is gone fails over as usual); with
+        none in memory the database's error is raised."""
         current = self.cache.fresh()
         if current is not None:
             return current
         peeked = self.cache.peek()
+        if peeked is not None and self._failed_recently():
+            return peeked[0]
         if fresh or peeked is None or peeked[1] > STALE_LIMIT_S:
-            return await self._get()
+            try:
+                return await self._get()
+            except db.DatabaseError as error:
+                self._failed_at = asyncio.get_running_loop().time()
+                if peeked is None:
+                    raise
+                DATABASE_OUTAGE.failed("reading the fleet", error)
+                return peeked[0]
         return peeked[0]
+
+    def _failed_recently(self) -> bool:
+        now = asyncio.get_running_loop().time()
+        return now - self._failed_at < RELOAD_AFTER_FAILURE_S
 
     def refresh_later(self) -> None:
         """Load a fresh snapshot in the background if this one is stale (called

@@ -10,8 +10,9 @@ headers and the first token, or mid-stream. A stream cut short records the
 prompt's tokens and the completion's tokens already sent.
 
 A database that is down fails no request that can do without it: a key this
-process remembers keeps working; what needs the database (an unknown key, a
-fleet snapshot too old to use) is a 503 with Retry-After, never a 500.
+process remembers keeps working, routed on the fleet as last read; what needs
+the database (an unknown key, a fleet never read) is a 503 with Retry-After,
+never a 500.
 """
 
 import asyncio
@@ -41,7 +42,6 @@ from . import errors
 from .calls import Call, Relay, after_answer
 from .exceptions import KeyCheckUnavailable, KeyRejected, LimitExceeded
 from .gateway import GATEWAY
-from .health import healthz, metrics_view  # noqa: F401 (routed by roundhouse.urls)
 from .limits import key_admission
 from .models import ApiKey
 from .openapi import openapi_document

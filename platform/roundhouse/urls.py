@@ -4,12 +4,12 @@ from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import RedirectView
 
-from api import views as api_views
+from api.health import healthz, metrics_view
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
     path("v1/", include("api.urls")),
-    path("healthz", api_views.healthz),
-    path("metrics", api_views.metrics_view),
+    path("healthz", healthz),
+    path("metrics", metrics_view),
 ]

@@ -21,11 +21,11 @@ from django.db import connection, connections
 from django.test import Client
 from django.utils import timezone
 
-from api import calls, services
+from api import calls, gateway, services
 from api.gateway import GATEWAY
 from api.models import ApiKey
 from routing.select import ModelRoute, Snapshot, SnapshotCache
-from tests.factories import ApiKeyFactory
+from tests.factories import ApiKeyFactory, ModelConfigFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -210,6 +210,36 @@ def test_a_fleet_that_cannot_be_read_is_503_and_health_still_answers(outage):
     assert health.status_code == 200
     assert health.json()["engines"] == {}
     assert Client().get("/metrics").status_code == 200
+
+
+def test_a_long_outage_routes_on_the_last_snapshot(outage, monkeypatch, caplog):
+    """Past the snapshot's stale limit, with the database still down, requests
+    route on the last snapshot read, however old (the model is still listed
+    for a remembered key), and the outage is logged once. The control (the test
+    above): with no snapshot in memory, the same request is a 503."""
+    loads = []
+
+    def load():
+        loads.append(1)
+        return GATEWAY._load()
+
+    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(load, max_age_s=0))
+    monkeypatch.setattr(gateway, "STALE_LIMIT_S", 0.0)
+    monkeypatch.setattr(gateway, "RELOAD_AFTER_FAILURE_S", 0.0)  # try each time
+    model = ModelConfigFactory()
+    key = ApiKeyFactory()
+    listed = models_with(key.plaintext)
+    assert model.name in {item["id"] for item in listed.json()["data"]}
+    outage.start()
+    before = len(loads)
+    answers = [models_with(key.plaintext) for _ in range(3)]
+    assert [answer.status_code for answer in answers] == [200] * 3
+    assert model.name in {item["id"] for item in answers[-1].json()["data"]}
+    # Each tried the database, and it failed (a background refresh may try too).
+    assert len(loads) - before >= 3
+    assert len(outage_logs(caplog)) == 1
+    outage.end()
+    assert models_with(key.plaintext).status_code == 200
 
 
 async def test_revalidation_waits_for_the_database(outage, monkeypatch):
