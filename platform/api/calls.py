@@ -17,7 +17,7 @@ from typing import Any
 
 from django.http import HttpResponse
 
-from . import errors, metrics, services
+from . import errors, metrics, services, usage
 from .gateway import GATEWAY
 from .models import ApiKey
 
@@ -108,7 +108,7 @@ class Call:
         if self.key is None:
             return  # refused before a key was known: metrics only
         try:
-            services.usage_enqueue(
+            usage.usage_enqueue(
                 key=self.key,
                 model=self.model,
                 engine=self.engine,

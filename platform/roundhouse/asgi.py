@@ -38,7 +38,7 @@ django_application = get_asgi_application()
 
 # After set-up: the app imports its models.
 from api import errors  # noqa: E402
-from api.services import usage_flush  # noqa: E402
+from api.usage import usage_flush  # noqa: E402
 
 API_PATHS = ("/v1/", "/healthz", "/metrics")
 

@@ -7,7 +7,7 @@ from asgiref.sync import sync_to_async
 from django.core.cache import cache
 from django.db import connections
 
-from api import limits, services
+from api import limits, services, usage
 from api.gateway import GATEWAY
 
 
@@ -39,7 +39,7 @@ async def close_worker_connections():
     drop the test database at the end of the run."""
     yield
     await sync_to_async(connections.close_all)()
-    services.USAGE_WRITER.close()
+    usage.USAGE_WRITER.close()
     GATEWAY.close()
 
 

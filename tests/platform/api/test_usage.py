@@ -10,7 +10,7 @@ from django.db import connection, transaction
 
 from api import metrics
 from api.models import ApiKey, Usage
-from api.services import USAGE_WRITER, UsageWriter, usage_build, usage_enqueue
+from api.usage import USAGE_WRITER, UsageWriter, usage_build, usage_enqueue
 from tests.factories import ApiKeyFactory
 
 transactional = pytest.mark.django_db(transaction=True)
