@@ -36,6 +36,10 @@ fleet's RSS (engine + supervisor + front) is back within 10% of the idle figure
 measured after the warm-up. Every loop is bounded in count and time; the whole
 run takes a few minutes. Exit status non-zero only when the bench itself could
 not run; the platform's misbehaviour is reported in the table and its notes.
+
+The faults live in bench/faults.py, the clients and how recovery is measured in
+bench/load.py; this module holds the scenarios, the checks after each and the
+report.
 """
 
 import argparse
@@ -43,8 +47,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
-import secrets
 import shutil
 import signal
 import statistics
@@ -52,323 +54,36 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import psutil
 import psycopg
-from psycopg import sql
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.front import ENGINE, MODEL, Platform, http_open  # noqa: E402
+from bench.faults import Database, EngineWatch, FaultPlatform  # noqa: E402
+from bench.front import ENGINE, MODEL  # noqa: E402
 from bench.generation import MODEL_PATH  # noqa: E402
-from engines.client import EngineClient, EngineError, read_connection_file  # noqa: E402
-
-SUCCEEDED, RATE_LIMITED, ERROR, LOST, HUNG_UP = (
-    "succeeded",
-    "429",
-    "error",
-    "lost",
-    "hung up",
+from bench.load import (  # noqa: E402
+    BEFORE_FAULT_S,
+    CLIENT_TIMEOUT_S,
+    ERROR,
+    HUNG_UP,
+    LOST,
+    PAUSE_S,
+    RATE_LIMITED,
+    SUCCEEDED,
+    Load,
+    Result,
 )
-BEFORE_FAULT_S = 5.0  # load before each fault
-STABLE_S = 3.0  # recovered: this long since the first success after the last failure
-PAUSE_S = 0.25  # each client's pause between requests
-MAX_REQUESTS = 800  # per scenario, whatever happens
-CLIENT_TIMEOUT_S = 60.0  # a request with no answer by then is lost
+from engines.client import EngineClient, EngineError  # noqa: E402
+
 BURST_TIMEOUT_S = 120.0  # the burst's requests wait in the engine's queue
 DB_DOWN_S = 10.0
 LEASES_DEADLINE_S = 60.0  # after a scenario: no leases by then is a failure
 RSS_DEADLINE_S = 20.0  # then this long more for memory to come back
 RSS_TOLERANCE = 0.10
-
-
-@dataclass
-class Outcome:
-    """One request: when it started and ended (monotonic seconds), how it ended."""
-
-    started: float
-    ended: float
-    kind: str
-    detail: str = ""
-    headers: float | None = None  # the status line arrived
-    first_token: float | None = None
-
-
-@dataclass
-class Result:
-    """One scenario's requests and what was seen of the platform."""
-
-    name: str
-    outcomes: list[Outcome] = field(default_factory=list)
-    fault_at: float | None = None
-    recovery_s: float | None = None
-    failed: bool = False  # some request after the fault did not succeed
-    leases: str = ""
-    rss: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    def count(self, kind: str) -> int:
-        return sum(outcome.kind == kind for outcome in self.outcomes)
-
-    def latencies_ms(self) -> list[float]:
-        return sorted(
-            (outcome.ended - outcome.started) * 1000
-            for outcome in self.outcomes
-            if outcome.kind == SUCCEEDED
-        )
-
-
-def first_recovered(
-    outcomes: list[Outcome], fault_at: float
-) -> tuple[bool, Outcome | None]:
-    """(whether any request ending after the fault failed, the first request
-    started after the last failed one that succeeded, if any yet)."""
-    after = [o for o in outcomes if o.ended > fault_at and o.kind != HUNG_UP]
-    failed = [o for o in after if o.kind != SUCCEEDED]
-    if not failed:
-        return False, None
-    since = max(fault_at, max(o.started for o in failed))
-    later = [o for o in after if o.kind == SUCCEEDED and o.started >= since]
-    return True, min(later, key=lambda o: o.ended, default=None)
-
-
-def recovery_time(outcomes: list[Outcome], fault_at: float) -> tuple[bool, float]:
-    """(whether any request failed after the fault, seconds from the fault until
-    the first request started after the last failed one succeeded: 0 if none
-    failed, nan if none has succeeded yet)."""
-    failed, first = first_recovered(outcomes, fault_at)
-    if not failed:
-        return False, 0.0
-    return True, (first.ended - fault_at) if first else float("nan")
-
-
-# -- one request ------------------------------------------------------------------
-
-
-def _error_code(body: bytes) -> str:
-    found = re.search(rb'"code":\s*"([^"]*)"', body)
-    return found.group(1).decode() if found else ""
-
-
-async def chat_stream(
-    port: int, key: str, index: int, *, tokens: int, hang_up_after: int = 0
-) -> Outcome:
-    """One streamed chat completion through the front, classified. Not
-    `bench.generation.sse_events`: it cannot tell `[DONE]` from a stream that
-    just stopped, which is what tells a complete answer from a lost one."""
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": f"Name {index % 7 + 2} colours."}],
-        "max_tokens": tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    started = time.monotonic()
-    seen: dict[str, float] = {}
-
-    def ended(kind: str, detail: str = "") -> Outcome:
-        return Outcome(
-            started,
-            time.monotonic(),
-            kind,
-            detail,
-            seen.get("headers"),
-            seen.get("first_token"),
-        )
-
-    try:
-        reader, writer, status = await http_open(
-            port, "POST", "/v1/chat/completions", key=key, body=body
-        )
-    except (OSError, TimeoutError) as error:
-        return ended(ERROR, f"connect: {type(error).__name__}")
-    except (IndexError, ValueError, asyncio.IncompleteReadError):
-        return ended(LOST, "closed before a status")
-    seen["headers"] = time.monotonic()
-    try:
-        if status != 200:
-            code = _error_code(await reader.read())
-            if status == 429:
-                return ended(RATE_LIMITED, code)
-            return ended(ERROR, f"{status} {code}")
-        content, finish = 0, None
-        while line := await reader.readline():
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                if finish is None:
-                    return ended(LOST, "[DONE] without a finish_reason")
-                return ended(SUCCEEDED, finish)
-            event = json.loads(data)
-            if "error" in event:
-                return ended(ERROR, f"mid-stream {event['error'].get('code')}")
-            for choice in event.get("choices") or []:
-                if choice.get("delta", {}).get("content"):
-                    content += 1
-                    seen.setdefault("first_token", time.monotonic())
-                finish = choice.get("finish_reason") or finish
-            if hang_up_after and content >= hang_up_after:
-                return ended(HUNG_UP, f"after {content} tokens")
-        return ended(LOST, "stream ended without [DONE]")
-    except OSError as error:
-        return ended(ERROR, f"mid-stream {type(error).__name__}")
-    finally:
-        writer.close()
-
-
-async def bounded_stream(
-    port: int, key: str, index: int, *, tokens: int, timeout: float, hang_up_after=0
-) -> Outcome:
-    started = time.monotonic()
-    try:
-        async with asyncio.timeout(timeout):
-            return await chat_stream(
-                port, key, index, tokens=tokens, hang_up_after=hang_up_after
-            )
-    except TimeoutError:
-        return Outcome(started, time.monotonic(), LOST, f"no end in {timeout:g} s")
-
-
-# -- the platform's processes -----------------------------------------------------
-
-
-class EngineWatch:
-    """Every engine process this run's connection file has named (the only
-    engines the bench may signal), and when the named pid changed."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.seen: dict[int, psutil.Process] = {}
-        self.current: int | None = None
-        self.changes: list[tuple[float, int | None]] = []
-
-    def sample(self) -> int | None:
-        try:
-            info = read_connection_file(self.run_dir, ENGINE)
-        except (EngineError, OSError, ValueError):
-            info = {}
-        pid = info.get("pid")
-        if pid and pid not in self.seen:
-            with contextlib.suppress(psutil.Error):
-                process = psutil.Process(pid)
-                started = info.get("pid_started_at")
-                if started is None or abs(process.create_time() - started) < 1:
-                    self.seen[pid] = process
-        if pid != self.current:
-            self.current = pid
-            self.changes.append((time.monotonic(), pid))
-        return pid
-
-    def process(self, pid: int | None) -> psutil.Process | None:
-        """The engine named `pid`, if it is still that same process."""
-        process = self.seen.get(pid)
-        with contextlib.suppress(psutil.Error):
-            if process and process.is_running():
-                if "engines.serve" in " ".join(process.cmdline()):
-                    return process
-        return None
-
-    def alive(self) -> list[psutil.Process]:
-        return [p for pid in self.seen if (p := self.process(pid)) is not None]
-
-    async def follow(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            self.sample()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.2)
-
-
-class FaultPlatform(Platform):
-    """bench/front.py's platform on a PostgreSQL database, with each process's
-    output in its own log, and a supervisor that can be killed and restarted."""
-
-    def __init__(self, run_dir: Path, database_url: str) -> None:
-        super().__init__(run_dir)
-        self.env["DATABASE_URL"] = database_url
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-
-    def spawn(self, argv: list[str]):
-        name = "supervisor" if "supervise" in argv else "front"
-        log = open(self.run_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115
-        original, self.log = self.log, log
-        try:
-            return super().spawn(argv)
-        finally:
-            self.log = original
-            log.close()  # the child has its own copy
-
-    @property
-    def supervisor(self):
-        return self.processes[0]
-
-    @property
-    def front(self):
-        return self.processes[1]
-
-    def restart_supervisor(self) -> None:
-        """Start a new supervisor in the dead one's place (stop order kept)."""
-        self.processes.pop(0)
-        self.spawn([sys.executable, "manage.py", "supervise"])
-        self.processes.insert(0, self.processes.pop())
-
-    def fleet_rss_mib(self, engine_rss_mib: float) -> float:
-        total = engine_rss_mib
-        for process in (self.supervisor, self.front):
-            with contextlib.suppress(psutil.Error):
-                total += psutil.Process(process.pid).memory_info().rss / 2**20
-        return total
-
-
-class Database:
-    """A fresh PostgreSQL database for the run, and the admin statements that
-    take it away and give it back."""
-
-    def __init__(self, admin_url: str) -> None:
-        self.admin_url = admin_url
-        self.name = f"roundhouse_bench_{secrets.token_hex(4)}"
-        parts = urlsplit(admin_url)
-        self.url = parts._replace(scheme="postgres", path=f"/{self.name}").geturl()
-
-    def execute(self, statement, params=()) -> None:
-        with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5) as db:
-            db.execute(statement, params)
-
-    def _allow(self, allowed: bool) -> None:
-        self.execute(
-            sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}").format(
-                sql.Identifier(self.name), sql.Literal(allowed)
-            )
-        )
-
-    def create(self) -> None:
-        self.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.name)))
-
-    def take_away(self) -> None:
-        self._allow(False)
-        self.terminate()
-
-    def terminate(self) -> None:
-        self.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = %s AND pid <> pg_backend_pid()",
-            (self.name,),
-        )
-
-    def give_back(self) -> None:
-        self._allow(True)
-
-    def drop(self) -> None:
-        self.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(self.name)
-            )
-        )
 
 
 # -- the bench --------------------------------------------------------------------
@@ -380,14 +95,12 @@ class Bench:
         self.database = database
         self.args = args
         self.watch = EngineWatch(platform.run_dir)
+        self.load = Load(
+            platform.port, platform.key, tokens=args.tokens, clients=args.clients
+        )
         self.idle_mib = 0.0
         self.idle_parts = ""
-        self.index = 0
         self.results: list[Result] = []
-
-    def next_index(self) -> int:
-        self.index += 1
-        return self.index
 
     async def engine_state(self) -> dict | None:
         try:
@@ -395,88 +108,6 @@ class Bench:
             return await asyncio.to_thread(client.state)
         except (EngineError, OSError, ValueError):
             return None
-
-    # -- load -------------------------------------------------------------------
-
-    async def client_loop(self, result: Result, stop: asyncio.Event) -> None:
-        while not stop.is_set() and len(result.outcomes) < MAX_REQUESTS:
-            outcome = await bounded_stream(
-                self.platform.port,
-                self.platform.key,
-                self.next_index(),
-                tokens=self.args.tokens,
-                timeout=CLIENT_TIMEOUT_S,
-            )
-            result.outcomes.append(outcome)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), PAUSE_S)
-
-    async def under_load(
-        self,
-        name: str,
-        inject: Callable[[Result], Awaitable[None]],
-        *,
-        watch_at_least_s: float,
-        deadline_s: float,
-        overdue: Callable[[Result], Awaitable[float]] | None = None,
-        cleanup: Callable[[], Awaitable[None]] | None = None,
-    ) -> Result:
-        """Clients stream before, during and after `inject`, until the platform
-        has recovered (and at least `watch_at_least_s` has passed) or
-        `deadline_s` after the fault; `overdue` runs once at the deadline if it
-        has not recovered, and returns seconds more to watch."""
-        result = Result(name)
-        stop = asyncio.Event()
-        clients = [
-            asyncio.create_task(self.client_loop(result, stop))
-            for _ in range(self.args.clients)
-        ]
-        try:
-            await asyncio.sleep(BEFORE_FAULT_S)
-            result.fault_at = time.monotonic()
-            await inject(result)
-            deadline = result.fault_at + deadline_s
-            while True:
-                await asyncio.sleep(0.25)
-                now = time.monotonic()
-                _, recovery = recovery_time(result.outcomes, result.fault_at)
-                settled = recovery == recovery and (
-                    now >= result.fault_at + recovery + STABLE_S
-                )
-                if settled and now >= result.fault_at + watch_at_least_s:
-                    break
-                if now >= deadline or len(result.outcomes) >= MAX_REQUESTS:
-                    more = await overdue(result) if overdue else 0.0
-                    overdue = None
-                    if not more:
-                        break
-                    deadline = now + more
-        finally:
-            stop.set()
-            await asyncio.gather(*clients)
-            if cleanup:
-                await cleanup()
-        result.failed, recovery = recovery_time(result.outcomes, result.fault_at)
-        caught = Counter(
-            f"{o.kind} {o.detail}".strip()
-            for o in result.outcomes
-            if o.started < result.fault_at < o.ended
-        )
-        result.notes.append(
-            f"{sum(caught.values())} requests in flight at the fault, ended: "
-            + (", ".join(f"{what} x{n}" for what, n in caught.items()) or "-")
-        )
-        result.recovery_s = None if recovery != recovery else recovery
-        _, first = first_recovered(result.outcomes, result.fault_at)
-        if first is not None:
-            token = first.first_token or first.ended
-            result.notes.append(
-                f"first success after the last failure: started "
-                f"+{first.started - result.fault_at:.1f} s, first token "
-                f"+{token - result.fault_at:.1f} s, done "
-                f"+{first.ended - result.fault_at:.1f} s"
-            )
-        return result
 
     # -- the scenarios ------------------------------------------------------------
 
@@ -490,7 +121,7 @@ class Bench:
             process.kill()
             result.notes.append(f"killed engine pid {pid}")
 
-        result = await self.under_load(
+        result = await self.load.around_fault(
             "engine SIGKILL mid-stream (SSE)",
             inject,
             watch_at_least_s=10,
@@ -520,7 +151,7 @@ class Bench:
                         stopped_left.append(process.pid)
 
         stopped_left: list[int] = []
-        result = await self.under_load(
+        result = await self.load.around_fault(
             "engine SIGSTOP",
             inject,
             watch_at_least_s=30,
@@ -592,7 +223,7 @@ class Bench:
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch_exits(stop))
         try:
-            result = await self.under_load(
+            result = await self.load.around_fault(
                 "supervisor SIGKILL + restart",
                 inject,
                 watch_at_least_s=20,
@@ -633,7 +264,7 @@ class Bench:
         async def cleanup() -> None:
             await asyncio.to_thread(self.database.give_back)
 
-        return await self.under_load(
+        return await self.load.around_fault(
             f"database down {DB_DOWN_S:g} s",
             inject,
             watch_at_least_s=DB_DOWN_S + 10,
@@ -647,11 +278,7 @@ class Bench:
         result.outcomes = list(
             await asyncio.gather(
                 *(
-                    bounded_stream(
-                        self.platform.port,
-                        self.platform.key,
-                        self.next_index(),
-                        tokens=self.args.tokens,
+                    self.load.stream(
                         timeout=BURST_TIMEOUT_S,
                         hang_up_after=(1 + index // 4 % 2) if index % 4 == 0 else 0,
                     )
@@ -735,13 +362,7 @@ class Bench:
         for _ in range(2):
             await asyncio.gather(
                 *(
-                    bounded_stream(
-                        self.platform.port,
-                        self.platform.key,
-                        self.next_index(),
-                        tokens=self.args.tokens,
-                        timeout=CLIENT_TIMEOUT_S,
-                    )
+                    self.load.stream(timeout=CLIENT_TIMEOUT_S)
                     for _ in range(self.args.clients)
                 )
             )
