@@ -11,10 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from .protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
-from .textgen import SamplingParams, TextStream, render_chat, validate_messages
+from .protocol import ErrorCode, ProtocolError
+from .textgen import SamplingParams
 
 log = logging.getLogger("roundhouse.engine.generation")
 
@@ -335,7 +333,7 @@ class GenerationRunner:
                     self.backend.cancel(request_id)
         except Exception as error:
             log.exception("cancelling in %s failed", self.name)
-            self.fail_all(f"cancelling failed: {_describe(error)}")
+            self.fail_all(f"cancelling failed: {describe_error(error)}")
         for request in admitted:
             try:
                 self.backend.admit(request)
@@ -354,7 +352,7 @@ class GenerationRunner:
                 log.exception("decode step of %s failed", self.name)
                 self.backend.fail_running(
                     ErrorCode.INTERNAL.value,
-                    f"the decode step failed: {_describe(error)}",
+                    f"the decode step failed: {describe_error(error)}",
                 )
             self.steps += 1
         self._forget_finished()
@@ -412,7 +410,7 @@ class GenerationRunner:
             self._known &= waiting | running
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
     """An exception in a few words for an error frame (the log has the rest)."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
@@ -426,218 +424,5 @@ def _error_event(error: BaseException, context: str) -> dict[str, Any]:
     return {
         "event": "error",
         "code": ErrorCode.INTERNAL.value,
-        "message": f"{context}: {_describe(error)}",
+        "message": f"{context}: {describe_error(error)}",
     }
-
-
-@dataclass
-class Slot:
-    """One session of a model: the request in it and its private state. The
-    backend keeps its own per-slot state (KV, sampler) in `state`."""
-
-    index: int
-    request: GenerationRequest | None = None
-    todo: list[int] = field(default_factory=list)
-    n_past: int = 0
-    next_token: int | None = None
-    generated: int = 0
-    unsent_tokens: int = 0
-    unsent_logprobs: list = field(default_factory=list)
-    stream: TextStream = field(default_factory=TextStream)
-    state: Any = None
-
-
-class SlotBackend(GenerationBackend):
-    """Slot bookkeeping shared by the backends: admission into a free slot, the
-    end conditions of a request (EOS, stop string, max_tokens, context), the
-    text/usage events, cancel and release. Subclasses decode."""
-
-    slots: list[Slot]
-    ctx_per_slot: int
-    chat_template: str = ""
-    bos_text: str = ""
-    eos_text: str = ""
-
-    def render_prompt(self, message: dict[str, Any]) -> str:
-        if "messages" in message:
-            if not self.chat_template:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    "this model has no chat template: send a completion prompt, or "
-                    "set a chat template for it in the admin",
-                )
-            messages = validate_messages(message["messages"])
-            return render_chat(
-                self.chat_template,
-                messages,
-                bos_token=self.bos_text,
-                eos_token=self.eos_text,
-            )
-        prompt = message.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "send `prompt` (a string) or `messages`"
-            )
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt exceeds the cap")
-        return prompt
-
-    # -- hooks --------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def _open(self, slot: Slot) -> None:
-        """Create the slot's private state for its new request."""
-
-    @abc.abstractmethod
-    def _close(self, slot: Slot) -> None:
-        """Drop the slot's private state (KV, sampler)."""
-
-    @abc.abstractmethod
-    def _is_end(self, token: int) -> bool:
-        """Whether a token ends generation (end of sequence / turn)."""
-
-    @abc.abstractmethod
-    def _text_of(self, slot: Slot, token: int) -> str:
-        """The new text this token adds to the slot's output."""
-
-    # -- shared ------------------------------------------------------------------------
-
-    def free_slots(self) -> int:
-        return sum(slot.request is None for slot in self.slots)
-
-    def active(self) -> int:
-        return len(self.slots) - self.free_slots()
-
-    def running_ids(self) -> set[str]:
-        return {slot.request.id for slot in self.slots if slot.request is not None}
-
-    def admit(self, request: GenerationRequest) -> None:
-        if len(request.prompt_tokens) >= self.ctx_per_slot - 1:
-            request.finish(
-                {
-                    "event": "error",
-                    "code": "bad_request",
-                    "message": f"the prompt has {len(request.prompt_tokens)} tokens; "
-                    f"this model's context holds {self.ctx_per_slot}",
-                }
-            )
-            return
-        slot = next(slot for slot in self.slots if slot.request is None)
-        slot.request = request
-        slot.todo = list(request.prompt_tokens)
-        slot.n_past = slot.generated = slot.unsent_tokens = 0
-        slot.next_token = None
-        slot.unsent_logprobs = []
-        slot.stream = TextStream(stop=request.params.stop)
-        try:
-            self._open(slot)
-        except BaseException:
-            slot.request = None  # the slot stays free; the caller answers the error
-            slot.todo = []
-            raise
-
-    def sample_each(
-        self, outputs: list[tuple[Slot, Any]], sample: Callable[[Slot, Any], None]
-    ) -> None:
-        """Run `sample(slot, where)` for each slot that produced logits; one that
-        raises (NaN or inf logits, a sampler error) fails its own request only."""
-        for slot, where in outputs:
-            if slot.request is None:
-                continue
-            try:
-                sample(slot, where)
-            except Exception as error:
-                log.warning("sampling %s failed: %r", slot.request.id, error)
-                self.fail(slot, f"sampling failed: {_describe(error)}")
-
-    def accept(self, slot: Slot, token: int, logprob: dict | None = None) -> None:
-        """Take a sampled token: end the request, or queue it for the next step."""
-        params = slot.request.params
-        if not params.ignore_eos and self._is_end(token):
-            self.finish(slot, "stop")
-            return
-        slot.generated += 1
-        slot.unsent_tokens += 1
-        if logprob is not None:
-            slot.unsent_logprobs.append(logprob)
-        text = slot.stream.feed_text(self._text_of(slot, token))
-        if text:
-            self._emit_text(slot, text)
-        if slot.stream.stopped:
-            self.finish(slot, "stop")
-        elif (
-            slot.generated >= params.max_tokens or slot.n_past + 1 >= self.ctx_per_slot
-        ):
-            self.finish(slot, "length")
-        else:
-            slot.next_token = token
-
-    def _emit_text(self, slot: Slot, text: str) -> None:
-        """Send a text chunk with the count (and log-probs) of its tokens."""
-        event = {"event": "token", "text": text, "tokens": slot.unsent_tokens}
-        if slot.unsent_logprobs:
-            event["logprobs"] = slot.unsent_logprobs
-        slot.request.emit(event)
-        slot.unsent_tokens = 0
-        slot.unsent_logprobs = []
-
-    def finish(self, slot: Slot, reason: str) -> None:
-        """End the slot's request with a finish reason and free the slot."""
-        request = slot.request
-        tail = "" if reason == "cancelled" else slot.stream.finish()
-        if tail or slot.unsent_tokens:
-            self._emit_text(slot, tail)
-        request.finish(
-            {
-                "event": "done",
-                "finish_reason": reason,
-                "usage": {
-                    "prompt_tokens": len(request.prompt_tokens),
-                    "completion_tokens": slot.generated,
-                },
-            }
-        )
-        self.release(slot)
-
-    def fail(self, slot: Slot, message: str, code: str = "internal") -> None:
-        """End the slot's request with an error and free the slot."""
-        if slot.request is not None:
-            slot.request.finish({"event": "error", "code": code, "message": message})
-        self.release(slot)
-
-    def fail_running(self, code: str, message: str) -> None:
-        for slot in self.slots:
-            if slot.request is not None:
-                self.fail(slot, message, code)
-
-    def release(self, slot: Slot) -> None:
-        try:
-            self._close(slot)
-        except Exception:  # the slot is reused all the same; its state is reset
-            log.exception("clearing slot %d failed", slot.index)
-        slot.request = slot.next_token = slot.state = None
-        slot.todo = []
-
-    def cancel(self, request_id: str) -> bool:
-        for slot in self.slots:
-            if slot.request is not None and slot.request.id == request_id:
-                self.finish(slot, "cancelled")
-                return True
-        return False
-
-    def cancel_all(self) -> None:
-        for slot in self.slots:
-            if slot.request is not None:
-                self.finish(slot, "cancelled")
-
-
-def logprob_entry(logprobs, token: int, top: int) -> dict:
-    """The chosen token's log-probability (of the raw logits, before sampling
-    transforms) with the `top` most likely alternatives; `logprobs` is a 1-D
-    numpy array of log-softmaxed logits."""
-    entry = {"token": token, "logprob": float(logprobs[token])}
-    if top:
-        best = np.argpartition(-logprobs, top)[:top]
-        best = best[np.argsort(-logprobs[best])]
-        entry["top"] = [[int(t), float(logprobs[t])] for t in best]
-    return entry

@@ -12,8 +12,8 @@ import llama_cpp
 import numpy as np
 
 from ..config import usable_cores
-from ..generation import Slot, SlotBackend, logprob_entry
 from ..protocol import ErrorCode, ProtocolError
+from ..slots import Slot, SlotBackend, logprob_entry
 from ..textgen import SamplingParams
 
 log = logging.getLogger("roundhouse.engine.gguf")

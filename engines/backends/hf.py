@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..generation import Slot, SlotBackend, logprob_entry
+from ..slots import Slot, SlotBackend, logprob_entry
 from ..textgen import SamplingParams
 
 # Prompt tokens prefilled per step: bounds how long running streams wait.
