@@ -38,14 +38,13 @@ run takes a few minutes. Exit status non-zero only when the bench itself could
 not run; the platform's misbehaviour is reported in the table and its notes.
 
 The faults live in bench/faults.py, the clients and how recovery is measured in
-bench/load.py; this module holds the scenarios, the checks after each and the
-report.
+bench/load.py, the table and the JSON dump in bench/reliability_report.py; this
+module holds the scenarios and the checks after each.
 """
 
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -53,7 +52,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -68,15 +66,11 @@ from bench.generation import MODEL_PATH  # noqa: E402
 from bench.load import (  # noqa: E402
     BEFORE_FAULT_S,
     CLIENT_TIMEOUT_S,
-    ERROR,
-    HUNG_UP,
-    LOST,
     PAUSE_S,
-    RATE_LIMITED,
-    SUCCEEDED,
     Load,
     Result,
 )
+from bench.reliability_report import dump, log_summary, report  # noqa: E402
 from engines.client import EngineClient, EngineError  # noqa: E402
 
 BURST_TIMEOUT_S = 120.0  # the burst's requests wait in the engine's queue
@@ -423,101 +417,6 @@ def leases(state: dict) -> str:
     return ", ".join(held)
 
 
-# -- report -----------------------------------------------------------------------
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    return values[min(len(values) - 1, int(fraction * len(values)))]
-
-
-def report(bench: Bench) -> None:
-    header = (
-        f"{'scenario':<34}{'requests':>9}{'ok':>6}{'429':>6}{'errors':>7}"
-        f"{'lost':>6}{'hung up':>8}{'p50 ms':>8}{'p99 ms':>8}{'recovery s':>11}"
-        f"  {'leases after':<16}{'RSS vs idle':<12}"
-    )
-    print()
-    print(header)
-    for result in bench.results:
-        latencies = result.latencies_ms()
-        p50 = f"{percentile(latencies, 0.5):.0f}" if latencies else "-"
-        p99 = f"{percentile(latencies, 0.99):.0f}" if latencies else "-"
-        if result.fault_at is None or not result.failed:
-            recovery = "-"
-        elif result.recovery_s is None:
-            recovery = "n/r"
-        else:
-            recovery = f"{result.recovery_s:.1f}"
-        print(
-            f"{result.name:<34}{len(result.outcomes):>9}{result.count(SUCCEEDED):>6}"
-            f"{result.count(RATE_LIMITED):>6}{result.count(ERROR):>7}"
-            f"{result.count(LOST):>6}{result.count(HUNG_UP):>8}{p50:>8}{p99:>8}"
-            f"{recovery:>11}  {result.leases:<16}{result.rss:<12}"
-        )
-        if result.name.startswith("engine SIGKILL"):
-            print(
-                f"{'engine SIGKILL mid-stream (WS)':<34}  not run: the platform has "
-                "no WebSocket endpoint yet"
-            )
-    print(
-        "recovery: from the fault until the first request started after the last "
-        "failed one succeeded; '-' nothing failed, 'n/r' not recovered"
-    )
-    print("notes:")
-    for result in bench.results:
-        details = Counter(
-            f"{o.kind} {o.detail}".strip()
-            for o in result.outcomes
-            if o.kind not in (SUCCEEDED,)
-        )
-        seen = ", ".join(f"{what} x{n}" for what, n in details.most_common())
-        lines = [*result.notes, *([f"not succeeded: {seen}"] if seen else [])]
-        for line in lines:
-            print(f"  {result.name}: {line}")
-
-
-def log_summary(run_dir: Path) -> None:
-    """Error lines per log: where to look (`--keep` keeps them)."""
-    for path in sorted((run_dir / "logs").glob("*.log")):
-        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
-        errors = [line for line in text if " ERROR " in line or "Traceback" in line]
-        warnings = sum(" WARNING " in line for line in text)
-        print(f"  log {path.name}: {len(errors)} error lines, {warnings} warnings")
-        for line in errors[-3:]:
-            print(f"    {line[:160]}")
-
-
-def dump(bench: Bench, path: Path) -> None:
-    """Every request of every scenario, in wall-clock seconds (to match the
-    logs' timestamps) and relative to the fault."""
-    offset = time.time() - time.monotonic()
-    scenarios = []
-    for result in bench.results:
-        base = result.fault_at or min(o.started for o in result.outcomes)
-
-        def rel(moment: float | None, base: float = base) -> float | None:
-            return None if moment is None else round(moment - base, 3)
-
-        scenarios.append(
-            {
-                "name": result.name,
-                "fault_at": result.fault_at and result.fault_at + offset,
-                "requests": [
-                    {
-                        "started": rel(o.started),
-                        "headers": rel(o.headers),
-                        "first_token": rel(o.first_token),
-                        "ended": rel(o.ended),
-                        "kind": o.kind,
-                        "detail": o.detail,
-                    }
-                    for o in result.outcomes
-                ],
-            }
-        )
-    path.write_text(json.dumps(scenarios, indent=1))
-
-
 def cleanup(bench: Bench | None, platform: FaultPlatform | None) -> None:
     """Resume stopped engines, stop the platform, then kill any engine this
     run's connection files named that is still running (a killed supervisor's)."""
@@ -588,11 +487,11 @@ def main() -> None:
                     database.drop()
         print(f"done in {time.monotonic() - began:.0f} s")
         if bench and bench.results:
-            report(bench)
+            report(bench.results)
         log_summary(run_dir)
         if args.keep:
             if bench and bench.results:
-                dump(bench, run_dir / "outcomes.json")
+                dump(bench.results, run_dir / "outcomes.json")
             print(
                 f"kept: run dir {run_dir} (outcomes.json: every request), "
                 f"database {database.name}"
