@@ -5,13 +5,14 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from django import db
 from django.conf import settings
 
 from engines.client import AsyncEngineClient, connection_file
-from fleet.selectors import routing_snapshot
+from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
 
 from .services import DATABASE_OUTAGE
@@ -45,6 +46,10 @@ class Gateway:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._clients: dict[str, tuple[tuple, AsyncEngineClient]] = {}
         self._failed_at = -float("inf")  # loop.time() of the last failed load
+        # The loader thread's view of database outages (time.monotonic()): when
+        # the current one began, and the last one's (start, end).
+        self._outage_began: float | None = None
+        self.last_outage: tuple[float, float] | None = None
 
     def close(self) -> None:
         """Close the loader thread's database connection (it reconnects when
@@ -52,11 +57,32 @@ class Gateway:
         self._loader.submit(db.connections.close_all).result()
 
     def _load(self) -> Snapshot:
+        """Read the fleet (in the loader thread). Heartbeats the supervisor could
+        not write during an outage this thread saw end lately are not taken for
+        a dead supervisor: staleness is counted without the outage."""
         try:
-            return routing_snapshot()
+            snapshot = routing_snapshot(heartbeat_grace_s=self._heartbeat_grace())
         except db.DatabaseError:
             db.connection.close()  # a broken connection: the next load reconnects
+            if self._outage_began is None:
+                self._outage_began = time.monotonic()
             raise
+        if self._outage_began is not None:
+            self.last_outage = (self._outage_began, time.monotonic())
+            self._outage_began = None
+        return snapshot
+
+    def _heartbeat_grace(self) -> float:
+        """How long the database has been down (the outage this thread sees
+        now, or the last one while it is recent enough to explain stale
+        heartbeats); else 0."""
+        now = time.monotonic()
+        if self._outage_began is not None:
+            return now - self._outage_began
+        if self.last_outage is None:
+            return 0.0
+        began, ended = self.last_outage
+        return ended - began if now - ended <= HEARTBEAT_STALE_S else 0.0
 
     async def _get(self) -> Snapshot:
         loop = asyncio.get_running_loop()

@@ -164,9 +164,15 @@ def engines_desired() -> list[DesiredEngine]:
 HEARTBEAT_STALE_S = 10.0
 
 
-def routing_snapshot() -> routes.Snapshot:
-    """Engines and models as routing sees them now: one read of the fleet."""
+def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
+    """Engines and models as routing sees them now: one read of the fleet.
+
+    `heartbeat_grace_s`: heartbeats may be this much older than
+    HEARTBEAT_STALE_S: the reader saw the database down that long, so no one
+    could write them meanwhile (the supervisor writes again within a second of
+    the database's return)."""
     now = timezone.now()
+    stale_after_s = HEARTBEAT_STALE_S + heartbeat_grace_s
     states = {state.spec_id: state for state in EngineState.objects.all()}
     engines = {}
     for spec in EngineSpec.objects.order_by("order", "name"):
@@ -174,7 +180,7 @@ def routing_snapshot() -> routes.Snapshot:
         fresh = (
             state is not None
             and state.heartbeat_at is not None
-            and (now - state.heartbeat_at).total_seconds() < HEARTBEAT_STALE_S
+            and (now - state.heartbeat_at).total_seconds() < stale_after_s
         )
         up = spec.enabled and fresh and state.status in routes.SERVING_STATES
         engines[spec.name] = routes.EngineStatus(

@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 import socket
+import time
 from datetime import timedelta
 
 import psycopg
@@ -24,8 +25,10 @@ from django.utils import timezone
 from api import calls, gateway, services
 from api.gateway import GATEWAY
 from api.models import ApiKey
+from fleet.models import EngineState
+from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
 from routing.select import ModelRoute, Snapshot, SnapshotCache
-from tests.factories import ApiKeyFactory, ModelConfigFactory
+from tests.factories import ApiKeyFactory, EngineSpecFactory, ModelConfigFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -92,10 +95,13 @@ class Outage:
 
 
 @pytest.fixture(params=["unreachable", "refusing"])
-def outage(request, transactional_db, tmp_path):
-    """An outage the test starts (ended at teardown if the test did not)."""
+def outage(request, transactional_db, tmp_path, monkeypatch):
+    """An outage the test starts (ended at teardown if the test did not). The
+    gateway forgets it afterwards: no other test's routing sees its grace."""
     if request.param == "refusing" and connection.vendor != "postgresql":
         pytest.skip("PostgreSQL's ALLOW_CONNECTIONS")
+    monkeypatch.setattr(GATEWAY, "_outage_began", None)
+    monkeypatch.setattr(GATEWAY, "last_outage", None)
     outage = Outage(request.param, tmp_path)
     yield outage
     if outage.saved or outage.kind == "refusing":
@@ -240,6 +246,37 @@ def test_a_long_outage_routes_on_the_last_snapshot(outage, monkeypatch, caplog):
     assert len(outage_logs(caplog)) == 1
     outage.end()
     assert models_with(key.plaintext).status_code == 200
+
+
+def test_heartbeats_missed_in_an_outage_are_not_a_dead_supervisor(outage):
+    """The bench's 503s after the database came back: the supervisor could not
+    write heartbeats while it was down, and routing took a healthy engine for
+    down until it wrote again. The gateway counts a heartbeat's age without the
+    outage it saw. Controls: the same rows read with no grace show the engine
+    down, and so does the gateway once the outage is long past."""
+
+    def load():
+        return GATEWAY._loader.submit(GATEWAY._load).result()
+
+    spec = EngineSpecFactory(name="e1")
+    heartbeat = timezone.now() - timedelta(seconds=HEARTBEAT_STALE_S - 1)
+    EngineState.objects.create(spec=spec, status="ready", heartbeat_at=heartbeat)
+    assert load().engines["e1"].up  # 9 s old: fresh
+    outage.start()
+    with pytest.raises(db.OperationalError):
+        load()
+    began = GATEWAY._outage_began
+    while time.monotonic() - began < 2.0:  # an outage of 2 s: heartbeats 11 s old
+        with pytest.raises(db.OperationalError):
+            load()
+        time.sleep(0.1)
+    outage.end()
+    assert load().engines["e1"].up
+    assert GATEWAY.last_outage[1] - GATEWAY.last_outage[0] >= 2.0
+    assert not routing_snapshot().engines["e1"].up  # stale without the grace
+    began, ended = GATEWAY.last_outage
+    GATEWAY.last_outage = (began - 60, ended - 60)  # a minute ago: no grace
+    assert not load().engines["e1"].up
 
 
 async def test_revalidation_waits_for_the_database(outage, monkeypatch):
