@@ -106,13 +106,15 @@ class Gateway:
             return peeked[0]
         if fresh or peeked is None or peeked[1] > STALE_LIMIT_S:
             try:
-                return await self._get()
+                snapshot = await self._get()
             except db.DatabaseError as error:
                 self._failed_at = asyncio.get_running_loop().time()
                 if peeked is None:
                     raise
                 DATABASE_OUTAGE.failed("reading the fleet", error)
                 return peeked[0]
+            DATABASE_OUTAGE.worked()  # an outage seen here ends here too
+            return snapshot
         return peeked[0]
 
     def _failed_recently(self) -> bool:
