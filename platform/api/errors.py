@@ -73,7 +73,7 @@ METHOD_NOT_ALLOWED = Mapping(405, "invalid_request_error")
 TOO_LARGE = Mapping(413, "invalid_request_error")
 RATE_LIMITED = Mapping(429, "rate_limit_error", retry_after_s=1)
 # The database is unavailable: a key this process does not remember cannot be
-# checked, a fleet snapshot too old to use cannot be read again.
+# checked, a fleet this process never read cannot be read.
 DATABASE_UNAVAILABLE = Mapping(503, "server_error", retry_after_s=5)
 
 # What each step of a request can answer instead of its result. The OpenAPI

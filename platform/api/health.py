@@ -17,14 +17,13 @@ _engine_counters = in_db_thread(engine_counters)
 
 
 async def _fleet_or_last() -> Snapshot | None:
-    """The fleet snapshot; while the database fails, the last one read (None
-    if there is none)."""
+    """The fleet snapshot; while the database fails, the last one read (the
+    gateway's), or None if this process never read one."""
     try:
         return await GATEWAY.snapshot()
     except db.Error as error:
         DATABASE_OUTAGE.failed("reading the fleet", error)
-        peeked = GATEWAY.cache.peek()
-        return None if peeked is None else peeked[0]
+        return None
 
 
 async def healthz(request: HttpRequest) -> HttpResponse:
