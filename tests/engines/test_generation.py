@@ -320,6 +320,12 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(llm_engine):
         for thread in threads:
             thread.join(60)
         assert finished == [0, 1, 2, 3]
+        # The last answer reaches its caller just before its lease is given
+        # back: with a queue timeout of 0 the next request must find it free.
+        deadline = time.monotonic() + 30
+        while any(model_state(llm_engine, SMOL)[k] for k in ("inflight", "busy")):
+            assert time.monotonic() < deadline, "lease not given back"
+            time.sleep(0.01)
 
         client.call(
             "configure",
