@@ -106,7 +106,16 @@ async def serve_generation(
     # answers its HTTP status then): a request refused in the queue (full,
     # timed out, unloading) gets its error frame instead, before any start.
     started = not stream
-    start = {"status": "ok", "event": "start", "request_id": request.id}
+    start = b""
+    if stream:
+        start = encode_message(
+            {
+                "status": "ok",
+                "event": "start",
+                "request_id": request.id,
+                "prompt_tokens": len(prompt_tokens),
+            }
+        )
     try:
         while True:
             await ready.wait()
@@ -116,8 +125,7 @@ async def serve_generation(
                 event = events.popleft()
                 if event["event"] == "admitted":
                     if not started:
-                        start["prompt_tokens"] = event["prompt_tokens"]
-                        frames.append(encode_message(start))
+                        frames.append(start)
                         started = True
                     continue
                 if event["event"] == "token":
@@ -133,8 +141,7 @@ async def serve_generation(
                     reply = error_frame(event["code"], event["message"])
                 else:
                     if not started:  # cancelled while queued: a stream all the same
-                        start["prompt_tokens"] = len(prompt_tokens)
-                        frames.append(encode_message(start))
+                        frames.append(start)
                         started = True
                     reply = {"status": "ok", **event, "request_id": request.id}
                     reply["timings"] = {
