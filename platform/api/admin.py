@@ -103,6 +103,7 @@ class UsageAdmin(admin.ModelAdmin):
     list_display = [
         "created_at",
         "key",
+        "user",
         "endpoint",
         "model",
         "engine",
@@ -113,7 +114,7 @@ class UsageAdmin(admin.ModelAdmin):
         "error_code",
     ]
     list_filter = ["key", "model", "engine", "status", "endpoint"]
-    list_select_related = ["key"]
+    list_select_related = ["key", "user"]
     date_hierarchy = "created_at"
     # Usage grows with every request: skip counting the whole table per page.
     show_full_result_count = False

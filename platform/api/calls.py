@@ -36,6 +36,8 @@ class Call:
 
     endpoint: str
     key: ApiKey | None = None
+    # A logged-in user's call (the WebSocket chat) has no key.
+    user: Any = None
     model: str = ""
     engine: str = ""
     prompt_tokens: int = 0
@@ -105,11 +107,12 @@ class Call:
         ):
             if count:
                 metrics.TOKENS.labels(model, self.engine or "-", kind).inc(count)
-        if self.key is None:
-            return  # refused before a key was known: metrics only
+        if self.key is None and self.user is None:
+            return  # refused before the caller was known: metrics only
         try:
             usage.usage_enqueue(
                 key=self.key,
+                user=self.user,
                 model=self.model,
                 engine=self.engine,
                 endpoint=self.endpoint,

@@ -30,6 +30,21 @@ class ApiError(Exception):
             }
         }
 
+    def websocket_message(self, stream_id: str | None) -> dict:
+        """The WebSocket chat's `error` message for this failure: the REST
+        answer's code (a status's own when it has none), its status, and
+        `retry_after` where REST sends Retry-After."""
+        message = {
+            "type": "error",
+            "id": stream_id,
+            "code": self.code or WEBSOCKET_CODES.get(self.status, "internal"),
+            "status": self.status,
+            "message": self.message,
+        }
+        if self.retry_after_s is not None:
+            message["retry_after"] = self.retry_after_s
+        return message
+
     def response(self) -> HttpResponse:
         response = HttpResponse(
             json.dumps(self.body()), status=self.status, content_type="application/json"
@@ -75,6 +90,16 @@ RATE_LIMITED = Mapping(429, "rate_limit_error", retry_after_s=1)
 # The database is unavailable: a key this process does not remember cannot be
 # checked, a fleet this process never read cannot be read.
 DATABASE_UNAVAILABLE = Mapping(503, "server_error", retry_after_s=5)
+
+# The WebSocket `error` message's code for a refusal REST answers without one
+# (a body the schema refused is a 400 with no code: "bad_request").
+WEBSOCKET_CODES: dict[int, str] = {
+    400: ErrorCode.BAD_REQUEST,
+    401: "invalid_api_key",
+    404: "not_found",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+}
 
 # What each step of a request can answer instead of its result. The OpenAPI
 # document (api.openapi) lists for each endpoint the statuses of the steps it

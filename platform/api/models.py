@@ -66,13 +66,23 @@ class Endpoint(models.TextChoices):
     CHAT_COMPLETIONS = "chat.completions", "/v1/chat/completions"
     COMPLETIONS = "completions", "/v1/completions"
     EMBEDDINGS = "embeddings", "/v1/embeddings"
+    WS_CHAT = "ws.chat", "WebSocket /ws/chat/"
 
 
 class Usage(models.Model):
-    """One API request: who asked which model on which engine, tokens and outcome."""
+    """One API request or WebSocket chat stream: who asked (a key, or a logged-in
+    user) which model on which engine, tokens and outcome."""
 
     key = models.ForeignKey(
         ApiKey,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="usage",
+    )
+    # A logged-in user's WebSocket chat: no key, the user instead.
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
         null=True,
         blank=True,
         on_delete=models.SET_NULL,

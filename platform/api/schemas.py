@@ -265,20 +265,34 @@ def parse(schema: type[BaseModel], raw: bytes) -> Any:
     try:
         return schema.model_validate_json(raw)
     except ValidationError as error:
-        found = error.errors(include_url=False)
-        # A union field reports one error per member; the one that is not a
-        # plain type mismatch is about the member the caller meant.
-        first = next((e for e in found if e["type"] not in _MISMATCHES), found[0])
-        location = ".".join(str(part) for part in first["loc"] if _is_field(part))
-        if first["type"] == "json_invalid":
-            raise _invalid_json(raw, first["msg"]) from None
-        if first["type"] == "extra_forbidden":
-            message = f"Unrecognized request argument supplied: {location}"
-        elif first["type"] == "missing":
-            message = f"Missing required parameter: '{location}'."
-        else:
-            message = f"Invalid value for '{location}': {first['msg']}."
-        raise ApiError(400, message, param=location or None) from None
+        raise _refusal(error, raw) from None
+
+
+def parse_object(schema: type[BaseModel], data: Any) -> Any:
+    """Validate a decoded JSON value (the WebSocket chat's messages) by the
+    same rules and with the same 400s as `parse`."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as error:
+        raise _refusal(error, None) from None
+
+
+def _refusal(error: ValidationError, raw: bytes | None) -> ApiError:
+    """The 400 for a body the schema refused, naming the first bad field."""
+    found = error.errors(include_url=False)
+    # A union field reports one error per member; the one that is not a
+    # plain type mismatch is about the member the caller meant.
+    first = next((e for e in found if e["type"] not in _MISMATCHES), found[0])
+    location = ".".join(str(part) for part in first["loc"] if _is_field(part))
+    if first["type"] == "json_invalid" and raw is not None:
+        return _invalid_json(raw, first["msg"])
+    if first["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {location}"
+    elif first["type"] == "missing":
+        message = f"Missing required parameter: '{location}'."
+    else:
+        message = f"Invalid value for '{location}': {first['msg']}."
+    return ApiError(400, message, param=location or None)
 
 
 def _invalid_json(raw: bytes, reason: str) -> ApiError:

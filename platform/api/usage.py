@@ -31,6 +31,7 @@ log = logging.getLogger("roundhouse.api")
 def usage_build(
     *,
     key: ApiKey | None,
+    user=None,
     model: str,
     engine: str,
     endpoint: str,
@@ -43,6 +44,7 @@ def usage_build(
     """One request's usage row, checked and not yet saved."""
     usage = Usage(
         key=key,
+        user=user,
         # Clients choose the model name; an over-long one is cut, not refused.
         model=model[: Usage._meta.get_field("model").max_length],
         engine=engine[: Usage._meta.get_field("engine").max_length],
@@ -53,9 +55,9 @@ def usage_build(
         status=status,
         error_code=error_code[: Usage._meta.get_field("error_code").max_length],
     )
-    # The key came from api_key_authenticate: checking that it exists would cost
-    # a query on every request.
-    usage.full_clean(exclude=["key"])
+    # The key came from api_key_authenticate, the user from the session:
+    # checking that they exist would cost a query on every request.
+    usage.full_clean(exclude=["key", "user"])
     return usage
 
 

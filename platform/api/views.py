@@ -2,7 +2,8 @@
 
 Every API request goes: size cap → key → typed body → model (exists, allowed,
 right task) → key limits → routing → engine, and ends with one usage row and
-its metrics, whatever happened (its `Call`, api.calls). Streams hold their key's
+its metrics, whatever happened (its `Call`, api.calls); the steps after the
+body are api.pipeline's, which the WebSocket chat runs too. Streams hold their key's
 concurrency slot and their engine connection until the last byte; a caller that
 hangs up cancels the request in the engine (Django cancels the response,
 closing the connection), whenever it hangs up: before the answer, between the
@@ -30,138 +31,39 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
-from engines.client import (
-    EngineError,
-    EngineRequestError,
-    EngineTimeout,
-    EngineUnreachable,
-)
-from routing.select import ModelRoute, NoEngine, Snapshot
+from engines.client import EngineError
+from routing.select import ModelRoute, Snapshot
 
 from . import errors
 from .calls import Call, Relay, after_answer
-from .exceptions import KeyCheckUnavailable, KeyRejected, LimitExceeded
 from .gateway import GATEWAY
-from .limits import key_admission
 from .models import ApiKey
 from .openapi import openapi_document
+from .pipeline import (
+    admit,
+    authenticate,
+    database_failed,
+    engine_failure,
+    generation_open,
+    model_route,
+    with_engine,
+)
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     parse,
 )
-from .services import DATABASE_OUTAGE, api_key_allows, api_key_authenticate
+from .services import api_key_allows
 
 log = logging.getLogger("roundhouse.api")
 
-# Which endpoint may use a model of which task.
-ENDPOINT_TASKS = {
-    "chat.completions": ("chat",),
-    "completions": ("chat", "completion"),
-    "embeddings": ("embedding",),
-}
-# An engine that cannot be reached is skipped and the next choice tried, this
-# many times at most.
-MAX_ENGINE_TRIES = 3
-
 
 async def _authenticated(request: HttpRequest) -> ApiKey:
-    """The request's live key; ApiError (401, 429 for a client over its failed
-    keys, 503 for a key that cannot be checked now) otherwise."""
-    try:
-        return await api_key_authenticate(
-            authorization=request.headers.get("Authorization"),
-            # Behind a proxy every caller has the proxy's address, and shares
-            # its throttle.
-            client=request.META.get("REMOTE_ADDR") or "unknown",
-        )
-    except KeyRejected as rejected:
-        raise errors.unauthorized(rejected.message) from None
-    except LimitExceeded as over:
-        raise errors.rate_limited(
-            over.message, over.retry_after_s, code=over.code
-        ) from None
-    except KeyCheckUnavailable as unavailable:
-        raise errors.database_unavailable(unavailable.message) from None
-
-
-def _database_failed(error: db.Error) -> errors.ApiError:
-    """The 503 for a request that needed the database while it failed."""
-    DATABASE_OUTAGE.failed("serving an API request", error)
-    return errors.database_unavailable(
-        "The database is unavailable; try again shortly."
-    )
-
-
-async def _admitted_model(
-    call: Call, request: HttpRequest, schema: type[BaseModel]
-) -> tuple[Any, ModelRoute, Snapshot]:
-    """Authenticate, validate and find the model; ApiError otherwise."""
-    call.key = await _authenticated(request)
-    # Its size was checked before it was read (roundhouse.asgi.BareASGIHandler).
-    payload = parse(schema, request.body)
-    call.model = payload.model
-    snapshot = await GATEWAY.snapshot()
-    if payload.model not in snapshot.models:  # maybe added since: look again
-        snapshot = await GATEWAY.snapshot(fresh=True)
-    route = snapshot.models.get(payload.model)
-    if route is None or not api_key_allows(key=call.key, model=payload.model):
-        raise errors.model_not_found(payload.model)
-    task = route.task
-    if task not in ENDPOINT_TASKS[call.endpoint]:
-        raise errors.invalid_request(
-            f"The model '{payload.model}' is a {task or 'unknown'} model and cannot "
-            f"serve /v1/{call.endpoint.replace('.', '/')}.",
-            param="model",
-            code="model_task_mismatch",
-        )
-    return payload, route, snapshot
-
-
-async def _with_engine(
-    call: Call,
-    route: ModelRoute,
-    snapshot: Snapshot,
-    attempt: Callable[[Any], Awaitable[Any]],
-) -> Any:
-    """Run `attempt(client)` on the routed engine; an engine that cannot be
-    reached is skipped for the next choice. Engine failures become ApiErrors."""
-    tried: set[str] = set()
-    while True:
-        try:
-            choice = GATEWAY.choose(route, snapshot, excluding=tried)
-        except NoEngine as none:
-            raise errors.from_mapping(
-                errors.NO_ENGINE, none.message, code="no_engine"
-            ) from None
-        call.engine = choice.engine
-        try:
-            return await attempt(GATEWAY.client(choice.engine))
-        except EngineUnreachable as error:
-            log.warning("engine %s unreachable: %s", choice.engine, error)
-            tried.add(choice.engine)
-            GATEWAY.cache.invalidate()
-            if len(tried) >= MAX_ENGINE_TRIES:
-                raise errors.from_mapping(
-                    errors.NO_ENGINE, str(error), code="engine_unreachable"
-                ) from None
-        except EngineError as error:
-            raise _engine_failure(error) from None
-
-
-def _engine_failure(error: EngineError) -> errors.ApiError:
-    """The API error for an engine that failed once it had the request."""
-    if isinstance(error, EngineRequestError):
-        return errors.engine_error(error.code, error.message)
-    if isinstance(error, EngineTimeout):
-        return errors.from_mapping(
-            errors.ENGINE_TIMEOUT, str(error), code="engine_timeout"
-        )
-    return errors.from_mapping(
-        errors.ENGINE_DIED,
-        f"The engine serving this model failed mid-request: {error}",
-        code="engine_died",
+    """The request's live key (api.pipeline.authenticate) from its header."""
+    return await authenticate(
+        authorization=request.headers.get("Authorization"),
+        client=request.META.get("REMOTE_ADDR") or "unknown",
     )
 
 
@@ -185,18 +87,16 @@ async def _serve(
         return refused
     call = Call(endpoint)
     try:
-        payload, route, snapshot = await _admitted_model(call, request, schema)
-        try:
-            await call.held.enter_async_context(key_admission(call.key))
-        except LimitExceeded as over:
-            raise errors.rate_limited(
-                over.message, over.retry_after_s, code=over.code
-            ) from None
+        call.key = await _authenticated(request)
+        # Its size was checked before it was read (roundhouse.asgi).
+        payload = parse(schema, request.body)
+        route, snapshot = await model_route(call, payload.model)
+        await admit(call)
         response = await handler(call, payload, route, snapshot)
     except errors.ApiError as error:
         response = call.failed(error)
     except db.Error as error:  # the database failed (reading the fleet)
-        response = call.failed(_database_failed(error))
+        response = call.failed(database_failed(error))
     except asyncio.CancelledError:  # the caller hung up before the answer
         call.hung_up()
         await asyncio.shield(call.end())
@@ -239,7 +139,7 @@ async def _generate(
     fields["request_id"] = uuid.uuid4().hex
     created = int(time.time())
     if not payload.stream:
-        reply = await _with_engine(
+        reply = await with_engine(
             call,
             route,
             snapshot,
@@ -276,21 +176,7 @@ async def _generate(
             }
         )
 
-    async def open_stream(client):
-        frames = client.generate_stream(route.name, **fields)
-        try:
-            start = await anext(frames)  # admission errors surface here, as statuses
-        except BaseException:
-            await frames.aclose()
-            raise
-        return frames, start
-
-    frames, start = await _with_engine(call, route, snapshot, open_stream)
-    # The engine counted the prompt when a slot took the request: a stream cut
-    # short records it too (the done frame's usage replaces it).
-    call.prompt_tokens = int(start.get("prompt_tokens", 0))
-    # Closed when the call ends, also if the stream's body never starts.
-    call.held.push_async_callback(frames.aclose)
+    frames, start = await generation_open(call, route, snapshot, fields)
     base = {
         "id": ("chatcmpl-" if chat else "cmpl-") + start.get("request_id", ""),
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -346,7 +232,7 @@ async def _generate(
                     yield b"".join(last)
         except EngineError as failure:
             # Headers are sent: the failure travels as an error event.
-            error = _engine_failure(failure)
+            error = engine_failure(failure)
             call.status, call.error_code = error.status, error.code or ""
             yield pending + _sse(error.body())
         finally:
@@ -386,7 +272,7 @@ async def _embed(
     call: Call, payload: EmbeddingRequest, route: ModelRoute, snapshot: Snapshot
 ) -> HttpResponse:
     texts = payload.texts()
-    rows, prompt_tokens = await _with_engine(
+    rows, prompt_tokens = await with_engine(
         call,
         route,
         snapshot,
@@ -439,7 +325,7 @@ async def models(request: HttpRequest) -> HttpResponse:
     except errors.ApiError as error:
         return error.response()
     except db.Error as error:
-        return _database_failed(error).response()
+        return database_failed(error).response()
     data = [
         {
             "id": name,

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from routing.compat import EngineView, pin_problem
 
-from .models import ModelConfig
+from .models import ModelConfig, ModelTask
 
 
 def model_pin_problem(
@@ -32,6 +32,13 @@ def model_config_problems(
             f"Path of {model.name!r} does not exist here: {model.resolved_path}."
         )
     return problems
+
+
+def models_for_chat() -> list[str]:
+    """Names of the enabled chat models, in order: the chat page's picker."""
+    rows = ModelConfig.objects.filter(enabled=True, task=ModelTask.CHAT)
+    rows = rows.order_by("name")
+    return list(rows.values_list("name", flat=True))
 
 
 def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:

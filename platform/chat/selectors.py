@@ -1,7 +1,9 @@
-"""Reads of conversations: a user sees only their own."""
+"""Reads of conversations: a user (or an API key) sees only their own."""
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
+
+from api.models import ApiKey
 
 from .models import Conversation
 
@@ -16,3 +18,13 @@ def conversation_of(*, user: AbstractBaseUser, pk: int) -> Conversation:
     Conversation.DoesNotExist for anyone else's, as for one that does not
     exist (no telling them apart)."""
     return conversations_of(user=user).prefetch_related("messages").get(pk=pk)
+
+
+def conversations_owned(
+    *, user: AbstractBaseUser | None, key: ApiKey | None
+) -> QuerySet[Conversation]:
+    """The conversations of the WebSocket chat's caller: a logged-in user's,
+    or (no user) an API key's own."""
+    if user is not None:
+        return conversations_of(user=user)
+    return Conversation.objects.filter(key=key, user__isnull=True)

@@ -1,7 +1,8 @@
-"""ASGI entry point of the front (served by uvicorn, roundhouse/serve.py): HTTP
-through Django, WebSockets through Channels. Importing it never imports torch,
-transformers, sentence_transformers or llama_cpp (tests/platform/
-test_front_imports.py proves it).
+"""ASGI entry point of the front (served by uvicorn, roundhouse/serve.py; also
+runs under `daphne roundhouse.asgi:application`): HTTP through Django,
+WebSockets through Channels (origin check, session auth, URL routes).
+Importing it never imports torch, transformers, sentence_transformers or
+llama_cpp (tests/platform/test_front_imports.py proves it).
 
 The API (`/v1/`, `/healthz`, `/metrics`) is served by Django without its
 middleware. Those middlewares (sessions, CSRF, auth, messages, clickjacking) mean
@@ -18,7 +19,9 @@ import contextlib
 import os
 import sys
 
-from channels.routing import ProtocolTypeRouter
+from channels.auth import AuthMiddlewareStack
+from channels.routing import ProtocolTypeRouter, URLRouter
+from channels.security.websocket import AllowedHostsOriginValidator
 from django.conf import settings
 from django.core.asgi import get_asgi_application
 from django.core.exceptions import RequestAborted
@@ -39,6 +42,7 @@ django_application = get_asgi_application()
 # After set-up: the app imports its models.
 from api import errors  # noqa: E402
 from api.usage import usage_flush  # noqa: E402
+from chat.websocket_urls import websocket_urlpatterns  # noqa: E402
 
 API_PATHS = ("/v1/", "/healthz", "/metrics")
 
@@ -180,6 +184,31 @@ async def lifespan_application(scope, receive, send):
             return
 
 
+class OriginChecked:
+    """Sockets from browsers come with an Origin header, which must name one
+    of ALLOWED_HOSTS (Channels' AllowedHostsOriginValidator): a page of
+    another site cannot use the visitor's session. A client that sends none
+    is no browser (apps, scripts): it has no session to borrow and must send
+    an API key, so it is let through."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.checked = AllowedHostsOriginValidator(inner)
+
+    async def __call__(self, scope, receive, send):
+        sent_origin = any(name == b"origin" for name, _ in scope.get("headers", ()))
+        app = self.checked if sent_origin else self.inner
+        return await app(scope, receive, send)
+
+
+websocket_application = OriginChecked(
+    AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+)
+
 application = ProtocolTypeRouter(
-    {"http": http_application, "lifespan": lifespan_application}
+    {
+        "http": http_application,
+        "websocket": websocket_application,
+        "lifespan": lifespan_application,
+    }
 )

@@ -195,6 +195,12 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 
+# Pages that need a login (the chat page) send visitors here; after logging in
+# they land on the chat.
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/chat/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
 STATIC_URL = "static/"
 # Serve admin assets straight from the app folders: no collectstatic step.
 WHITENOISE_USE_FINDERS = True

@@ -1,0 +1,195 @@
+"""The request pipeline that REST (api.views) and the WebSocket chat
+(chat.consumers) share, free of either transport.
+
+A request goes: caller (an API key from `authenticate`, or a logged-in user)
+→ typed body (api.schemas) → `model_route` (exists, the key may use it, right
+task) → `admit` (the key's rate and concurrency limits, held until the call
+ends) → `with_engine` / `generation_open` (routing, failover to the next
+engine when one cannot be reached) → its `Call` ends in one usage row and its
+metrics. Every refusal is an `ApiError` from the one table in api.errors; the
+transports only turn it into an HTTP answer or a WebSocket error message.
+"""
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from django import db
+
+from engines.client import (
+    EngineError,
+    EngineRequestError,
+    EngineTimeout,
+    EngineUnreachable,
+)
+from routing.select import ModelRoute, NoEngine, Snapshot
+
+from . import errors
+from .calls import Call
+from .exceptions import KeyCheckUnavailable, KeyRejected, LimitExceeded
+from .gateway import GATEWAY
+from .limits import key_admission
+from .models import ApiKey
+from .services import DATABASE_OUTAGE, api_key_allows, api_key_authenticate
+
+__all__ = [
+    "ENDPOINT_TASKS",
+    "admit",
+    "authenticate",
+    "database_failed",
+    "engine_failure",
+    "generation_open",
+    "model_route",
+    "with_engine",
+]
+
+log = logging.getLogger("roundhouse.api")
+
+# Which endpoint may use a model of which task.
+ENDPOINT_TASKS = {
+    "chat.completions": ("chat",),
+    "completions": ("chat", "completion"),
+    "embeddings": ("embedding",),
+    "ws.chat": ("chat",),
+}
+# Where an endpoint's task mismatch sends the caller, in its error message.
+_ENDPOINT_PATHS = {"ws.chat": "/ws/chat/"}
+# An engine that cannot be reached is skipped and the next choice tried, this
+# many times at most.
+MAX_ENGINE_TRIES = 3
+
+
+async def authenticate(*, authorization: str | None, client: str) -> ApiKey:
+    """The live key of an `Authorization: Bearer` value; ApiError (401, 429 for
+    a client over its failed keys, 503 for a key that cannot be checked now)
+    otherwise. `client` is the caller's address (behind a proxy every caller
+    has the proxy's, and shares its throttle)."""
+    try:
+        return await api_key_authenticate(authorization=authorization, client=client)
+    except KeyRejected as rejected:
+        raise errors.unauthorized(rejected.message) from None
+    except LimitExceeded as over:
+        raise errors.rate_limited(
+            over.message, over.retry_after_s, code=over.code
+        ) from None
+    except KeyCheckUnavailable as unavailable:
+        raise errors.database_unavailable(unavailable.message) from None
+
+
+def database_failed(error: db.Error) -> errors.ApiError:
+    """The 503 for a request that needed the database while it failed."""
+    DATABASE_OUTAGE.failed("serving an API request", error)
+    return errors.database_unavailable(
+        "The database is unavailable; try again shortly."
+    )
+
+
+async def model_route(call: Call, model: str) -> tuple[ModelRoute, Snapshot]:
+    """The model's route and the fleet snapshot to choose its engine from;
+    ApiError for a model that does not exist, that the call's key may not use,
+    or whose task the call's endpoint does not serve."""
+    call.model = model
+    snapshot = await GATEWAY.snapshot()
+    if model not in snapshot.models:  # maybe added since: look again
+        snapshot = await GATEWAY.snapshot(fresh=True)
+    route = snapshot.models.get(model)
+    if route is None or (
+        call.key is not None and not api_key_allows(key=call.key, model=model)
+    ):
+        raise errors.model_not_found(model)
+    task = route.task
+    if task not in ENDPOINT_TASKS[call.endpoint]:
+        path = _ENDPOINT_PATHS.get(call.endpoint) or (
+            f"/v1/{call.endpoint.replace('.', '/')}"
+        )
+        raise errors.invalid_request(
+            f"The model '{model}' is a {task or 'unknown'} model and cannot "
+            f"serve {path}.",
+            param="model",
+            code="model_task_mismatch",
+        )
+    return route, snapshot
+
+
+async def admit(call: Call) -> None:
+    """Take the call's key's rate and concurrency allowance, held until the
+    call ends (429 when over). A logged-in user's call has no key limits."""
+    if call.key is None:
+        return
+    try:
+        await call.held.enter_async_context(key_admission(call.key))
+    except LimitExceeded as over:
+        raise errors.rate_limited(
+            over.message, over.retry_after_s, code=over.code
+        ) from None
+
+
+async def with_engine(
+    call: Call,
+    route: ModelRoute,
+    snapshot: Snapshot,
+    attempt: Callable[[Any], Awaitable[Any]],
+) -> Any:
+    """Run `attempt(client)` on the routed engine; an engine that cannot be
+    reached is skipped for the next choice. Engine failures become ApiErrors."""
+    tried: set[str] = set()
+    while True:
+        try:
+            choice = GATEWAY.choose(route, snapshot, excluding=tried)
+        except NoEngine as none:
+            raise errors.from_mapping(
+                errors.NO_ENGINE, none.message, code="no_engine"
+            ) from None
+        call.engine = choice.engine
+        try:
+            return await attempt(GATEWAY.client(choice.engine))
+        except EngineUnreachable as error:
+            log.warning("engine %s unreachable: %s", choice.engine, error)
+            tried.add(choice.engine)
+            GATEWAY.cache.invalidate()
+            if len(tried) >= MAX_ENGINE_TRIES:
+                raise errors.from_mapping(
+                    errors.NO_ENGINE, str(error), code="engine_unreachable"
+                ) from None
+        except EngineError as error:
+            raise engine_failure(error) from None
+
+
+def engine_failure(error: EngineError) -> errors.ApiError:
+    """The API error for an engine that failed once it had the request."""
+    if isinstance(error, EngineRequestError):
+        return errors.engine_error(error.code, error.message)
+    if isinstance(error, EngineTimeout):
+        return errors.from_mapping(
+            errors.ENGINE_TIMEOUT, str(error), code="engine_timeout"
+        )
+    return errors.from_mapping(
+        errors.ENGINE_DIED,
+        f"The engine serving this model failed mid-request: {error}",
+        code="engine_died",
+    )
+
+
+async def generation_open(
+    call: Call, route: ModelRoute, snapshot: Snapshot, fields: dict[str, Any]
+) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any]]:
+    """Start a streamed generation on the routed engine: its frames and its
+    start frame, which comes once a slot took the request (admission errors
+    are raised here, before anything is sent to the caller). The call records
+    the prompt's tokens (a stream cut short counts them too) and closes the
+    frames when it ends; closing them hangs up on the engine, which cancels
+    the request there."""
+
+    async def open_stream(client):
+        frames = client.generate_stream(route.name, **fields)
+        try:
+            start = await anext(frames)
+        except BaseException:
+            await frames.aclose()
+            raise
+        return frames, start
+
+    frames, start = await with_engine(call, route, snapshot, open_stream)
+    call.prompt_tokens = int(start.get("prompt_tokens", 0))
+    call.held.push_async_callback(frames.aclose)
+    return frames, start

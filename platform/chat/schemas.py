@@ -1,0 +1,109 @@
+"""The WebSocket chat's client messages, typed; unknown keys are refused.
+
+A `chat` message carries the same fields as a `/v1/chat/completions` body: its
+`model` and `messages`, and the sampling fields in `params`, checked by the REST
+schema itself (`chat_request`), so both paths accept and refuse the same
+things with the same messages.
+"""
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+from api import errors
+from api.schemas import ChatCompletionRequest, ModelName, Name, Strict, parse_object
+
+# The sampling fields a chat's `params` may set: those of /v1/chat/completions
+# that shape one answer (not how it is delivered: `stream`, `n`, `logprobs`).
+PARAMS = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+    }
+)
+StreamId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class Auth(Strict):
+    """`{"type": "auth", "key": "rh-..."}`: the first message of a socket
+    without a logged-in session."""
+
+    type: Literal["auth"]
+    key: Annotated[Name, Field(max_length=256)]
+
+
+class Chat(Strict):
+    """Start a stream: one answer to `messages` from `model`."""
+
+    type: Literal["chat"]
+    id: StreamId
+    model: ModelName
+    # Checked by ChatCompletionRequest (chat_request).
+    messages: list[Any]
+    params: dict[str, Any] = Field(default_factory=dict)
+    # Store the turn in this conversation (one of the caller's); none: start
+    # a new one. `regenerate`: the answer replaces the conversation's last
+    # one, and no new user message is stored.
+    conversation: Annotated[int, Field(ge=1)] | None = None
+    regenerate: bool = False
+
+
+class Cancel(Strict):
+    """Stop a stream; its `done` says `cancelled`."""
+
+    type: Literal["cancel"]
+    id: StreamId
+
+
+ClientMessage = Annotated[Auth | Chat | Cancel, Field(discriminator="type")]
+_CLIENT_MESSAGE: TypeAdapter[Auth | Chat | Cancel] = TypeAdapter(ClientMessage)
+
+
+def client_message(text: str) -> Auth | Chat | Cancel:
+    """A client's message; a 400 ApiError (`bad_request`) saying what is
+    wrong otherwise."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        raise errors.invalid_request("The message is not valid JSON.") from None
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise errors.invalid_request(
+            "A message is a JSON object with a `type`: auth, chat or cancel."
+        )
+    if data["type"] not in ("auth", "chat", "cancel"):
+        raise errors.invalid_request(
+            f"Unknown message type '{data['type'][:40]}': use auth, chat or cancel."
+        )
+    try:
+        return _CLIENT_MESSAGE.validate_python(data)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        location = ".".join(
+            str(part) for part in first["loc"][1:] if isinstance(part, str | int)
+        )
+        if first["type"] == "extra_forbidden":
+            message = f"Unrecognized argument supplied: {location}"
+        elif first["type"] == "missing":
+            message = f"Missing required parameter: '{location}'."
+        else:
+            message = f"Invalid value for '{location}': {first['msg']}."
+        raise errors.invalid_request(message, param=location or None) from None
+
+
+def chat_request(chat: Chat) -> ChatCompletionRequest:
+    """The chat as the REST body it stands for (a stream); its 400 otherwise."""
+    unknown = sorted(set(chat.params) - PARAMS)
+    if unknown:
+        raise errors.invalid_request(
+            f"Unrecognized params argument supplied: {unknown[0]}",
+            param=f"params.{unknown[0]}",
+        )
+    body = {**chat.params, "model": chat.model, "messages": chat.messages}
+    return parse_object(ChatCompletionRequest, {**body, "stream": True})

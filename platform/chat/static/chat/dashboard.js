@@ -1,0 +1,183 @@
+// The fleet dashboard: one card per engine, kept live by /ws/dashboard/
+// (the front pushes the fleet about once a second), with restart, load and
+// unload buttons (POSTs with the CSRF token; the admin's history records them).
+"use strict";
+
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const cards = $("cards");
+  const WINDOW_S = 600; // the charts' last ten minutes
+  const csrf = document.querySelector("[name=csrfmiddlewaretoken]").value;
+  const history = new Map(); // engine -> {t:[], tokens_per_s:[], queue:[], memory_mib:[]}
+  const charts = new Map(); // engine -> {series name: uPlot}
+  let fleet = JSON.parse($("fleet-data").textContent);
+  let reconnectDelay = 1;
+
+  function el(tag, attrs = {}, ...children) {
+    const node = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs)) {
+      if (name === "class") node.className = value;
+      else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+      else node.setAttribute(name, value);
+    }
+    for (const child of children) {
+      if (child != null) node.append(child instanceof Node ? child : String(child));
+    }
+    return node;
+  }
+
+  function duration(seconds) {
+    if (seconds == null) return "–";
+    const s = Math.floor(seconds);
+    if (s < 60) return `${s} s`;
+    if (s < 3600) return `${Math.floor(s / 60)} min ${s % 60} s`;
+    return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+  }
+
+  function flash(text, bad = false) {
+    const box = $("flash");
+    box.textContent = text;
+    box.className = bad ? "flash error" : "flash";
+    box.hidden = !text;
+  }
+
+  async function act(url, body, what) {
+    flash(`${what}…`);
+    try {
+      const reply = await fetch(url, {
+        method: "POST",
+        headers: { "X-CSRFToken": csrf, "Content-Type": "application/x-www-form-urlencoded" },
+        body: new URLSearchParams(body || {}),
+        credentials: "same-origin",
+      });
+      const data = await reply.json().catch(() => ({}));
+      flash(data.message || `${what}: HTTP ${reply.status}`, !reply.ok);
+    } catch (error) {
+      flash(`${what} failed: ${error}`, true);
+    }
+  }
+
+  function remember(sample) {
+    for (const [name, point] of Object.entries(sample || {})) {
+      const series = history.get(name) || { t: [], tokens_per_s: [], queue: [], memory_mib: [] };
+      for (const key of Object.keys(series)) series[key].push(point[key]);
+      while (series.t.length && series.t[0] < point.t - WINDOW_S) {
+        for (const key of Object.keys(series)) series[key].shift();
+      }
+      history.set(name, series);
+    }
+  }
+
+  function chart(engine, key, label, holder) {
+    const series = history.get(engine) || { t: [], [key]: [] };
+    const data = [series.t, series[key]];
+    let byKey = charts.get(engine);
+    if (!byKey) charts.set(engine, (byKey = {}));
+    const existing = byKey[key];
+    if (existing && holder.contains(existing.root)) {
+      existing.setData(data);
+      return;
+    }
+    holder.replaceChildren();
+    byKey[key] = new uPlot({
+      width: 150, height: 70, legend: { show: false }, cursor: { show: false },
+      axes: [{ show: false }, { size: 34, font: "10px system-ui" }],
+      scales: { x: { time: true } },
+      series: [{}, { label, stroke: "#2364aa", width: 1.5, fill: "rgba(35,100,170,.08)" }],
+    }, data, holder);
+  }
+
+  function card(engine) {
+    const status = engine.status || "stopped";
+    const facts = el("dl", { class: "facts" });
+    const fact = (name, value) => facts.append(el("dt", {}, name), el("dd", {}, value));
+    fact("pid", engine.pid ?? "–");
+    fact("uptime", duration(engine.uptime_s));
+    fact("restarts", engine.restart_count);
+    fact("devices", engine.devices || engine.backend);
+    fact("temperatures", (engine.temperatures || []).map((t) => `${t.device} ${t.celsius} °C`).join(", ") || "no sensor");
+    fact("slots in use", engine.slots_in_use);
+    fact("queue", engine.queue_depth);
+    fact("memory", engine.memory_mib != null ? `${Math.round(engine.memory_mib)} MiB` : "–");
+    fact("heartbeat", engine.heartbeat_age_s != null ? `${engine.heartbeat_age_s.toFixed(1)} s ago` : "–");
+
+    const models = el("table", {}, el("tr", {}, el("th", {}, "resident model"), el("th", {}, "memory"),
+      el("th", {}, "busy"), el("th", {}, "queued"), el("th", {})));
+    for (const model of engine.models) {
+      models.append(el("tr", {},
+        el("td", {}, model.name), el("td", {}, `${Math.round(model.memory_mib)} MiB`),
+        el("td", {}, model.busy), el("td", {}, model.queued),
+        el("td", {}, el("button", {
+          type: "button", class: "unload",
+          onclick: () => act(`/dashboard/engines/${engine.name}/unload/`, { model: model.name }, `Unloading ${model.name}`),
+        }, "Unload"))));
+    }
+    if (!engine.models.length) models.append(el("tr", {}, el("td", { colspan: 5 }, "no model resident")));
+
+    const picker = el("select", { "aria-label": `model to load on ${engine.name}` });
+    for (const model of fleet.models) {
+      if (!engine.models.some((m) => m.name === model.name)) picker.append(el("option", { value: model.name }, model.name));
+    }
+    const actions = el("div", { class: "actions" },
+      el("button", { type: "button", class: "restart",
+        onclick: () => act(`/dashboard/engines/${engine.name}/restart/`, {}, `Restarting ${engine.name}`) }, "Restart engine"),
+      picker,
+      el("button", { type: "button", class: "load",
+        onclick: () => picker.value && act(`/dashboard/engines/${engine.name}/load/`, { model: picker.value }, `Loading ${picker.value}`) }, "Load"));
+
+    const holders = {};
+    const charts = el("div", { class: "charts" });
+    for (const [key, label] of [["tokens_per_s", "tokens/s"], ["queue", "queue depth"], ["memory_mib", "memory MiB"]]) {
+      holders[key] = el("div");
+      charts.append(el("figure", {}, holders[key], el("figcaption", {}, label)));
+    }
+    const node = el("article", { class: "card", "data-engine": engine.name },
+      el("h2", {}, engine.name, el("span", { class: `badge ${status}` }, status)),
+      engine.cooling_reason ? el("p", { class: "banner cooling" }, `Cooling: ${engine.cooling_reason}`) : null,
+      engine.crash_loop && engine.last_error ? el("p", { class: "banner error" }, `Crash loop: ${engine.last_error}`) : null,
+      facts, models, actions, charts);
+    return { node, holders };
+  }
+
+  function draw() {
+    const built = fleet.engines.map((engine) => ({ engine, ...card(engine) }));
+    cards.replaceChildren(...built.map((b) => b.node));
+    if (!built.length) cards.append(el("p", {}, "No engine is configured: add one in the admin."));
+    charts.clear();
+    for (const { engine, holders } of built) {
+      for (const [key, holder] of Object.entries(holders)) chart(engine.name, key, key, holder);
+    }
+  }
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    const socket = new WebSocket(scheme + location.host + "/ws/dashboard/");
+    socket.onopen = () => { $("connection").textContent = "live"; reconnectDelay = 1; };
+    socket.onmessage = (event) => {
+      const message = JSON.parse(event.data);
+      if (message.type === "fleet") {
+        if (message.history) {
+          history.clear();
+          for (const sample of message.history) remember(sample);
+        }
+        if (message.sample) remember(message.sample);
+        fleet = message.fleet;
+        draw();
+      } else if (message.type === "notice") {
+        flash(message.text, message.level === "error");
+      }
+    };
+    socket.onclose = (event) => {
+      if (event.code === 4403) {
+        $("connection").textContent = "staff login needed";
+        return;
+      }
+      $("connection").textContent = `disconnected, reconnecting in ${reconnectDelay} s`;
+      setTimeout(connect, reconnectDelay * 1000);
+      reconnectDelay = Math.min(30, reconnectDelay * 2);
+    };
+  }
+
+  draw();
+  connect();
+})();

@@ -1,0 +1,223 @@
+"""One answer streamed over a chat socket, from admission to its stored turn.
+
+A `ChatStream` runs in a task of its own (one per stream id on a socket). It
+goes through the REST API's own pipeline (api.pipeline): the caller's key
+checked again (a key revoked while its socket is open stops working), the
+body checked by the REST schema, the model, the key's limits, the engine; its
+`Call` ends in one usage row (endpoint `ws.chat`). Tokens come over the engine
+connection and leave as `token` messages; the channel layer never sees them.
+
+Cancelling the task ends the stream: the call's end closes the engine stream,
+which cancels the request in the engine and frees its slot. A cancel the client
+asked for is answered with `done` and finish reason `cancelled`; a socket that
+closed is answered with nothing.
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from channels.db import database_sync_to_async
+from django import db
+
+from api import errors
+from api.calls import Call, after_answer
+from api.models import ApiKey
+from api.pipeline import (
+    admit,
+    authenticate,
+    database_failed,
+    engine_failure,
+    generation_open,
+    model_route,
+)
+from engines.client import EngineError
+
+from .schemas import Chat, chat_request
+from .selectors import conversations_owned
+from .services import Answer, conversation_turn_record
+
+log = logging.getLogger("roundhouse.chat")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def _finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _ms(since: float, until: float | None = None) -> float:
+    return round(((until or time.perf_counter()) - since) * 1000, 3)
+
+
+class ChatStream:
+    """One `chat` message's answer; `run` it in a task, `cancel` it by id."""
+
+    def __init__(
+        self,
+        chat: Chat,
+        *,
+        user: Any,
+        key: ApiKey | None,
+        presented_key: str | None,
+        client: str,
+        send: Send,
+    ) -> None:
+        self.chat = chat
+        self.user = user
+        self.key = key
+        self._presented_key = presented_key
+        self._client = client
+        self._send = send
+        self.call = Call("ws.chat", user=user)
+        self.answer = Answer(model=chat.model)
+        self._messages: list[dict] | None = None  # as sent to the engine
+        self._parts: list[str] = []  # the answer's text so far
+        self._started = False  # `start` was sent: the turn is stored
+        self.conversation: int | None = None  # where the turn was stored
+        self._ended = False
+        self.cancel_asked = False
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> asyncio.Task:
+        self.task = asyncio.ensure_future(self.run())
+        return self.task
+
+    def cancel(self) -> None:
+        """The client's cancel: the stream ends with `done`, `cancelled`."""
+        if self.task is not None and not self.task.done():
+            self.cancel_asked = True
+            self.task.cancel()
+
+    async def run(self) -> None:
+        call, stream_id = self.call, self.chat.id
+        failure: errors.ApiError | None = None
+        try:
+            await self._stream()
+        except errors.ApiError as error:
+            failure = error
+        except db.Error as error:
+            failure = database_failed(error)
+        except EngineError as error:  # the engine failed mid-stream
+            failure = engine_failure(error)
+        except asyncio.CancelledError:
+            if not self.cancel_asked:  # the socket closed: nobody to tell
+                call.hung_up()
+                await asyncio.shield(self._end())
+                raise
+            asyncio.current_task().uncancel()
+            call.status, call.error_code = 499, "cancelled"
+            self.answer.finish_reason = "cancelled"
+            await asyncio.shield(self._end())
+            await self._send(self._done("cancelled"))
+            return
+        except Exception:
+            log.exception("chat stream failed")
+            failure = errors.engine_error("internal", "Internal error.")
+        if failure is not None:
+            call.status, call.error_code = failure.status, failure.code or "error"
+            self.answer.error_code = call.error_code
+            await asyncio.shield(self._end())
+            await self._send(failure.websocket_message(stream_id))
+
+    async def _stream(self) -> None:
+        call, chat = self.call, self.chat
+        if self.key is not None:  # checked again: it may have been revoked
+            call.key = await authenticate(
+                authorization=f"Bearer {self._presented_key}", client=self._client
+            )
+        request = chat_request(chat)
+        fields = request.engine_fields()
+        fields["request_id"] = uuid.uuid4().hex
+        if chat.conversation is not None:
+            await self._check_conversation(chat.conversation)
+        route, snapshot = await model_route(call, request.model)
+        await admit(call)
+        frames, _ = await generation_open(call, route, snapshot, fields)
+        self._messages = fields["messages"]
+        self.answer.model, self.answer.engine = route.name, call.engine
+        self._started = True
+        await self._send(
+            {"type": "start", "id": chat.id, "model": route.name, "engine": call.engine}
+        )
+        async for frame in frames:
+            event = frame.get("event")
+            if event == "token":
+                if call.first_token_at is None:
+                    call.first_token_at = time.perf_counter()
+                    # Refresh the fleet snapshot and stale keys now that the
+                    # answer is under way, as REST does.
+                    asyncio.get_running_loop().call_later(0.1, after_answer)
+                call.completion_tokens += int(frame.get("tokens", 1))
+                text = frame.get("text", "")
+                self._parts.append(text)
+                await self._send({"type": "token", "id": chat.id, "text": text})
+            elif event == "done":
+                usage = frame.get("usage", {})
+                call.prompt_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
+                call.completion_tokens = int(usage.get("completion_tokens", 0))
+                reason = _finish_reason(frame.get("finish_reason", "stop"))
+                self.answer.finish_reason = reason
+                engine_timings = call.timings(frame)
+                await self._end()
+                await self._send(self._done(reason, engine_timings))
+                return
+
+    async def _check_conversation(self, pk: int) -> None:
+        owned = conversations_owned(user=self.user, key=self.key)
+        if not await owned.filter(pk=pk).aexists():
+            raise errors.from_mapping(
+                errors.NOT_FOUND,
+                f"No conversation {pk} of yours.",
+                code="conversation_not_found",
+                param="conversation",
+            )
+
+    async def _end(self) -> None:
+        """End the call (engine stream closed, key slot back, usage queued),
+        then store the turn if it started; once."""
+        if self._ended:
+            return
+        self._ended = True
+        call = self.call
+        await call.end()
+        self.answer.content = "".join(self._parts)
+        self.answer.prompt_tokens = call.prompt_tokens
+        self.answer.completion_tokens = call.completion_tokens
+        if call.first_token_at is not None:
+            self.answer.first_token_ms = _ms(call.started, call.first_token_at)
+        self.answer.total_ms = _ms(call.started)
+        if self._started:
+            await self._store()
+
+    async def _store(self) -> None:
+        try:
+            stored = await database_sync_to_async(conversation_turn_record)(
+                user=self.user,
+                key=self.key,
+                conversation=self.chat.conversation,
+                messages=self._messages or [],
+                regenerate=self.chat.regenerate,
+                answer=self.answer,
+            )
+        except Exception:  # the answer reached the caller: keep serving
+            log.exception("could not store a chat turn")
+        else:
+            self.conversation = stored.pk
+
+    def _done(self, reason: str, engine_timings: dict | None = None) -> dict:
+        return {
+            "type": "done",
+            "id": self.chat.id,
+            "finish_reason": reason,
+            "conversation": self.conversation,
+            "usage": self.call.usage(),
+            "timings": {
+                **(engine_timings or {"engine": self.call.engine}),
+                "first_token_ms": self.answer.first_token_ms,
+                "total_ms": self.answer.total_ms,
+            },
+        }

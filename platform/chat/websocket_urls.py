@@ -1,0 +1,9 @@
+"""WebSocket routes of the chat app (routed in roundhouse.asgi)."""
+
+from django.urls import path
+
+from .consumers import ChatConsumer
+
+websocket_urlpatterns = [
+    path("ws/chat/", ChatConsumer.as_asgi()),
+]

@@ -1,0 +1,317 @@
+"""The WebSocket chat (`/ws/chat/`) as the front routes it (origin check,
+session auth, URL routes: roundhouse.asgi's websocket application), driven by
+Channels' WebsocketCommunicator, answered by a real engine serving SmolLM2
+with one slot: a second stream waits in its queue."""
+
+import asyncio
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from api.models import ApiKey, Usage
+from api.schemas import ChatCompletionRequest, parse
+from chat.consumers import ChatConsumer
+from chat.models import Conversation, Message
+from tests.factories import ApiKeyFactory, ModelConfigFactory
+from tests.platform.api.test_streams import (
+    CHAT,
+    ESSAY,
+    chat_engine,
+    engine_idle,
+    routed_to,
+    slot_free,
+    within,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    engine = chat_engine(tmp_path_factory.mktemp("ws-chat"))
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def socket_app(engine, tmp_path, settings, monkeypatch):
+    routed_to(engine, tmp_path, settings, monkeypatch)
+    from roundhouse.asgi import websocket_application
+
+    return websocket_application
+
+
+class Socket:
+    """A client's end of one chat socket."""
+
+    def __init__(self, app, *, headers=()) -> None:
+        self.communicator = WebsocketCommunicator(app, "/ws/chat/", headers=headers)
+
+    async def open(self) -> bool:
+        connected, _ = await self.communicator.connect(timeout=10)
+        return connected
+
+    async def send(self, message: dict | str) -> None:
+        text = message if isinstance(message, str) else json.dumps(message)
+        await self.communicator.send_to(text_data=text)
+
+    async def receive(self) -> dict:
+        output = await within(self.communicator.receive_output(timeout=30))
+        if output["type"] == "websocket.close":
+            return {**output, "type": "closed"}
+        return json.loads(output["text"])
+
+    async def until(self, kind: str, stream_id: str | None = None) -> list[dict]:
+        """Messages up to and including the first of this type (and id)."""
+        seen = []
+        while True:
+            message = await self.receive()
+            seen.append(message)
+            if message["type"] == kind and (
+                stream_id is None or message.get("id") == stream_id
+            ):
+                return seen
+
+    async def close(self) -> None:
+        await self.communicator.disconnect()
+
+
+async def keyed_socket(app, key: ApiKey) -> Socket:
+    socket = Socket(app)
+    assert await socket.open()
+    await socket.send({"type": "auth", "key": key.plaintext})
+    assert (await socket.receive()) == {"type": "ready", "key": key.name}
+    return socket
+
+
+def chat(stream_id: str, content: str = "Name a colour.", **extra) -> dict:
+    params = extra.pop("params", {"max_tokens": 8, "temperature": 0})
+    return {
+        "type": "chat",
+        "id": stream_id,
+        "model": CHAT,
+        "messages": [{"role": "user", "content": content}],
+        "params": params,
+        **extra,
+    }
+
+
+async def usage_of(**filters) -> Usage:
+    async def found():
+        while (row := await Usage.objects.filter(**filters).afirst()) is None:
+            await asyncio.sleep(0.05)
+        return row
+
+    return await within(found())
+
+
+async def test_key_chat_streams_and_is_recorded(socket_app, engine):
+    """A key's socket: start, tokens, done with usage and timings; one usage
+    row (endpoint ws.chat) and the turn stored as the key's conversation."""
+    key = await sync_to_async(ApiKeyFactory)()
+    socket = await keyed_socket(socket_app, key)
+    await socket.send(chat("a"))
+    messages = await socket.until("done", "a")
+    start, *tokens, done = messages
+    assert start == {"type": "start", "id": "a", "model": CHAT, "engine": "streams0"}
+    assert tokens and all(t["type"] == "token" and t["id"] == "a" for t in tokens)
+    assert done["finish_reason"] in ("stop", "length")
+    assert done["usage"]["completion_tokens"] == len(tokens)
+    assert done["usage"]["prompt_tokens"] > 5
+    assert done["timings"]["first_token_ms"] > 0
+    assert done["timings"]["engine"] == "streams0"
+    row = await usage_of(key_id=key.pk)
+    assert (row.endpoint, row.status, row.model) == ("ws.chat", 200, CHAT)
+    assert row.completion_tokens == len(tokens)
+    conversation = await Conversation.objects.aget(pk=done["conversation"])
+    assert conversation.key_id == key.pk and conversation.user_id is None
+    stored = [m async for m in Message.objects.filter(conversation=conversation)]
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert stored[1].content == "".join(t["text"] for t in tokens)
+    assert stored[1].engine == "streams0"
+    assert stored[1].completion_tokens == len(tokens)
+    await socket.close()
+
+
+async def test_no_authentication_closes_with_4401(socket_app, monkeypatch):
+    """Silence, a first message that is not `auth`, or a wrong key: closed
+    with 4401 and a reason. Control: the right key is answered `ready`."""
+    monkeypatch.setattr(ChatConsumer, "AUTH_TIMEOUT_S", 0.2)
+    silent = Socket(socket_app)
+    assert await silent.open()
+    closed = await silent.receive()
+    assert closed["code"] == 4401 and "authentication" in closed["reason"]
+
+    monkeypatch.setattr(ChatConsumer, "AUTH_TIMEOUT_S", 30)
+    for first in (chat("x"), {"type": "auth", "key": "rh-wrong"}, "not json"):
+        socket = Socket(socket_app)
+        assert await socket.open()
+        await socket.send(first)
+        closed = await socket.receive()
+        assert closed["type"] == "closed" and closed["code"] == 4401, first
+        assert closed["reason"]
+
+    key = await sync_to_async(ApiKeyFactory)()
+    socket = await keyed_socket(socket_app, key)
+    await socket.close()
+
+
+async def test_malformed_messages_get_bad_request_and_the_socket_stays(
+    socket_app, engine
+):
+    """Bad JSON, unknown types and fields, and sampling values REST refuses:
+    an `error` with code bad_request (REST's own message), and the socket
+    still serves a good chat afterwards."""
+    key = await sync_to_async(ApiKeyFactory)()
+    socket = await keyed_socket(socket_app, key)
+    bad_temperature = chat("t", params={"temperature": 5})
+    rest_body = {
+        "model": CHAT,
+        "messages": bad_temperature["messages"],
+        "temperature": 5,
+    }
+    with pytest.raises(Exception) as rest:
+        parse(ChatCompletionRequest, json.dumps(rest_body).encode())
+    for sent, stream_id, says in (
+        ("{not json", None, "not valid JSON"),
+        ({"type": "dance"}, None, "Unknown message type"),
+        ({**chat("u"), "colour": 1}, "u", "colour"),
+        (chat("p", params={"stream": False}), "p", "params argument supplied: stream"),
+        (bad_temperature, "t", rest.value.message),
+        ({**chat("e"), "messages": []}, "e", "messages"),
+    ):
+        await socket.send(sent)
+        error = await socket.receive()
+        assert error["type"] == "error" and error["code"] == "bad_request", sent
+        assert error["status"] == 400
+        assert error["id"] == stream_id
+        assert says in error["message"]
+    await socket.send(chat("ok"))
+    assert (await socket.until("done", "ok"))[-1]["finish_reason"]
+    await socket.close()
+
+
+async def test_key_limits_apply_as_on_rest(socket_app, engine):
+    """The key's models and requests per minute: model_not_found, then
+    rate_limit_exceeded with retry_after (REST's Retry-After)."""
+    key = await sync_to_async(ApiKeyFactory)(rpm_limit=1)
+    socket = await keyed_socket(socket_app, key)
+    await socket.send(chat("first"))
+    await socket.until("done", "first")
+    await socket.send(chat("second"))
+    error = await socket.receive()
+    assert error["code"] == "rate_limit_exceeded" and error["status"] == 429
+    assert error["retry_after"] >= 1 and error["id"] == "second"
+    await socket.close()
+
+    other = await sync_to_async(_key_for_another_model)()
+    socket = await keyed_socket(socket_app, other)
+    await socket.send(chat("m"))
+    error = await socket.receive()
+    assert (error["code"], error["status"]) == ("model_not_found", 404)
+    await socket.close()
+
+
+def _key_for_another_model() -> ApiKey:
+    return ApiKeyFactory(allowed_models=[ModelConfigFactory(name="another-model")])
+
+
+async def test_cancel_frees_the_slot_for_the_next_stream(socket_app, engine):
+    """Two streams on one socket, the engine with one slot: the second waits.
+    Cancelling the first ends it with `done` (cancelled) and its slot goes to
+    the second, which streams to its end."""
+    key = await sync_to_async(ApiKeyFactory)()
+    socket = await keyed_socket(socket_app, key)
+    long = {"max_tokens": 400, "temperature": 0}
+    await socket.send(chat("one", ESSAY, params=long))
+    await socket.until("token", "one")
+    await socket.send(chat("two", ESSAY, params={"max_tokens": 4}))
+    await socket.send({"type": "cancel", "id": "one"})
+    seen = await socket.until("done", "one")
+    assert seen[-1]["finish_reason"] == "cancelled"
+    assert seen[-1]["usage"]["completion_tokens"] >= 1
+    rest = await socket.until("done", "two")
+    assert [m["type"] for m in rest if m.get("id") == "two"][0] == "start"
+    assert rest[-1]["usage"]["completion_tokens"] <= 4
+    cancelled = await usage_of(key_id=key.pk, error_code="cancelled")
+    assert cancelled.status == 499
+    await socket.close()
+    await engine_idle(engine)
+
+
+async def test_closed_socket_cancels_its_streams_in_the_engine(socket_app, engine):
+    """A socket closed mid-stream: the engine drops the request, the key's
+    slot comes back, the usage row says the client went away."""
+    key = await sync_to_async(ApiKeyFactory)(max_concurrent=1)
+    socket = await keyed_socket(socket_app, key)
+    await socket.send(chat("gone", ESSAY, params={"max_tokens": 400}))
+    await socket.until("token", "gone")
+    await socket.close()
+    await engine_idle(engine)
+    await slot_free(key)
+    row = await usage_of(key_id=key.pk)
+    assert (row.status, row.error_code) == (499, "client_closed")
+    assert row.completion_tokens >= 1
+
+
+def _session_cookie(username: str) -> tuple[object, str]:
+    user = get_user_model().objects.create_user(username, password="pw-not-real")
+    client = Client()
+    client.force_login(user)
+    return user, client.cookies["sessionid"].value
+
+
+async def test_session_user_chats_and_owns_the_conversation(socket_app, engine):
+    """A logged-in browser (session cookie, its own origin): ready at once;
+    the usage row and the conversation are the user's; a later turn continues
+    the conversation; another user's conversation is refused."""
+    user, session = await sync_to_async(_session_cookie)("ada")
+    headers = [
+        (b"cookie", f"sessionid={session}".encode()),
+        (b"origin", b"http://127.0.0.1:8000"),
+    ]
+    socket = Socket(socket_app, headers=headers)
+    assert await socket.open()
+    assert (await socket.receive()) == {"type": "ready", "user": "ada"}
+    await socket.send(chat("s1", "Hello there"))
+    done = (await socket.until("done", "s1"))[-1]
+    conversation = done["conversation"]
+    turn = chat("s2", "And again", conversation=conversation)
+    turn["messages"].insert(0, {"role": "user", "content": "Hello there"})
+    await socket.send(turn)
+    assert (await socket.until("done", "s2"))[-1]["conversation"] == conversation
+    stored = [
+        m.role async for m in Message.objects.filter(conversation_id=conversation)
+    ]
+    assert stored == ["user", "assistant", "user", "assistant"]
+    row = await usage_of(user_id=user.pk)
+    assert row.endpoint == "ws.chat" and row.key_id is None
+
+    other, other_session = await sync_to_async(_session_cookie)("bob")
+    intruder = Socket(
+        socket_app,
+        headers=[(b"cookie", f"sessionid={other_session}".encode())],
+    )
+    assert await intruder.open()
+    await intruder.receive()
+    await intruder.send(chat("x", conversation=conversation))
+    error = await intruder.receive()
+    assert error["code"] == "conversation_not_found"
+    await intruder.close()
+    await socket.close()
+
+
+async def test_other_sites_cannot_use_the_session(socket_app):
+    """A page of another origin is refused before the consumer runs; the
+    same socket from an allowed origin is accepted (the control)."""
+    _, session = await sync_to_async(_session_cookie)("eve")
+    cookie = (b"cookie", f"sessionid={session}".encode())
+    foreign = Socket(socket_app, headers=[cookie, (b"origin", b"http://evil.test")])
+    assert not await foreign.open()
+    own = Socket(socket_app, headers=[cookie, (b"origin", b"http://localhost:8000")])
+    assert await own.open()
+    await own.close()
