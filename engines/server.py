@@ -88,6 +88,8 @@ class EngineServer:
         )
         self._watch_task: asyncio.Task | None = None
         self.started_at = time.time()
+        # Tokens generated since the engine started (the dashboard's tokens/s).
+        self.tokens_generated = 0
         self.port: int | None = None
 
     @property
@@ -201,6 +203,7 @@ class EngineServer:
                             writer,
                             received=received,
                             generations=self._generations,
+                            count_tokens=self._count_tokens,
                         )
                     return
                 handler: Callable[[dict], Awaitable[Reply]] = getattr(
@@ -271,8 +274,13 @@ class EngineServer:
             "slots_in_use": self.residency.busy(),
             "cooling_reason": self.thermal.reason,
             "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
+            "temperatures": self.thermal.temperatures,
+            "tokens_generated": self.tokens_generated,
             "limits": vars(self.config.limits),
         }, None
+
+    def _count_tokens(self, count: int) -> None:
+        self.tokens_generated += count
 
     async def handle_load(self, message: dict) -> Reply:
         model = await self.residency.ensure_loaded(message["model"])

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from .generation import GenerationRequest, GenerationRunner
 from .protocol import ErrorCode, ProtocolError, encode_message, error_frame
@@ -57,6 +58,7 @@ async def serve_generation(
     *,
     received: float,
     generations: dict[str, GenerationRunner],
+    count_tokens: Callable[[int], None] = lambda _: None,
 ) -> None:
     """Run one generation, writing its frames: for generate_stream a start
     frame once a slot takes the request (with its `prompt_tokens`), one frame
@@ -129,6 +131,7 @@ async def serve_generation(
                         started = True
                     continue
                 if event["event"] == "token":
+                    count_tokens(int(event.get("tokens", 1)))
                     if first_token_ms is None:
                         first_token_ms = _ms_since(received)
                     if stream:

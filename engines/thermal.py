@@ -151,6 +151,8 @@ class ThermalGate:
         self.thresholds = thresholds or Thresholds()
         self.devices = set(devices)
         self.hot: dict[tuple[str, str], str] = {}  # (kind, device) -> reason
+        # The last temperatures of this engine's devices: label -> °C.
+        self.readings: dict[str, float] = {}
         self._read_at = 0.0
 
     def configure(self, *, thresholds: Thresholds, devices: Iterable[str]) -> None:
@@ -163,6 +165,14 @@ class ThermalGate:
         """Why the engine is cooling ('' when it is not)."""
         return "; ".join(self.hot[key] for key in sorted(self.hot))
 
+    @property
+    def temperatures(self) -> list[dict]:
+        """The last reading of each of this engine's devices (the dashboard's)."""
+        return [
+            {"device": label, "celsius": celsius}
+            for label, celsius in sorted(self.readings.items())
+        ]
+
     def update(self, now: float | None = None) -> str:
         """Read the probes (at most once a second) and return the cooling reason."""
         now = time.monotonic() if now is None else now
@@ -171,6 +181,7 @@ class ThermalGate:
         self._read_at = now
         readings = [r for probe in self.probes for r in probe.read()]
         seen = set()
+        temperatures = {}
         for reading in readings:
             if reading.kind == "gpu" and reading.device not in self.devices:
                 continue  # another engine's card
@@ -178,6 +189,7 @@ class ThermalGate:
             seen.add(key)
             high, resume = self.thresholds.for_reading(reading)
             label = "CPU" if reading.kind == "cpu" else f"GPU {reading.device}"
+            temperatures[label] = round(reading.celsius, 1)
             if reading.celsius >= high:
                 self.hot[key] = (
                     f"{label} ({reading.vendor}) at {reading.celsius:g} °C "
@@ -194,4 +206,5 @@ class ThermalGate:
         for key in list(self.hot):
             if key not in seen:  # the sensor went away: do not pause forever
                 del self.hot[key]
+        self.readings = temperatures
         return self.reason

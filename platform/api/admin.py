@@ -94,6 +94,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         revoked = 0
         for key in queryset.filter(revoked_at__isnull=True):
             api_key_revoke(key=key)
+            self.log_change(request, key, "Revoked.")
             revoked += 1
         self.message_user(request, f"Revoked {revoked} key(s).", messages.SUCCESS)
 

@@ -3,7 +3,9 @@
 from django.urls import path
 
 from .consumers import ChatConsumer
+from .dashboard import DashboardConsumer
 
 websocket_urlpatterns = [
     path("ws/chat/", ChatConsumer.as_asgi()),
+    path("ws/dashboard/", DashboardConsumer.as_asgi()),
 ]

@@ -22,7 +22,7 @@ from .models import (
     ThermalOverride,
     ThermalSettings,
 )
-from .selectors import engine_port, engine_views, routing_snapshot
+from .selectors import engine_port, engine_views, model_residence, routing_snapshot
 from .services import engine_restart_request
 
 
@@ -88,6 +88,7 @@ class EngineSpecAdmin(admin.ModelAdmin):
         specs = list(queryset)
         for spec in specs:
             engine_restart_request(spec=spec)
+            self.log_change(request, spec, "Restart requested.")
         names = ", ".join(spec.name for spec in specs)
         self.message_user(
             request,
@@ -155,6 +156,16 @@ class PlacedModelConfigAdmin(ModelConfigAdmin):
     list_display = _inserted_after(
         ModelConfigAdmin.list_display, "engine_pin", "pin_status", "owner"
     )
+    readonly_fields = [*ModelConfigAdmin.readonly_fields, "owner_engine", "resident_on"]
+    fieldsets = [
+        (
+            name,
+            {"fields": [*options["fields"], "owner_engine", "resident_on"]}
+            if name == "Placement"
+            else options,
+        )
+        for name, options in ModelConfigAdmin.fieldsets
+    ]
 
     def formfield_for_dbfield(self, db_field, request, **kwargs):
         if db_field.name == "engine_pin":
@@ -180,6 +191,21 @@ class PlacedModelConfigAdmin(ModelConfigAdmin):
     def owner(self, model: ModelConfig) -> str:
         """The engine routing assigns the model to (pin, default or balanced)."""
         return getattr(self, "_owners", {}).get(model.name, "—")
+
+    @admin.display(description="owner engine")
+    def owner_engine(self, model: ModelConfig) -> str:
+        """The change form's owner: read for this one model."""
+        if model.pk is None:
+            return "—"
+        return routing_snapshot().owners().get(model.name, "—")
+
+    @admin.display(description="resident on")
+    def resident_on(self, model: ModelConfig) -> str:
+        """The engines holding the model now, with its measured memory there."""
+        held = model_residence(name=model.name) if model.pk else []
+        if not held:
+            return "no engine holds it now"
+        return ", ".join(f"{engine} ({memory:.0f} MiB)" for engine, memory in held)
 
     def save_model(self, request, obj: ModelConfig, form, change) -> None:
         super().save_model(request, obj, form, change)  # warns of path problems

@@ -241,6 +241,17 @@ class EngineState(models.Model):
     slots_in_use = models.PositiveIntegerField(default=0)
     queue_depth = models.PositiveIntegerField(default=0)
     cooling_reason = models.CharField(max_length=200, blank=True)
+    temperatures = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='Last temperatures: [{"device": "CPU", "celsius": 51.0}, ...]',
+    )
+    memory_mib = models.FloatField(
+        "memory (MiB)", null=True, blank=True, help_text="The engine process's RSS."
+    )
+    tokens_generated = models.PositiveBigIntegerField(
+        default=0, help_text="Tokens generated since the engine process started."
+    )
     restart_count = models.PositiveIntegerField(default=0)
     backoff_until = models.DateTimeField(
         null=True,

@@ -18,6 +18,7 @@ from .models import (
     ConcurrencySettings,
     EngineSpec,
     EngineState,
+    EngineStatus,
     ServerSettings,
     ThermalSettings,
 )
@@ -224,3 +225,68 @@ def engine_counters() -> tuple[dict[str, int], dict[tuple[str, str], tuple[int, 
             key = (str(item.get("name", "?")), state.spec.name)
             models[key] = (int(item.get("queued", 0)), int(item.get("busy", 0)))
     return restarts, models
+
+
+def fleet_overview() -> dict:
+    """The fleet as the dashboard shows it: each engine with its last state,
+    and the enabled models an operator may load. JSON-ready."""
+    now = timezone.now()
+    engines = []
+    for spec in EngineSpec.objects.select_related("state").order_by("order", "name"):
+        state = getattr(spec, "state", None)
+        if state is None:
+            state = EngineState(spec=spec)
+        running = state.started_at is not None and state.status not in (
+            EngineStatus.STOPPED,
+            EngineStatus.CRASHED,
+        )
+        engines.append(
+            {
+                "name": spec.name,
+                "backend": spec.backend,
+                "devices": spec.devices,
+                "enabled": spec.enabled,
+                "status": state.status if spec.enabled else "disabled",
+                "pid": state.pid,
+                "uptime_s": (now - state.started_at).total_seconds()
+                if running
+                else None,
+                "restart_count": state.restart_count,
+                "heartbeat_age_s": (now - state.heartbeat_at).total_seconds()
+                if state.heartbeat_at
+                else None,
+                "slots_in_use": state.slots_in_use,
+                "queue_depth": state.queue_depth,
+                "cooling_reason": state.cooling_reason,
+                "last_error": state.last_error,
+                "crash_loop": state.in_crash_loop,
+                "temperatures": state.temperatures,
+                "memory_mib": state.memory_mib,
+                "tokens_generated": state.tokens_generated,
+                "models": [
+                    {
+                        "name": item.get("name", "?"),
+                        "memory_mib": item.get("memory_mib", 0),
+                        "busy": item.get("busy", 0),
+                        "queued": item.get("queued", 0),
+                    }
+                    for item in state.resident_models
+                ],
+            }
+        )
+    models = ModelConfig.objects.filter(enabled=True).order_by("name")
+    return {
+        "engines": engines,
+        "models": [{"name": m.name, "task": m.task} for m in models],
+    }
+
+
+def model_residence(*, name: str) -> list[tuple[str, float]]:
+    """The engines that hold the model now, with the memory it takes there
+    (as the supervisor last recorded)."""
+    held = []
+    for state in EngineState.objects.select_related("spec").order_by("spec__name"):
+        for item in state.resident_models:
+            if item.get("name") == name:
+                held.append((state.spec.name, float(item.get("memory_mib", 0))))
+    return held

@@ -1,4 +1,5 @@
-"""Writes of fleet data, and starting the fleet on demand."""
+"""Writes of fleet data, starting the fleet on demand, and an operator's
+orders to a running engine (load or unload a model now)."""
 
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.utils import timezone
 
-from engines.client import EngineClient, EngineError
+from engines.client import AsyncEngineClient, EngineClient, EngineError
 from engines.launch import popen_detached_kwargs
 
 from .models import EngineSpec, EngineState
@@ -22,6 +23,32 @@ def engine_restart_request(*, spec: EngineSpec) -> None:
     """Ask the supervisor to restart this engine (it polls the database)."""
     spec.restart_requested_at = timezone.now()
     spec.save(update_fields=["restart_requested_at"])
+
+
+# A model's load may read gigabytes from disk and measure its memory: an
+# operator's load order waits this long for the engine's answer.
+MODEL_LOAD_TIMEOUT_S = 600.0
+
+
+async def engine_model_load(*, engine: str, model: str) -> dict:
+    """Load `model` on the running engine `engine` now (it stays until it is
+    idle past its keep-alive or evicted); the engine's account of it, with
+    its measured memory. EngineError when the engine cannot be reached or
+    refuses (a model it does not serve, not enough memory)."""
+    client = AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
+    reply, _ = await client.request(
+        {"kind": "load", "model": model}, timeout=MODEL_LOAD_TIMEOUT_S
+    )
+    return reply["model"]
+
+
+async def engine_model_unload(*, engine: str, model: str) -> None:
+    """Unload `model` from the running engine `engine` once its requests in
+    flight are done; EngineError as for `engine_model_load`."""
+    client = AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
+    await client.request(
+        {"kind": "unload", "model": model}, timeout=MODEL_LOAD_TIMEOUT_S
+    )
 
 
 def engine_state_record(*, spec_id: int, **fields) -> None:

@@ -528,6 +528,12 @@ class Supervisor:
             queue_depth=int(state.get("queue_depth", 0)),
             slots_in_use=int(state.get("slots_in_use", 0)),
             cooling_reason=str(state.get("cooling_reason", "")),
+            temperatures=[
+                {"device": str(t["device"]), "celsius": float(t["celsius"])}
+                for t in state.get("temperatures", [])
+            ],
+            memory_mib=state.get("rss_mib"),
+            tokens_generated=int(state.get("tokens_generated", 0)),
             backoff_until=None,
         )
 

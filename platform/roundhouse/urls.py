@@ -12,7 +12,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("chat/", include("chat.urls")),
+    path("", include("chat.urls")),
     path("v1/", include("api.urls")),
     path("healthz", healthz),
     path("metrics", metrics_view),

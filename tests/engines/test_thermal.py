@@ -59,6 +59,22 @@ def test_only_own_gpus_and_vendor_thresholds_count(tmp_path):
     assert relaxed.update() == ""
 
 
+def test_temperatures_of_own_devices_are_kept_for_the_dashboard(tmp_path):
+    """The gate's last reading of each device the engine owns (the CPU and its
+    own GPUs, not another engine's card): what its `state` reports."""
+    temps = tmp_path / "t.json"
+    write_temperatures(
+        temps, cpu=51.26, gpus=[("GPU-A", "nvidia", 64), ("GPU-B", "nvidia", 99)]
+    )
+    gate = gate_for(temps)
+    assert gate.temperatures == []  # nothing read yet
+    gate.update()
+    assert gate.temperatures == [
+        {"device": "CPU", "celsius": 51.3},
+        {"device": "GPU GPU-A", "celsius": 64.0},
+    ]
+
+
 def test_a_vanished_sensor_does_not_pause_forever(tmp_path):
     temps = tmp_path / "t.json"
     gate = gate_for(temps)

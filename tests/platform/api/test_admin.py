@@ -6,6 +6,7 @@ import logging
 import re
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.messages import get_messages
 from django.core.management import call_command
 from django.urls import reverse
@@ -88,6 +89,10 @@ def test_revoke_action(admin_client):
     assert ApiKey.objects.get(pk=chosen.pk).revoked
     assert not ApiKey.objects.get(pk=other.pk).revoked
     assert "Revoked 1 key(s)." in [str(m) for m in get_messages(response.wsgi_request)]
+    # The admin's history of the key records it; the other key has none.
+    entry = LogEntry.objects.get(object_id=str(chosen.pk))
+    assert entry.change_message == "Revoked." and entry.is_change()
+    assert not LogEntry.objects.filter(object_id=str(other.pk)).exists()
 
 
 def test_key_list_shows_usage_totals(admin_client):

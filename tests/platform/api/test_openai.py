@@ -15,7 +15,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.message import Message
 from pathlib import Path
 
@@ -49,6 +49,10 @@ class Live:
     port: int
     keys: dict[str, str]
     front_pid: int = 0
+    # How the processes were started, and every one started (a test may
+    # start the front again: it is stopped with the rest).
+    env: dict = field(default_factory=dict)
+    processes: list = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -161,7 +165,14 @@ def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
                     argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
                 )
             )
-    platform = Live(run_dir=run_dir, port=port, keys=keys, front_pid=processes[1].pid)
+    platform = Live(
+        run_dir=run_dir,
+        port=port,
+        keys=keys,
+        front_pid=processes[1].pid,
+        env=env,
+        processes=processes,
+    )
 
     def engines_ready():
         try:

@@ -48,8 +48,8 @@ def socket_app(engine, tmp_path, settings, monkeypatch):
 class Socket:
     """A client's end of one chat socket."""
 
-    def __init__(self, app, *, headers=()) -> None:
-        self.communicator = WebsocketCommunicator(app, "/ws/chat/", headers=headers)
+    def __init__(self, app, *, path="/ws/chat/", headers=()) -> None:
+        self.communicator = WebsocketCommunicator(app, path, headers=headers)
 
     async def open(self) -> bool:
         connected, _ = await self.communicator.connect(timeout=10)
@@ -258,8 +258,11 @@ async def test_closed_socket_cancels_its_streams_in_the_engine(socket_app, engin
     assert row.completion_tokens >= 1
 
 
-def _session_cookie(username: str) -> tuple[object, str]:
-    user = get_user_model().objects.create_user(username, password="pw-not-real")
+def session_cookie(username: str, *, staff: bool = False) -> tuple[object, str]:
+    """A new user (staff if asked) and the id of a session logged in as it."""
+    user = get_user_model().objects.create_user(
+        username, password="pw-not-real", is_staff=staff
+    )
     client = Client()
     client.force_login(user)
     return user, client.cookies["sessionid"].value
@@ -269,7 +272,7 @@ async def test_session_user_chats_and_owns_the_conversation(socket_app, engine):
     """A logged-in browser (session cookie, its own origin): ready at once;
     the usage row and the conversation are the user's; a later turn continues
     the conversation; another user's conversation is refused."""
-    user, session = await sync_to_async(_session_cookie)("ada")
+    user, session = await sync_to_async(session_cookie)("ada")
     headers = [
         (b"cookie", f"sessionid={session}".encode()),
         (b"origin", b"http://127.0.0.1:8000"),
@@ -291,7 +294,7 @@ async def test_session_user_chats_and_owns_the_conversation(socket_app, engine):
     row = await usage_of(user_id=user.pk)
     assert row.endpoint == "ws.chat" and row.key_id is None
 
-    other, other_session = await sync_to_async(_session_cookie)("bob")
+    other, other_session = await sync_to_async(session_cookie)("bob")
     intruder = Socket(
         socket_app,
         headers=[(b"cookie", f"sessionid={other_session}".encode())],
@@ -308,7 +311,7 @@ async def test_session_user_chats_and_owns_the_conversation(socket_app, engine):
 async def test_other_sites_cannot_use_the_session(socket_app):
     """A page of another origin is refused before the consumer runs; the
     same socket from an allowed origin is accepted (the control)."""
-    _, session = await sync_to_async(_session_cookie)("eve")
+    _, session = await sync_to_async(session_cookie)("eve")
     cookie = (b"cookie", f"sessionid={session}".encode())
     foreign = Socket(socket_app, headers=[cookie, (b"origin", b"http://evil.test")])
     assert not await foreign.open()

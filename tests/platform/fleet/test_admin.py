@@ -270,3 +270,24 @@ def test_list_shows_each_models_owner_engine(admin_client):
     listed = admin.site._registry[ModelConfig]
     assert listed.owner(ModelConfig.objects.get(name="pinned")) == "vk"
     assert listed.owner(ModelConfig.objects.get(name="embedder")) in ("cpu0", "cpu1")
+
+
+def test_model_change_form_shows_owner_engine_and_memory_where_resident(
+    admin_client,
+):
+    """The model's change form says which engine owns it and which engines
+    hold it now, with the memory it takes there (the supervisor's record)."""
+    ModelConfig.objects.all().delete()
+    engine = EngineSpecFactory(name="cpu0")
+    model = ModelConfigFactory(name="chatty", measured_memory_mib=321)
+    url = reverse("admin:catalog_modelconfig_change", args=[model.pk])
+    body = admin_client.get(url).content.decode()
+    assert "Owner engine" in body and "no engine holds it now" in body
+    EngineState.objects.create(
+        spec=engine,
+        status="ready",
+        resident_models=[{"name": "chatty", "memory_mib": 312.4}],
+    )
+    body = admin_client.get(url).content.decode()
+    assert "cpu0 (312 MiB)" in body
+    assert "321" in body  # the memory its last load measured

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 
 from catalog.models import ModelConfig
@@ -123,6 +124,12 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
     fleet.temperatures.write_text(json.dumps({"cpu": 93}))
     wait_for(lambda: state_of("cpu0").status == "cooling", what="cooling")
     assert "CPU (cpu) at 93 °C" in state_of("cpu0").cooling_reason
+    # The dashboard's facts: the devices' temperatures, the engine's memory
+    # and its tokens generated so far (the request above).
+    recorded = state_of("cpu0")
+    assert {"device": "CPU", "celsius": 93.0} in recorded.temperatures
+    assert recorded.memory_mib > 50
+    assert recorded.tokens_generated >= reply["usage"]["completion_tokens"] > 0
     body = admin_client.get(reverse("admin:fleet_enginespec_changelist"))
     assert "cooling (CPU (cpu) at 93 °C" in body.content.decode()
     thermal = ThermalSettings.load()
@@ -145,6 +152,10 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
         {"action": "restart_engines", "_selected_action": [spec.pk]},
     )
     assert response.status_code == 302
+    # Recorded in the engine's admin history.
+    assert LogEntry.objects.get(object_id=str(spec.pk)).change_message == (
+        "Restart requested."
+    )
     pid = fleet.ready(other_than=pid)
 
     EngineSpec.objects.create(name="cpu1", backend="cpu", order=1)

@@ -1,0 +1,137 @@
+"""The fleet dashboard's page (`/dashboard/`) and an operator's orders from it:
+restart an engine, load or unload a model. Staff only, CSRF-checked POSTs,
+each recorded in the admin's history (LogEntry) of the engine or the model.
+
+A restart is asked of the supervisor (it polls the database); a load or an
+unload goes to the running engine at once, in the background: the answer says
+the order was given, and every open dashboard is told how it went."""
+
+from asgiref.sync import sync_to_async
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.views.decorators import staff_member_required
+from django.db.models import Model
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+from django.views.decorators.http import require_POST
+
+from api.calls import spawn
+from catalog.models import ModelConfig
+from engines.client import EngineError
+from fleet.models import EngineSpec
+from fleet.selectors import fleet_overview
+from fleet.services import (
+    engine_model_load,
+    engine_model_unload,
+    engine_restart_request,
+)
+
+from .dashboard import dashboard_notice
+
+
+@staff_member_required
+def dashboard_page(request: HttpRequest) -> HttpResponse:
+    """GET /dashboard/: the fleet now; the page then follows /ws/dashboard/."""
+    return render(request, "chat/dashboard.html", {"fleet": fleet_overview()})
+
+
+def _history(user_id: int, obj: Model, message: str) -> None:
+    """Record the order in the admin's history of `obj`."""
+    LogEntry.objects.log_actions(user_id, [obj], CHANGE, message, single_object=True)
+
+
+def _refused(message: str, status: int = 400) -> JsonResponse:
+    return JsonResponse({"message": message}, status=status)
+
+
+@require_POST
+@staff_member_required
+def engine_restart(request: HttpRequest, name: str) -> HttpResponse:
+    """POST /dashboard/engines/<name>/restart/."""
+    spec = EngineSpec.objects.filter(name=name).first()
+    if spec is None:
+        return _refused(f"No engine named {name!r}.", 404)
+    engine_restart_request(spec=spec)
+    _history(request.user.pk, spec, "Restart requested from the dashboard.")
+    return JsonResponse(
+        {"message": f"Restart of {name} requested: the supervisor drains it first."}
+    )
+
+
+def _ordered(
+    *, user_id: int, engine: str, model: str, message: str
+) -> tuple[EngineSpec, ModelConfig]:
+    """The engine and the model of a load or unload order, recorded in the
+    model's history; LookupError for either unknown."""
+    spec = EngineSpec.objects.filter(name=engine).first()
+    if spec is None:
+        raise LookupError(f"No engine named {engine!r}.")
+    config = ModelConfig.objects.filter(name=model).first()
+    if config is None:
+        raise LookupError(f"No model named {model!r}.")
+    _history(user_id, config, message.format(engine=spec.name))
+    return spec, config
+
+
+@require_POST
+@staff_member_required
+async def model_load(request: HttpRequest, name: str) -> HttpResponse:
+    """POST /dashboard/engines/<name>/load/ (model=...)."""
+    user = await request.auser()
+    try:
+        spec, model = await sync_to_async(_ordered)(
+            user_id=user.pk,
+            engine=name,
+            model=request.POST.get("model", ""),
+            message="Load on engine {engine} ordered from the dashboard.",
+        )
+    except LookupError as missing:
+        return _refused(str(missing), 404)
+    spawn(_load(spec.name, model.name), f"loading {model.name} on {spec.name}")
+    return JsonResponse(
+        {"message": f"Loading {model.name} on {spec.name}…"}, status=202
+    )
+
+
+@require_POST
+@staff_member_required
+async def model_unload(request: HttpRequest, name: str) -> HttpResponse:
+    """POST /dashboard/engines/<name>/unload/ (model=...)."""
+    user = await request.auser()
+    try:
+        spec, model = await sync_to_async(_ordered)(
+            user_id=user.pk,
+            engine=name,
+            model=request.POST.get("model", ""),
+            message="Unload from engine {engine} ordered from the dashboard.",
+        )
+    except LookupError as missing:
+        return _refused(str(missing), 404)
+    spawn(_unload(spec.name, model.name), f"unloading {model.name} on {spec.name}")
+    return JsonResponse(
+        {"message": f"Unloading {model.name} from {spec.name} once it is idle…"},
+        status=202,
+    )
+
+
+async def _load(engine: str, model: str) -> None:
+    try:
+        loaded = await engine_model_load(engine=engine, model=model)
+    except EngineError as error:
+        await dashboard_notice(
+            f"Could not load {model} on {engine}: {error}", level="error"
+        )
+        return
+    await dashboard_notice(
+        f"Loaded {model} on {engine} ({loaded.get('memory_mib', 0):.0f} MiB)."
+    )
+
+
+async def _unload(engine: str, model: str) -> None:
+    try:
+        await engine_model_unload(engine=engine, model=model)
+    except EngineError as error:
+        await dashboard_notice(
+            f"Could not unload {model} from {engine}: {error}", level="error"
+        )
+        return
+    await dashboard_notice(f"Unloaded {model} from {engine}.")

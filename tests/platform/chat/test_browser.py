@@ -1,0 +1,239 @@
+"""The pages in a real browser: Debian's chromium, headless, driven by
+Playwright, against the live platform (uvicorn front, `manage.py supervise`,
+a real engine serving SmolLM2), as a person uses them.
+
+Without /usr/bin/chromium these tests are skipped, unless
+ROUNDHOUSE_REQUIRE_BROWSER is set (CI sets it, and installs chromium)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth import get_user_model
+
+from chat.models import Conversation, Message
+from fleet.models import EngineState
+from tests.conftest import ROOT
+from tests.platform.api import test_openai as api_platform
+from tests.platform.api.test_openai import CHAT, ENGINE
+from tests.platform.live import wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+if not CHROMIUM.exists():
+    if os.environ.get("ROUNDHOUSE_REQUIRE_BROWSER"):
+        raise RuntimeError("ROUNDHOUSE_REQUIRE_BROWSER is set but chromium is missing")
+    pytest.skip("no /usr/bin/chromium (apt install chromium)", allow_module_level=True)
+
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+# The live platform of the API tests (one engine serving SmolLM2 and MiniLM),
+# started once for this module too.
+database = api_platform.database
+models_dir_path = api_platform.models_dir_path
+live = api_platform.live
+orm = api_platform.orm
+
+PASSWORD = "browser-test-password"
+TIMEOUT_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def browser(live):
+    """Chromium, once the platform runs. Playwright's sync API runs an event
+    loop in this thread, under which Django refuses ORM calls unless told
+    that this thread's calls are safe (they are: the loop is Playwright's
+    and never runs Django code)."""
+    allowed = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        yield chromium
+        chromium.close()
+    if allowed is None:
+        del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+    else:
+        os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = allowed
+
+
+@pytest.fixture
+def page(browser, live, orm):
+    """A browser page logged in as a new staff user."""
+    user = get_user_model().objects.create_user(
+        f"person{get_user_model().objects.count()}",
+        password=PASSWORD,
+        is_staff=True,
+    )
+    context = browser.new_context()
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    page.goto(f"{live.base_url}/chat/")
+    expect(page).to_have_url(re.compile(r"/accounts/login/"))
+    page.fill("input[name=username]", user.username)
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    expect(page).to_have_url(re.compile(r"/chat/$"))
+    page.user = user
+    yield page
+    context.close()
+    get_user_model().objects.filter(username__startswith="person").delete()
+    get_user_model().objects.filter(username="someone-else").delete()
+
+
+def sampling(page, **fields) -> None:
+    """Set sampling fields, opening their section as a person would."""
+    if not page.locator("#settings details").evaluate("details => details.open"):
+        page.click("#settings summary")
+    for name, value in fields.items():
+        page.fill(f"#{name}", str(value))
+
+
+def answer(page, index: int):
+    return page.locator(".message.assistant").nth(index)
+
+
+def test_chat_streams_stops_regenerates_and_comes_back(page, live):
+    """Send a message: the answer streams in, with its tokens/s and time to
+    first token; the conversation is listed and its URL kept. Stop halts a
+    long answer; regenerate replaces the last answer. Reloading shows the
+    stored conversation."""
+    expect(page.locator("#connection")).to_have_text("connected")
+    expect(page.locator("#model")).to_have_value(CHAT)
+    sampling(page, max_tokens=12, temperature=0)
+    page.fill("#prompt", "Name a colour.")
+    page.press("#prompt", "Enter")
+    first = answer(page, 0)
+    expect(first.locator(".stats")).to_contain_text("first token", timeout=TIMEOUT_MS)
+    expect(first.locator(".stats")).to_contain_text("tokens")
+    assert first.locator(".body").inner_text().strip()
+    expect(page).to_have_url(re.compile(r"/chat/\d+/$"))
+    expect(page.locator("#conversation-list li.current")).to_contain_text(
+        "Name a colour."
+    )
+
+    # Stop: a long answer is cut short, and says so.
+    sampling(page, max_tokens=400)
+    page.fill("#prompt", "Write a very long essay about harbours.")
+    page.press("#prompt", "Enter")
+    second = answer(page, 1)
+    expect(second.locator(".body")).not_to_be_empty()
+    page.click("#stop")
+    expect(second.locator(".stats")).to_contain_text("stopped")
+    expect(page.locator("#send")).to_be_enabled()
+
+    # Regenerate: the last answer is replaced, not added to.
+    sampling(page, max_tokens=6)
+    page.click("#regenerate")
+    expect(second.locator(".stats")).to_contain_text("tokens")
+    expect(second.locator(".stats")).not_to_contain_text("stopped")
+    assert page.locator(".message.assistant").count() == 2
+
+    conversation_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
+    stored = Conversation.objects.get(pk=conversation_id)
+    assert stored.user_id == page.user.pk
+    roles = list(stored.messages.values_list("role", "finish_reason"))
+    assert [role for role, _ in roles] == ["user", "assistant", "user", "assistant"]
+    assert roles[-1][1] in ("stop", "length")  # the regenerated one
+
+    page.reload()
+    expect(page.locator(".message")).to_have_count(4)
+    expect(page.locator(".message.user").first).to_have_text("Name a colour.")
+
+
+def test_markdown_is_rendered_and_sanitised(page, live):
+    """A stored answer with a code block and an injected script renders the
+    code block and runs nothing."""
+    conversation = Conversation.objects.create(user=page.user, model=CHAT, title="md")
+    Message.objects.create(conversation=conversation, role="user", content="show me")
+    Message.objects.create(
+        conversation=conversation,
+        role="assistant",
+        content=(
+            "Here:\n\n```python\nprint('hi')\n```\n\n"
+            '<img src="x" onerror="window.pwned=1"><script>window.pwned=2</script>'
+        ),
+    )
+    page.goto(f"{live.base_url}/chat/{conversation.pk}/")
+    expect(page.locator(".message.assistant pre code")).to_contain_text("print('hi')")
+    assert page.locator(".message.assistant script").count() == 0
+    assert page.locator(".message.assistant img[onerror]").count() == 0
+    assert page.evaluate("window.pwned") is None
+    # Another user's conversation is not shown to this one.
+    other = get_user_model().objects.create_user("someone-else")
+    theirs = Conversation.objects.create(user=other, model=CHAT, title="private")
+    response = page.goto(f"{live.base_url}/chat/{theirs.pk}/")
+    assert response.status == 404
+
+
+def test_chat_reconnects_after_the_socket_drops(page, live):
+    """The front restarts under the page: the page says it is disconnected,
+    reconnects by itself, and the next message is answered."""
+    expect(page.locator("#connection")).to_have_text("connected")
+    front = _restart_front(live)
+    try:
+        expect(page.locator("#connection")).to_contain_text("reconnecting")
+        expect(page.locator("#connection")).to_have_text("connected")
+        sampling(page, max_tokens=4)
+        page.fill("#prompt", "Hello again.")
+        page.press("#prompt", "Enter")
+        expect(answer(page, 0).locator(".stats")).to_contain_text("tokens")
+    finally:
+        live.front_pid = front.pid
+
+
+def _restart_front(live) -> subprocess.Popen:
+    """Stop the live front and start another on its port, as before."""
+    os.kill(live.front_pid, signal.SIGTERM)
+    wait_for(lambda: not _listening(live), timeout=30, what="the front stopped")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "roundhouse.serve", "--port", str(live.port)],
+        cwd=ROOT,
+        env={**os.environ, **live.env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    live.processes.append(process)
+    return process
+
+
+def _listening(live) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", live.port)) == 0
+
+
+def test_dashboard_shows_the_engine_and_restarts_it(page, live):
+    """The dashboard's card for the engine: ready, its pid, the chat model
+    resident with its memory. Restart from it: recorded in the admin's
+    history, and the card shows the new process when it is up."""
+    page.goto(f"{live.base_url}/dashboard/")
+    card = page.locator(f'.card[data-engine="{ENGINE}"]')
+    expect(card.locator(".badge")).to_have_text("ready")
+    expect(page.locator("#connection")).to_have_text("live")
+    pid = EngineState.objects.get(spec__name=ENGINE).pid
+    expect(card).to_contain_text(str(pid))
+    expect(card).to_contain_text("slots in use")
+    card.locator("button.restart").click()
+    expect(page.locator("#flash")).to_contain_text(f"Restart of {ENGINE} requested")
+    assert LogEntry.objects.filter(
+        change_message="Restart requested from the dashboard."
+    ).exists()
+    new_pid = wait_for(
+        lambda: (
+            (s := EngineState.objects.get(spec__name=ENGINE)).status == "ready"
+            and s.pid != pid
+            and s.pid
+        ),
+        what="the engine restarted",
+    )
+    expect(card.locator("dd").first).to_have_text(str(new_pid))
+    expect(card.locator(".badge")).to_have_text("ready")
