@@ -1,6 +1,6 @@
-"""The reliability bench's load: streaming chat clients through the front, each
-request classified by how it ended, and the platform's recovery from a fault
-measured from those outcomes.
+"""The reliability bench's load: streaming chat clients through the front (SSE on
+/v1/chat/completions, or the WebSocket chat), each request classified by how
+it ended, and the platform's recovery from a fault measured from those outcomes.
 
 No benchmark of its own: bench/reliability.py runs this load around its faults.
 """
@@ -18,6 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from websockets.asyncio.client import connect as ws_connect  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
 
 from bench.front import MODEL, http_open  # noqa: E402
 
@@ -101,6 +104,25 @@ def recovery_time(outcomes: list[Outcome], fault_at: float) -> tuple[bool, float
 # -- one request ------------------------------------------------------------------
 
 
+class Timing:
+    """One request's clock: when it started, when it passed its milestones
+    (`seen`: headers, first_token), and its outcome once it `ended`."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.seen: dict[str, float] = {}
+
+    def ended(self, kind: str, detail: str = "") -> Outcome:
+        return Outcome(
+            self.started,
+            time.monotonic(),
+            kind,
+            detail,
+            self.seen.get("headers"),
+            self.seen.get("first_token"),
+        )
+
+
 def _error_code(body: bytes) -> str:
     found = re.search(rb'"code":\s*"([^"]*)"', body)
     return found.group(1).decode() if found else ""
@@ -119,18 +141,8 @@ async def chat_stream(
         "temperature": 0,
         "stream": True,
     }
-    started = time.monotonic()
-    seen: dict[str, float] = {}
-
-    def ended(kind: str, detail: str = "") -> Outcome:
-        return Outcome(
-            started,
-            time.monotonic(),
-            kind,
-            detail,
-            seen.get("headers"),
-            seen.get("first_token"),
-        )
+    timing = Timing()
+    seen, ended = timing.seen, timing.ended
 
     try:
         reader, writer, status = await http_open(
@@ -173,13 +185,74 @@ async def chat_stream(
         writer.close()
 
 
+async def ws_chat_stream(
+    port: int, key: str, index: int, *, tokens: int, hang_up_after: int = 0
+) -> Outcome:
+    """The same chat through the WebSocket chat (a socket per request, as a
+    client that reconnects), classified the same way: `done` with a finish
+    reason succeeded; `error` with status 429 is a 429, any other an error; a
+    socket that closes before either lost the request."""
+    chat = {
+        "type": "chat",
+        "id": str(index),
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Name {index % 7 + 2} colours."}],
+        "params": {"max_tokens": tokens, "temperature": 0},
+    }
+    timing = Timing()
+    seen, ended = timing.seen, timing.ended
+
+    try:
+        socket = await ws_connect(f"ws://127.0.0.1:{port}/ws/chat/")
+    except (OSError, TimeoutError) as error:
+        return ended(ERROR, f"connect: {type(error).__name__}")
+    try:
+        await socket.send(json.dumps({"type": "auth", "key": key}))
+        ready = json.loads(await socket.recv())
+        if ready.get("type") != "ready":
+            return ended(ERROR, f"not ready: {ready}")
+        await socket.send(json.dumps(chat))
+        content = 0
+        while True:
+            message = json.loads(await socket.recv())
+            kind = message["type"]
+            if kind == "start":
+                seen["headers"] = time.monotonic()
+            elif kind == "token" and message["text"]:
+                content += 1
+                seen.setdefault("first_token", time.monotonic())
+                if hang_up_after and content >= hang_up_after:
+                    return ended(HUNG_UP, f"after {content} tokens")
+            elif kind == "done":
+                return ended(SUCCEEDED, message["finish_reason"])
+            elif kind == "error":
+                if message.get("status") == 429:
+                    return ended(RATE_LIMITED, message["code"])
+                where = "mid-stream " if "headers" in seen else ""
+                return ended(ERROR, f"{where}{message['status']} {message['code']}")
+    except ConnectionClosed as closed:
+        return ended(
+            LOST, f"socket closed ({closed.rcvd.code if closed.rcvd else '-'})"
+        )
+    finally:
+        await socket.close()
+
+
 async def bounded_stream(
-    port: int, key: str, index: int, *, tokens: int, timeout: float, hang_up_after=0
+    port: int,
+    key: str,
+    index: int,
+    *,
+    tokens: int,
+    timeout: float,
+    hang_up_after=0,
+    transport: str = "sse",
 ) -> Outcome:
     started = time.monotonic()
+    client = ws_chat_stream if transport == "ws" else chat_stream
     try:
         async with asyncio.timeout(timeout):
-            return await chat_stream(
+            return await client(
                 port, key, index, tokens=tokens, hang_up_after=hang_up_after
             )
     except TimeoutError:
@@ -193,8 +266,11 @@ class Load:
     """`clients` clients streaming through the front on `port` with `key`, and
     the requests' numbering (a request's prompt follows from its number)."""
 
-    def __init__(self, port: int, key: str, *, tokens: int, clients: int) -> None:
+    def __init__(
+        self, port: int, key: str, *, tokens: int, clients: int, transport="sse"
+    ) -> None:
         self.port = port
+        self.transport = transport  # "sse" or "ws"
         self.key = key
         self.tokens = tokens
         self.clients = clients
@@ -210,6 +286,7 @@ class Load:
             tokens=self.tokens,
             timeout=timeout,
             hang_up_after=hang_up_after,
+            transport=self.transport,
         )
 
     async def client_loop(self, result: Result, stop: asyncio.Event) -> None:

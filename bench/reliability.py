@@ -13,6 +13,7 @@ runs `--clients` clients, each streaming greedy chat answers of at most
 and after one fault:
 
   engine SIGKILL       kill -9 the engine while streams are mid-flight
+  engine SIGKILL (WS)  the same, the clients on the WebSocket chat
   engine SIGSTOP       kill -STOP the engine (the supervisor replaces an engine
                        silent for 15 s); SIGCONT afterwards in case it was not
   supervisor SIGKILL   kill -9 the supervisor and start a new one at once; its
@@ -105,7 +106,7 @@ class Bench:
 
     # -- the scenarios ------------------------------------------------------------
 
-    async def engine_sigkill(self) -> Result:
+    async def engine_sigkill(self, transport: str = "sse") -> Result:
         async def inject(result: Result) -> None:
             pid = self.watch.sample()
             process = self.watch.process(pid)
@@ -115,14 +116,26 @@ class Bench:
             process.kill()
             result.notes.append(f"killed engine pid {pid}")
 
-        result = await self.load.around_fault(
-            "engine SIGKILL mid-stream (SSE)",
+        load = self.load
+        if transport == "ws":
+            load = Load(
+                self.platform.port,
+                self.platform.key,
+                tokens=self.args.tokens,
+                clients=self.args.clients,
+                transport="ws",
+            )
+        result = await load.around_fault(
+            f"engine SIGKILL mid-stream ({transport.upper()})",
             inject,
             watch_at_least_s=10,
             deadline_s=60,
         )
         self.note_replacement(result)
         return result
+
+    async def engine_sigkill_ws(self) -> Result:
+        return await self.engine_sigkill("ws")
 
     async def engine_sigstop(self) -> Result:
         stopped: list[psutil.Process] = []
@@ -384,6 +397,7 @@ class Bench:
             print(f"idle fleet RSS {self.idle_mib:.0f} MiB ({self.idle_parts})")
             for scenario in (
                 self.engine_sigkill,
+                self.engine_sigkill_ws,
                 self.engine_sigstop,
                 self.supervisor_sigkill,
                 self.database_down,

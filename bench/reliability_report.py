@@ -50,11 +50,6 @@ def report(results: list[Result]) -> None:
             f"{result.count(LOST):>6}{result.count(HUNG_UP):>8}{p50:>8}{p99:>8}"
             f"{recovery:>11}  {result.leases:<16}{result.rss:<12}"
         )
-        if result.name.startswith("engine SIGKILL"):
-            print(
-                f"{'engine SIGKILL mid-stream (WS)':<34}  not run: the platform has "
-                "no WebSocket endpoint yet"
-            )
     print(
         "recovery: from the fault until the first request started after the last "
         "failed one succeeded; '-' nothing failed, 'n/r' not recovered"

@@ -8,7 +8,8 @@ Protocol (JSON text messages; README "WebSocket chat"):
   client over its failed keys, 1013 while keys cannot be checked). Ready, the
   server says `{"type": "ready"}`.
 - `chat` starts a stream (chat.streams), `cancel` stops one. The server sends
-  `start`, `token`..., then `done` or `error`, each with the stream's id.
+  `start`, `token`..., then `done` or `error`, each with the stream's id; then,
+  for an answer that started, `stored` with its conversation's id.
 - A malformed message gets an `error` with code `bad_request` (id null when
   it had none) and the socket stays open.
 - A closed socket cancels its streams in the engines.
@@ -20,6 +21,7 @@ import json
 import logging
 from typing import Any
 
+from channels.consumer import get_handler_name
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -41,6 +43,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
     """One chat socket; override `stream_class` to change how a stream runs."""
 
     stream_class = ChatStream
+    # No channel layer: tokens come over the engine connection, and nothing is
+    # sent to a chat socket from elsewhere. An alias that is not configured
+    # gives none (channels.layers.get_channel_layer), so a socket costs no
+    # channel and no receive loop on it (a Redis round trip each, with
+    # channels_redis).
+    channel_layer_alias = "chat-sockets-use-no-channel-layer"
     # Seconds a socket without a session has to send its key.
     AUTH_TIMEOUT_S = 5.0
     # Streams one socket may run at once.
@@ -71,6 +79,17 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 "closing an unauthenticated socket",
             ),
         )
+
+    async def dispatch(self, message: dict) -> None:
+        """Channels' dispatch, less its closing of stale database connections
+        before every message: a hop to the shared sync thread, on the way of
+        every `chat` before its engine is asked. This consumer reaches the
+        database only through `database_sync_to_async`, which does that
+        itself."""
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"No handler for message type {message['type']}")
+        await handler(message)
 
     @property
     def authenticated(self) -> bool:

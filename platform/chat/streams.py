@@ -7,6 +7,9 @@ body checked by the REST schema, the model, the key's limits, the engine; its
 `Call` ends in one usage row (endpoint `ws.chat`). Tokens come over the engine
 connection and leave as `token` messages; the channel layer never sees them.
 
+The answer's turn is stored once it has ended (`done` or `error` sent), and a
+`stored` message then gives its conversation's id.
+
 Cancelling the task ends the stream: the call's end closes the engine stream,
 which cancels the request in the engine and frees its slot. A cancel the client
 asked for is answered with `done` and finish reason `cancelled`; a socket that
@@ -93,6 +96,13 @@ class ChatStream:
             self.task.cancel()
 
     async def run(self) -> None:
+        try:
+            await self._answer()
+        finally:
+            if self._started:  # the turn is stored once the answer has ended
+                await asyncio.shield(self._record())
+
+    async def _answer(self) -> None:
         call, stream_id = self.call, self.chat.id
         failure: errors.ApiError | None = None
         try:
@@ -167,8 +177,8 @@ class ChatStream:
                 return
 
     async def _check_conversation(self, pk: int) -> None:
-        owned = conversations_owned(user=self.user, key=self.key)
-        if not await owned.filter(pk=pk).aexists():
+        owned = conversations_owned(user=self.user, key=self.key).filter(pk=pk)
+        if not await database_sync_to_async(owned.exists)():
             raise errors.from_mapping(
                 errors.NOT_FOUND,
                 f"No conversation {pk} of yours.",
@@ -177,8 +187,8 @@ class ChatStream:
             )
 
     async def _end(self) -> None:
-        """End the call (engine stream closed, key slot back, usage queued),
-        then store the turn if it started; once."""
+        """End the call (engine stream closed, key slot back, usage queued)
+        and take the answer's account; once."""
         if self._ended:
             return
         self._ended = True
@@ -190,10 +200,10 @@ class ChatStream:
         if call.first_token_at is not None:
             self.answer.first_token_ms = _ms(call.started, call.first_token_at)
         self.answer.total_ms = _ms(call.started)
-        if self._started:
-            await self._store()
 
-    async def _store(self) -> None:
+    async def _record(self) -> None:
+        """Store the turn, then tell the client where (`stored`): after its
+        `done` (or `error`), which thus never waits for the database."""
         try:
             stored = await database_sync_to_async(conversation_turn_record)(
                 user=self.user,
@@ -205,15 +215,17 @@ class ChatStream:
             )
         except Exception:  # the answer reached the caller: keep serving
             log.exception("could not store a chat turn")
-        else:
-            self.conversation = stored.pk
+            return
+        self.conversation = stored.pk
+        await self._send(
+            {"type": "stored", "id": self.chat.id, "conversation": stored.pk}
+        )
 
     def _done(self, reason: str, engine_timings: dict | None = None) -> dict:
         return {
             "type": "done",
             "id": self.chat.id,
             "finish_reason": reason,
-            "conversation": self.conversation,
             "usage": self.call.usage(),
             "timings": {
                 **(engine_timings or {"engine": self.call.engine}),

@@ -117,6 +117,8 @@ async def test_key_chat_streams_and_is_recorded(socket_app, engine):
     await socket.send(chat("a"))
     messages = await socket.until("done", "a")
     start, *tokens, done = messages
+    # Then, the answer over, where its turn was stored.
+    (where,) = await socket.until("stored", "a")
     assert start == {"type": "start", "id": "a", "model": CHAT, "engine": "streams0"}
     assert tokens and all(t["type"] == "token" and t["id"] == "a" for t in tokens)
     assert done["finish_reason"] in ("stop", "length")
@@ -127,7 +129,7 @@ async def test_key_chat_streams_and_is_recorded(socket_app, engine):
     row = await usage_of(key_id=key.pk)
     assert (row.endpoint, row.status, row.model) == ("ws.chat", 200, CHAT)
     assert row.completion_tokens == len(tokens)
-    conversation = await Conversation.objects.aget(pk=done["conversation"])
+    conversation = await Conversation.objects.aget(pk=where["conversation"])
     assert conversation.key_id == key.pk and conversation.user_id is None
     stored = [m async for m in Message.objects.filter(conversation=conversation)]
     assert [m.role for m in stored] == ["user", "assistant"]
@@ -201,7 +203,7 @@ async def test_key_limits_apply_as_on_rest(socket_app, engine):
     key = await sync_to_async(ApiKeyFactory)(rpm_limit=1)
     socket = await keyed_socket(socket_app, key)
     await socket.send(chat("first"))
-    await socket.until("done", "first")
+    await socket.until("stored", "first")
     await socket.send(chat("second"))
     error = await socket.receive()
     assert error["code"] == "rate_limit_exceeded" and error["status"] == 429
@@ -281,12 +283,11 @@ async def test_session_user_chats_and_owns_the_conversation(socket_app, engine):
     assert await socket.open()
     assert (await socket.receive()) == {"type": "ready", "user": "ada"}
     await socket.send(chat("s1", "Hello there"))
-    done = (await socket.until("done", "s1"))[-1]
-    conversation = done["conversation"]
+    conversation = (await socket.until("stored", "s1"))[-1]["conversation"]
     turn = chat("s2", "And again", conversation=conversation)
     turn["messages"].insert(0, {"role": "user", "content": "Hello there"})
     await socket.send(turn)
-    assert (await socket.until("done", "s2"))[-1]["conversation"] == conversation
+    assert (await socket.until("stored", "s2"))[-1]["conversation"] == conversation
     stored = [
         m.role async for m in Message.objects.filter(conversation_id=conversation)
     ]

@@ -39,7 +39,8 @@
     conversation: page.conversation ? page.conversation.id : null,
     history: [],      // {role, content} sent with each turn
     stream: null,     // the answer streaming now
-    pending: null,    // a turn waiting for the socket or a retry
+    pending: null,    // a turn waiting for the socket, a retry or `stored`
+    storing: null,    // the id of an answer whose turn is being stored
   };
 
   // -- models and stored messages -------------------------------------------
@@ -172,6 +173,9 @@
       case "done":
         if (state.stream && message.id === state.stream.id) finish(message);
         return;
+      case "stored":
+        stored(message);
+        return;
       case "error":
         failed(message);
         return;
@@ -204,6 +208,11 @@
   }
 
   function start(turn) {
+    if (state.storing) {
+      // The next turn names the conversation, known once this one is stored.
+      state.pending = turn;
+      return;
+    }
     if (!state.ready) {
       state.pending = turn;
       showNotice("Not connected: the message is sent once the connection is back.");
@@ -235,20 +244,36 @@
       engine: done.timings.engine,
     });
     state.history = [...stream.turn.history, { role: "assistant", content: stream.text }];
-    if (done.conversation && done.conversation !== state.conversation) {
-      state.conversation = done.conversation;
-      history.replaceState(null, "", `/chat/${done.conversation}/`);
+    state.storing = { id: done.id, turn: stream.turn };
+    // Never wait for ever: the turn is answered even if it cannot be stored.
+    setTimeout(() => stored({ id: done.id, conversation: null }), 5000);
+    showNotice("");
+    setBusy(false);
+  }
+
+  function stored(message) {
+    const storing = state.storing;
+    if (!storing || storing.id !== message.id) return;
+    state.storing = null;
+    const id = message.conversation;
+    if (id && id !== state.conversation) {
+      state.conversation = id;
+      history.replaceState(null, "", `/chat/${id}/`);
       const item = document.createElement("li");
       item.className = "current";
       const link = document.createElement("a");
-      link.href = `/chat/${done.conversation}/`;
-      link.textContent = stream.turn.history.find((m) => m.role === "user")?.content.slice(0, 80) || "(untitled)";
+      link.href = `/chat/${id}/`;
+      link.textContent = storing.turn.history.find((m) => m.role === "user")?.content.slice(0, 80) || "(untitled)";
       item.append(link);
+      ui.list.querySelector(".current")?.classList.remove("current");
       ui.list.querySelector(".none")?.remove();
       ui.list.prepend(item);
     }
-    showNotice("");
-    setBusy(false);
+    if (state.pending && state.ready) {
+      const turn = state.pending;
+      state.pending = null;
+      start(turn);
+    }
   }
 
   function failed(error) {
@@ -260,6 +285,11 @@
     }
     state.stream = null;
     const turn = stream.turn;
+    if (stream.engine) {
+      // It had started: the server stores it, and says where.
+      state.storing = { id: stream.id, turn };
+      setTimeout(() => stored({ id: stream.id, conversation: null }), 5000);
+    }
     turn.retries = (turn.retries || 0) + 1;
     if (RETRY.has(error.code) && turn.retries <= MAX_RETRIES && !stream.text) {
       const wait = Math.max(1, error.retry_after || 1);
