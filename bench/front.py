@@ -27,6 +27,8 @@ request to the next, far more than the front's cost, so the goal is judged on th
 path's part, where that variation is taken out; the engine's own part shows
 whether the front's work slowed the engine down.
 
+Each path's round starts after a pause of 0.5 s, so that the previous path's
+after-work (usage rows, the WebSocket chat's stored turns) is not charged to it.
 The "1 idle" rows: single streams, alternating paths, each after an idle pause,
 so that no other stream's decoding or clean-up (in the engine or in the front)
 overlaps the one measured. Then the p50 round trips of GET /healthz (the server
@@ -372,6 +374,10 @@ async def measure(platform: Platform, args) -> tuple[dict, dict]:
             shift = round_index % len(PATHS)
             paths = PATHS[shift:] + PATHS[:shift]
             for path in paths:
+                # Each path starts with the front quiet: the previous path's
+                # after-work (usage rows, the WebSocket chat's stored turns)
+                # is not charged to it.
+                await asyncio.sleep(ISOLATED_PAUSE_S)
                 measured = await one_round(platform, path, streams, args.tokens)
                 results.setdefault((path, streams), []).append(measured)
     # Single requests with the machine idle in between: no other stream's

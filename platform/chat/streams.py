@@ -194,6 +194,12 @@ class ChatStream:
         self._ended = True
         call = self.call
         await call.end()
+        if call.first_token_at is None:
+            # Refused or failed before any token: refresh what requests read
+            # from memory now, as REST does after its answer (else, while an
+            # engine is down, the fleet snapshot stays as it was until it is
+            # too old to use, and every stream meanwhile is refused).
+            after_answer()
         self.answer.content = "".join(self._parts)
         self.answer.prompt_tokens = call.prompt_tokens
         self.answer.completion_tokens = call.completion_tokens

@@ -4,6 +4,7 @@ Channels' WebsocketCommunicator, answered by a real engine serving SmolLM2
 with one slot: a second stream waits in its queue."""
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -12,10 +13,12 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.test import Client
 
+from api.gateway import GATEWAY
 from api.models import ApiKey, Usage
 from api.schemas import ChatCompletionRequest, parse
 from chat.consumers import ChatConsumer
 from chat.models import Conversation, Message
+from routing.select import SnapshotCache
 from tests.factories import ApiKeyFactory, ModelConfigFactory
 from tests.platform.api.test_streams import (
     CHAT,
@@ -319,3 +322,38 @@ async def test_other_sites_cannot_use_the_session(socket_app):
     own = Socket(socket_app, headers=[cookie, (b"origin", b"http://localhost:8000")])
     assert await own.open()
     await own.close()
+
+
+async def test_a_refused_stream_refreshes_the_fleet_snapshot(socket_app, monkeypatch):
+    """While the front's snapshot shows the engine down, a stream is refused
+    (no_engine, retry_after); that refusal starts a reload of the snapshot, as
+    a REST answer does, so the engine that came back serves the next stream
+    (else the old snapshot would be used until it is too old, 10 s)."""
+    up = GATEWAY.cache.get()
+    down = dataclasses.replace(
+        up,
+        engines={
+            name: dataclasses.replace(engine, up=False)
+            for name, engine in up.engines.items()
+        },
+    )
+    current = {"snapshot": down}
+    cache = SnapshotCache(lambda: current["snapshot"], max_age_s=0.05)
+    monkeypatch.setattr(GATEWAY, "cache", cache)
+    cache.get()
+    current["snapshot"] = up  # the engine is back; the front has not looked
+    await asyncio.sleep(0.1)  # the snapshot in memory is stale, not too old
+    key = await sync_to_async(ApiKeyFactory)()
+    socket = await keyed_socket(socket_app, key)
+    await socket.send(chat("while-down"))
+    error = await socket.receive()
+    assert (error["code"], error["retry_after"]) == ("no_engine", 5)
+
+    async def reloaded():
+        while cache.peek()[0] is not up:
+            await asyncio.sleep(0.02)
+
+    await within(reloaded())
+    await socket.send(chat("after"))
+    assert (await socket.until("done", "after"))[-1]["finish_reason"]
+    await socket.close()
