@@ -72,23 +72,37 @@ def _ordered(
     return spec, config
 
 
-@require_POST
-@staff_member_required
-async def model_load(request: HttpRequest, name: str) -> HttpResponse:
-    """POST /dashboard/engines/<name>/load/ (model=...)."""
+async def _model_order(
+    request: HttpRequest, name: str, *, recorded: str, carry_out, accepted: str
+) -> HttpResponse:
+    """A load or unload order: checked and recorded now (`recorded`, with
+    `{engine}`), carried out in the background by `carry_out(engine, model)`;
+    202 with `accepted` (with `{engine}` and `{model}`)."""
     user = await request.auser()
     try:
         spec, model = await sync_to_async(_ordered)(
             user_id=user.pk,
             engine=name,
             model=request.POST.get("model", ""),
-            message="Load on engine {engine} ordered from the dashboard.",
+            message=recorded,
         )
     except LookupError as missing:
         return _refused(str(missing), 404)
-    spawn(_load(spec.name, model.name), f"loading {model.name} on {spec.name}")
-    return JsonResponse(
-        {"message": f"Loading {model.name} on {spec.name}…"}, status=202
+    said = accepted.format(engine=spec.name, model=model.name)
+    spawn(carry_out(spec.name, model.name), said)
+    return JsonResponse({"message": said}, status=202)
+
+
+@require_POST
+@staff_member_required
+async def model_load(request: HttpRequest, name: str) -> HttpResponse:
+    """POST /dashboard/engines/<name>/load/ (model=...)."""
+    return await _model_order(
+        request,
+        name,
+        recorded="Load on engine {engine} ordered from the dashboard.",
+        carry_out=_load,
+        accepted="Loading {model} on {engine}…",
     )
 
 
@@ -96,20 +110,12 @@ async def model_load(request: HttpRequest, name: str) -> HttpResponse:
 @staff_member_required
 async def model_unload(request: HttpRequest, name: str) -> HttpResponse:
     """POST /dashboard/engines/<name>/unload/ (model=...)."""
-    user = await request.auser()
-    try:
-        spec, model = await sync_to_async(_ordered)(
-            user_id=user.pk,
-            engine=name,
-            model=request.POST.get("model", ""),
-            message="Unload from engine {engine} ordered from the dashboard.",
-        )
-    except LookupError as missing:
-        return _refused(str(missing), 404)
-    spawn(_unload(spec.name, model.name), f"unloading {model.name} on {spec.name}")
-    return JsonResponse(
-        {"message": f"Unloading {model.name} from {spec.name} once it is idle…"},
-        status=202,
+    return await _model_order(
+        request,
+        name,
+        recorded="Unload from engine {engine} ordered from the dashboard.",
+        carry_out=_unload,
+        accepted="Unloading {model} from {engine} once it is idle…",
     )
 
 

@@ -39,6 +39,11 @@ async def close_worker_connections():
     drop the test database at the end of the run."""
     yield
     await sync_to_async(connections.close_all)()
+    close_background_connections()
+
+
+def close_background_connections() -> None:
+    """Close the usage writer's and the snapshot loader's connections."""
     usage.USAGE_WRITER.close()
     GATEWAY.close()
 

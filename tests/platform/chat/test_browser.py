@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
+from django.db import connections
 
 from chat.models import Conversation, Message
 from fleet.models import EngineState
@@ -86,6 +87,10 @@ def page(browser, live, orm):
     context.close()
     get_user_model().objects.filter(username__startswith="person").delete()
     get_user_model().objects.filter(username="someone-else").delete()
+    # Under Playwright's running loop the ORM keeps this test's connection in
+    # a context of its own, which the test database's teardown cannot see:
+    # closed here, or PostgreSQL refuses to drop the database.
+    connections.close_all()
 
 
 def sampling(page, **fields) -> None:

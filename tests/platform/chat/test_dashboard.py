@@ -14,25 +14,10 @@ from django.test import AsyncClient
 from catalog.models import ModelConfig
 from fleet.models import EngineSpec, EngineState
 from tests.factories import EngineSpecFactory
-from tests.platform.api.test_streams import CHAT, chat_engine, routed_to
+from tests.platform.api.test_streams import CHAT
 from tests.platform.chat.test_websocket import Socket, session_cookie
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    engine = chat_engine(tmp_path_factory.mktemp("dashboard"))
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture
-def socket_app(engine, tmp_path, settings, monkeypatch):
-    routed_to(engine, tmp_path, settings, monkeypatch)
-    from roundhouse.asgi import websocket_application
-
-    return websocket_application
 
 
 def _fleet_rows() -> EngineSpec:

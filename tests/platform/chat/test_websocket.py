@@ -23,29 +23,12 @@ from tests.factories import ApiKeyFactory, ModelConfigFactory
 from tests.platform.api.test_streams import (
     CHAT,
     ESSAY,
-    chat_engine,
     engine_idle,
-    routed_to,
     slot_free,
     within,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    engine = chat_engine(tmp_path_factory.mktemp("ws-chat"))
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture
-def socket_app(engine, tmp_path, settings, monkeypatch):
-    routed_to(engine, tmp_path, settings, monkeypatch)
-    from roundhouse.asgi import websocket_application
-
-    return websocket_application
 
 
 class Socket:
