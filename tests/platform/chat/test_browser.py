@@ -144,9 +144,15 @@ def test_chat_streams_stops_regenerates_and_comes_back(page, live):
     conversation_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
     stored = Conversation.objects.get(pk=conversation_id)
     assert stored.user_id == page.user.pk
-    roles = list(stored.messages.values_list("role", "finish_reason"))
+
+    def regenerated_stored():
+        """The turns once the regenerated answer is stored (after its `done`):
+        the stopped answer replaced, not added to."""
+        roles = list(stored.messages.values_list("role", "finish_reason"))
+        return roles[-1][1] in ("stop", "length") and roles
+
+    roles = wait_for(regenerated_stored, timeout=30, what="the new answer stored")
     assert [role for role, _ in roles] == ["user", "assistant", "user", "assistant"]
-    assert roles[-1][1] in ("stop", "length")  # the regenerated one
 
     page.reload()
     expect(page.locator(".message")).to_have_count(4)
