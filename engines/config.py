@@ -201,6 +201,9 @@ class ModelSpec:
     measured_device_mib: float | None = None  # the same, on the engine's GPUs
     sampling: dict[str, Any] = field(default_factory=dict)
     chat_template: str = ""
+    # Keep each slot's KV between requests, reused for a prompt that starts
+    # the same way (engines/slots.py).
+    prompt_cache: bool = True
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":

@@ -91,6 +91,7 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
         "context_length": spec.context_length,
         "n_threads": limits.threads or None,
         "chat_template": spec.chat_template,
+        "prompt_cache": spec.prompt_cache,
     }
     if spec.format == "gguf":
         from .backends.gguf import LlamaBackend

@@ -1,7 +1,14 @@
 """Slot bookkeeping shared by the generation backends: a model's sessions,
 admission into a free one, the end conditions of a request (EOS, stop string,
 max_tokens, context), its text/usage events, cancel and release. The backends
-(engines/backends/) decode; engines/generation.py runs them."""
+(engines/backends/) decode; engines/generation.py runs them.
+
+Prompt caching: a slot keeps the KV of the tokens it last evaluated (`tokens`)
+when its request ends. A new request goes to the free slot whose tokens share
+the longest prefix with its prompt (ties: the least recently used), which
+keeps that prefix, drops the rest, and evaluates only the new tokens (at
+least the prompt's last, whose logits give the first token). The usage
+reports the tokens taken from the cache (`cached_tokens`)."""
 
 import abc
 import logging
@@ -33,6 +40,12 @@ class Slot:
     unsent_logprobs: list = field(default_factory=list)
     stream: TextStream = field(default_factory=TextStream)
     state: Any = None
+    # The tokens whose KV the slot holds, by position (its cache; outlives a
+    # request), when it last held a request, and how many of the current
+    # request's prompt tokens came from the cache.
+    tokens: list[int] = field(default_factory=list)
+    used_at: int = 0
+    cached: int = 0
 
 
 class SlotBackend(GenerationBackend):
@@ -42,6 +55,9 @@ class SlotBackend(GenerationBackend):
 
     slots: list[Slot]
     ctx_per_slot: int
+    # Keep each slot's KV between requests (the model's `prompt_cache`).
+    prompt_cache: bool = True
+    _admissions: int = 0
     chat_template: str = ""
     bos_text: str = ""
     eos_text: str = ""
@@ -78,7 +94,12 @@ class SlotBackend(GenerationBackend):
 
     @abc.abstractmethod
     def _close(self, slot: Slot) -> None:
-        """Drop the slot's private state (KV, sampler)."""
+        """Drop the request's private state (the sampler); the KV stays."""
+
+    @abc.abstractmethod
+    def _keep(self, slot: Slot, count: int) -> int:
+        """Keep the KV of the slot's first `count` tokens, drop the rest; how
+        many were kept (0 where the KV cannot be cut there: all dropped)."""
 
     @abc.abstractmethod
     def _is_end(self, token: int) -> bool:
@@ -110,10 +131,23 @@ class SlotBackend(GenerationBackend):
                 }
             )
             return
-        slot = next(slot for slot in self.slots if slot.request is None)
+        prompt = request.prompt_tokens
+        slot, shared = self._cached_slot(prompt)
+        # At least the prompt's last token is evaluated: its logits give the
+        # first token.
+        keep = min(shared, len(prompt) - 1)
+        try:
+            keep = self._keep(slot, keep)
+        except BaseException:
+            self._forget(slot)
+            raise
+        del slot.tokens[keep:]
+        self._admissions += 1
+        slot.used_at = self._admissions
         slot.request = request
-        slot.todo = list(request.prompt_tokens)
-        slot.n_past = slot.generated = slot.unsent_tokens = 0
+        slot.todo = list(prompt[keep:])
+        slot.n_past = slot.cached = keep
+        slot.generated = slot.unsent_tokens = 0
         slot.next_token = None
         slot.unsent_logprobs = []
         slot.stream = TextStream(stop=request.params.stop)
@@ -123,6 +157,28 @@ class SlotBackend(GenerationBackend):
             slot.request = None  # the slot stays free; the caller answers the error
             slot.todo = []
             raise
+
+    def _cached_slot(self, prompt: list[int]) -> tuple[Slot, int]:
+        """The free slot to take: the one whose cache shares the longest prefix
+        with the prompt (ties: least recently used), and that prefix's length."""
+        best, best_shared = None, -1
+        for slot in self.slots:
+            if slot.request is not None:
+                continue
+            shared = _common_prefix(slot.tokens, prompt) if self.prompt_cache else 0
+            if shared > best_shared or (
+                shared == best_shared and slot.used_at < best.used_at
+            ):
+                best, best_shared = slot, shared
+        return best, best_shared
+
+    def _forget(self, slot: Slot) -> None:
+        """Drop the slot's whole cache (its KV may not match `tokens`)."""
+        del slot.tokens[:]
+        try:
+            self._keep(slot, 0)
+        except Exception:
+            log.exception("clearing the cache of slot %d failed", slot.index)
 
     def sample_each(
         self, outputs: list[tuple[Slot, Any]], sample: Callable[[Slot, Any], None]
@@ -182,16 +238,19 @@ class SlotBackend(GenerationBackend):
                 "usage": {
                     "prompt_tokens": len(request.prompt_tokens),
                     "completion_tokens": slot.generated,
+                    "cached_tokens": slot.cached,
                 },
             }
         )
         self.release(slot)
 
     def fail(self, slot: Slot, message: str, code: str = "internal") -> None:
-        """End the slot's request with an error and free the slot."""
+        """End the slot's request with an error and free the slot, its cache
+        dropped (a failed pass may have left its KV half written)."""
         if slot.request is not None:
             slot.request.finish({"event": "error", "code": code, "message": message})
         self.release(slot)
+        self._forget(slot)
 
     def fail_running(self, code: str, message: str) -> None:
         for slot in self.slots:
@@ -217,6 +276,16 @@ class SlotBackend(GenerationBackend):
         for slot in self.slots:
             if slot.request is not None:
                 self.finish(slot, "cancelled")
+
+
+def _common_prefix(cached: list[int], prompt: list[int]) -> int:
+    """How many leading tokens the two lists share."""
+    shared = 0
+    for have, want in zip(cached, prompt, strict=False):
+        if have != want:
+            break
+        shared += 1
+    return shared
 
 
 def logprob_entry(logprobs, token: int, top: int) -> dict:

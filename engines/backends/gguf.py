@@ -73,9 +73,11 @@ class LlamaBackend(SlotBackend):
         n_threads: int | None = None,
         gpu: bool = False,
         chat_template: str = "",
+        prompt_cache: bool = True,
     ) -> None:
         _init_llama_cpp()
         self.n_slots = n_slots
+        self.prompt_cache = prompt_cache
         self.model = self.ctx = self.batch = None
         self.slots: list[Slot] = []
         try:
@@ -156,10 +158,16 @@ class LlamaBackend(SlotBackend):
         slot.state = self._sampler(slot.request.params)  # the slot's sampler chain
 
     def _close(self, slot: Slot) -> None:
-        """Clear the slot's KV and sampler so the next request starts clean."""
-        llama_cpp.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
+        """Free the request's sampler; the slot's KV stays (its prompt cache)."""
         if slot.state is not None:
             llama_cpp.llama_sampler_free(slot.state)
+
+    def _keep(self, slot: Slot, count: int) -> int:
+        """Cut the slot's sequence in the KV cache after `count` positions."""
+        if count and llama_cpp.llama_memory_seq_rm(self.memory, slot.index, count, -1):
+            return count
+        llama_cpp.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
+        return 0
 
     def _is_end(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
@@ -228,9 +236,11 @@ class LlamaBackend(SlotBackend):
         # due no sooner than the next pass).
         firsts: list[tuple[Slot, int]] = []
         running: list[tuple[Slot, int]] = []
+        reading: list[Slot] = []  # a prompt chunk in this pass, more to come
         for slot in self.slots:
             if slot.request is not None and slot.next_token is not None:
                 index = self._add(slot.next_token, slot.n_past, slot.index, True)
+                slot.tokens.append(slot.next_token)
                 slot.n_past += 1
                 slot.next_token = None
                 running.append((slot, index))
@@ -239,18 +249,22 @@ class LlamaBackend(SlotBackend):
             if slot.request is None or not slot.todo or room <= 0:
                 continue
             chunk, slot.todo = slot.todo[:room], slot.todo[room:]
+            slot.tokens.extend(chunk)
             for offset, token in enumerate(chunk):
                 last = not slot.todo and offset == len(chunk) - 1
                 index = self._add(token, slot.n_past, slot.index, last)
                 slot.n_past += 1
             if not slot.todo:
                 firsts.append((slot, index))
+            else:
+                reading.append(slot)
         if self.batch.n_tokens == 0:
             return
         outputs = firsts + running
         code = llama_cpp.llama_decode(self.ctx, self.batch)
         if code != 0:
-            for slot, _ in outputs:
+            # Every slot with tokens in the pass fails: its KV now lacks them.
+            for slot in [*(slot for slot, _ in outputs), *reading]:
                 self.fail(slot, f"llama_decode returned {code}")
             return
         self.sample_each(outputs, self._sample_at)

@@ -29,8 +29,8 @@ class _Kv:
 
 
 class _SlotState:
-    def __init__(self, params: SamplingParams) -> None:
-        self.kv = _Kv()
+    def __init__(self, params: SamplingParams, kv: _Kv) -> None:
+        self.kv = kv  # the slot's: it outlives the request (the prompt cache)
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -52,8 +52,10 @@ class TransformersBackend(SlotBackend):
         n_threads: int | None = None,
         device: str = "cpu",
         chat_template: str = "",
+        prompt_cache: bool = True,
     ) -> None:
         self.n_slots = n_slots
+        self.prompt_cache = prompt_cache
         self.device = torch.device(device)
         if n_threads:
             torch.set_num_threads(n_threads)
@@ -80,6 +82,7 @@ class TransformersBackend(SlotBackend):
             eos = self.tokenizer.eos_token_id
         self.end_tokens = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.slots = [Slot(index=index) for index in range(n_slots)]
+        self._kvs = [_Kv() for _ in range(n_slots)]
 
     # -- prompts ---------------------------------------------------------------
 
@@ -91,10 +94,19 @@ class TransformersBackend(SlotBackend):
     # -- slot hooks ------------------------------------------------------------
 
     def _open(self, slot: Slot) -> None:
-        slot.state = _SlotState(slot.request.params)
+        slot.state = _SlotState(slot.request.params, self._kvs[slot.index])
 
     def _close(self, slot: Slot) -> None:
-        pass  # the slot's tensors go with its state
+        pass  # the request's state goes with it; the slot's KV stays
+
+    def _keep(self, slot: Slot, count: int) -> int:
+        kv = self._kvs[slot.index]
+        kv.layers = (
+            [(k[..., :count, :], v[..., :count, :]) for k, v in kv.layers]
+            if count
+            else []
+        )
+        return count
 
     def _is_end(self, token: int) -> bool:
         return token in self.end_tokens
@@ -143,6 +155,7 @@ class TransformersBackend(SlotBackend):
     def _prefill(self, slot: Slot) -> None:
         state: _SlotState = slot.state
         chunk, slot.todo = slot.todo[:PREFILL_CHUNK], slot.todo[PREFILL_CHUNK:]
+        slot.tokens.extend(chunk)
         start = state.kv.length
         ids = torch.tensor([chunk], device=self.device)
         positions = torch.arange(start, start + len(chunk), device=self.device)[None]
@@ -184,6 +197,7 @@ class TransformersBackend(SlotBackend):
                 for k, v in new_layers
             ]
             slot.n_past = length + 1
+            slot.tokens.append(slot.next_token)
             slot.next_token = None
         self._sample(running, logits)
 

@@ -42,6 +42,8 @@ class Call:
     engine: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Prompt tokens the engine took from a slot's cache instead of evaluating.
+    cached_tokens: int = 0
     status: int = 200
     error_code: str = ""
     started: float = field(default_factory=time.perf_counter)
@@ -66,7 +68,14 @@ class Call:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+
+    def counted(self, usage: dict) -> None:
+        """Take the engine's final count of the request's tokens."""
+        self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens))
+        self.completion_tokens = int(usage.get("completion_tokens", 0))
+        self.cached_tokens = int(usage.get("cached_tokens", 0))
 
     def timings(self, reply: dict) -> dict:
         """Which engine answered, and its own times from the request's arrival

@@ -48,6 +48,13 @@ USAGE = {
         "prompt_tokens": {"type": "integer", "minimum": 0},
         "completion_tokens": {"type": "integer", "minimum": 0},
         "total_tokens": {"type": "integer", "minimum": 0},
+        "prompt_tokens_details": {
+            "type": "object",
+            "description": "cached_tokens: prompt tokens taken from a slot's "
+            "prompt cache instead of evaluated again.",
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+            "required": ["cached_tokens"],
+        },
     },
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
 }

@@ -145,9 +145,7 @@ async def _generate(
             snapshot,
             lambda client: client.generate(route.name, **fields),
         )
-        usage = reply.get("usage", {})
-        call.prompt_tokens = int(usage.get("prompt_tokens", 0))
-        call.completion_tokens = int(usage.get("completion_tokens", 0))
+        call.counted(reply.get("usage", {}))
         reason = _finish_reason(reply.get("finish_reason", "stop"))
         if chat:
             choice = {
@@ -214,11 +212,7 @@ async def _generate(
                     yield pending + chunk({"content": text} if chat else text, None)
                     pending = b""
                 elif frame.get("event") == "done":
-                    usage = frame.get("usage", {})
-                    call.prompt_tokens = int(
-                        usage.get("prompt_tokens", call.prompt_tokens)
-                    )
-                    call.completion_tokens = int(usage.get("completion_tokens", 0))
+                    call.counted(frame.get("usage", {}))
                     reason = _finish_reason(frame.get("finish_reason", "stop"))
                     last = [
                         pending,

@@ -166,9 +166,7 @@ class ChatStream:
                 self._parts.append(text)
                 await self._send({"type": "token", "id": chat.id, "text": text})
             elif event == "done":
-                usage = frame.get("usage", {})
-                call.prompt_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
-                call.completion_tokens = int(usage.get("completion_tokens", 0))
+                call.counted(frame.get("usage", {}))
                 reason = _finish_reason(frame.get("finish_reason", "stop"))
                 self.answer.finish_reason = reason
                 engine_timings = call.timings(frame)

@@ -84,7 +84,10 @@ def test_chat_answer_arrives_as_a_stream(llm_engine):
 
     whole = client.generate(SMOL, **fields)
     assert whole["text"] == "".join(f["text"] for f in tokens)
-    assert whole["usage"] == done["usage"]
+    for count in ("prompt_tokens", "completion_tokens"):
+        assert whole["usage"][count] == done["usage"][count]
+    # The same prompt again: all of it but its last token came from the cache.
+    assert whole["usage"]["cached_tokens"] == done["usage"]["prompt_tokens"] - 1
 
 
 def test_max_tokens_and_stop_strings(llm_engine):

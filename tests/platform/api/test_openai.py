@@ -243,6 +243,29 @@ def test_models_lists_each_configured_model_once(live):
     assert restricted == [EMBEDDER]
 
 
+def test_usage_reports_prompt_tokens_from_the_cache(live):
+    """The same conversation again: all its prompt but the last token comes
+    from the engine's prompt cache, reported as OpenAI does
+    (usage.prompt_tokens_details.cached_tokens), streamed or not."""
+    fields = {
+        "model": CHAT,
+        "messages": [{"role": "user", "content": "Describe a lighthouse at dusk."}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    first = live.client().chat.completions.create(**fields)
+    again = live.client().chat.completions.create(**fields)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == again.usage.prompt_tokens - 1
+    chunks = list(
+        live.client().chat.completions.create(
+            **fields, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
 def test_chat_completion(live, orm):
     reply = live.client().chat.completions.create(
         model=CHAT,
