@@ -479,6 +479,8 @@ class Residency:
             if model.runner is not None:
                 model.runner.queue_limit = limits.queue_limit
                 model.runner.queue_timeout_s = limits.queue_timeout_s
+                # Read by the decode thread at each admission.
+                model.runner.backend.prompt_cache = spec.prompt_cache
                 continue
             model.batcher.configure(
                 window_s=spec.batch_window_ms / 1000,

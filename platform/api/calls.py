@@ -112,6 +112,8 @@ class Call:
             )
         for kind, count in (
             ("prompt", self.prompt_tokens),
+            ("prompt_cached", self.cached_tokens),
+            ("prompt_evaluated", self.prompt_tokens - self.cached_tokens),
             ("completion", self.completion_tokens),
         ):
             if count:

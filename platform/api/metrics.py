@@ -24,7 +24,8 @@ REQUESTS = Counter(
 )
 TOKENS = Counter(
     "roundhouse_tokens",
-    "Tokens processed, by model, engine and kind (prompt or completion).",
+    "Tokens processed, by model, engine and kind (prompt, completion; of the "
+    "prompt tokens: prompt_cached from a slot's cache, prompt_evaluated).",
     ["model", "engine", "kind"],
     registry=REGISTRY,
 )

@@ -40,6 +40,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
                     "keep_alive_s",
                     "sampling",
                     "chat_template",
+                    "prompt_cache",
                 ]
             },
         ),

@@ -112,6 +112,12 @@ class ModelConfig(models.Model):
     chat_template = models.TextField(
         blank=True, help_text="Jinja chat template. Empty: the model's own."
     )
+    prompt_cache = models.BooleanField(
+        default=True,
+        help_text="Keep each slot's KV between requests and reuse it for a prompt "
+        "that starts the same way (a chat's next turn evaluates only its new "
+        "tokens). Off: every prompt is evaluated in full.",
+    )
     enabled = models.BooleanField(default=True)
     measured_memory_mib = models.PositiveIntegerField(
         null=True, blank=True, help_text="Host memory measured after a load."

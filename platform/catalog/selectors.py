@@ -60,6 +60,7 @@ def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
             "measured_device_mib": model.measured_device_memory_mib,
             "sampling": model.sampling,
             "chat_template": model.chat_template,
+            "prompt_cache": model.prompt_cache,
         }
         for model in rows.order_by("name")
     ]

@@ -9,6 +9,7 @@ import base64
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -264,6 +265,38 @@ def test_usage_reports_prompt_tokens_from_the_cache(live):
         )
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    _, _, body = live.get("/metrics")
+    counted = re.search(
+        rf'roundhouse_tokens_total{{engine="{ENGINE}",kind="prompt_cached",'
+        rf'model="{CHAT}"}} (\S+)',
+        body.decode(),
+    )
+    assert counted and float(counted.group(1)) >= cached
+
+
+def test_the_admin_switch_turns_the_prompt_cache_off_live(live, orm):
+    """The model's *prompt cache* switch reaches the running engine without a
+    restart: the same prompt twice then takes nothing from the cache; on
+    again, it does."""
+    fields = {
+        "model": CHAT,
+        "messages": [{"role": "user", "content": "Describe a harbour crane."}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+
+    def cached_on_repeat() -> int:
+        live.client().chat.completions.create(**fields)
+        again = live.client().chat.completions.create(**fields)
+        return again.usage.prompt_tokens_details.cached_tokens
+
+    assert cached_on_repeat() > 0
+    ModelConfig.objects.filter(name=CHAT).update(prompt_cache=False)
+    try:
+        wait_for(lambda: cached_on_repeat() == 0, timeout=60, what="cache off")
+    finally:
+        ModelConfig.objects.filter(name=CHAT).update(prompt_cache=True)
+    wait_for(lambda: cached_on_repeat() > 0, timeout=60, what="cache on again")
 
 
 def test_chat_completion(live, orm):
