@@ -80,7 +80,6 @@ class ChatStream:
         self._messages: list[dict] | None = None  # as sent to the engine
         self._parts: list[str] = []  # the answer's text so far
         self._started = False  # `start` was sent: the turn is stored
-        self.conversation: int | None = None  # where the turn was stored
         self._ended = False
         self.cancel_asked = False
         self.task: asyncio.Task | None = None
@@ -220,7 +219,6 @@ class ChatStream:
         except Exception:  # the answer reached the caller: keep serving
             log.exception("could not store a chat turn")
             return
-        self.conversation = stored.pk
         await self._send(
             {"type": "stored", "id": self.chat.id, "conversation": stored.pk}
         )
