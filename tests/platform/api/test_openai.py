@@ -12,213 +12,25 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
-from email.message import Message
-from pathlib import Path
 
 import numpy as np
 import openai
 import psutil
 import pytest
 
-from api.models import ApiKey, Usage
+from api.models import Usage
 from catalog.models import ModelConfig
-from engines.client import EngineClient
-from fleet.models import EngineSpec, ServerSettings
-from tests.conftest import ROOT
-from tests.factories import ApiKeyFactory
+from tests.platform import live_platform
 from tests.platform.live import (
-    database_url,
     free_port_block,
-    live_database,
     wait_for,
 )
+from tests.platform.live_platform import CHAT, EMBEDDER, ENGINE, UNSERVED
 
-CHAT = "smollm2-135m-instruct"
-EMBEDDER = "all-minilm-l6-v2"
-UNSERVED = "tiny-transformer"  # configured, but no engine serves transformers
-ENGINE = "api0"
-
-
-@dataclass
-class Live:
-    run_dir: Path
-    port: int
-    keys: dict[str, str]
-    front_pid: int = 0
-    # How the processes were started, and every one started (a test may
-    # start the front again: it is stopped with the rest).
-    env: dict = field(default_factory=dict)
-    processes: list = field(default_factory=list)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, key: str = "main") -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.base_url}/v1",
-            api_key=self.keys.get(key, key),
-            max_retries=0,
-            timeout=120,
-        )
-
-    def engine(self) -> EngineClient:
-        return EngineClient.for_engine(self.run_dir, ENGINE)
-
-    def get(self, path: str) -> tuple[int, Message, bytes]:
-        try:
-            with urllib.request.urlopen(self.base_url + path, timeout=30) as reply:
-                return reply.status, reply.headers, reply.read()
-        except urllib.error.HTTPError as error:
-            return error.code, error.headers, error.read()
-
-    def post(
-        self, path: str, body: bytes, *, key: str = "main", headers=None
-    ) -> tuple[int, Message, dict]:
-        request = urllib.request.Request(
-            self.base_url + path,
-            data=body,
-            headers={
-                "Authorization": f"Bearer {self.keys[key]}",
-                "Content-Type": "application/json",
-                **(headers or {}),
-            },
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, reply.headers, json.loads(reply.read())
-        except urllib.error.HTTPError as error:
-            return error.code, error.headers, json.loads(error.read())
-
-
-def _rows(base_port: int) -> dict[str, str]:
-    """The module's rows: one engine, the models, one key per test need."""
-    for model in (ApiKey, Usage, ModelConfig, EngineSpec):
-        model.objects.all().delete()
-    server = ServerSettings.load()
-    server.base_port = base_port
-    server.default_engine = None
-    server.save()
-    EngineSpec.objects.create(
-        name=ENGINE, backend="cpu", capabilities=["gguf", "embedding"], order=0
-    )
-    ModelConfig.objects.create(
-        name=CHAT,
-        format="gguf",
-        task="chat",
-        path="SmolLM2-135M-Instruct.Q4_1.gguf",
-        context_length=1024,
-        slots=2,
-    )
-    embedder = ModelConfig.objects.create(
-        name=EMBEDDER, format="embedding", task="embedding", path="all-MiniLM-L6-v2"
-    )
-    ModelConfig.objects.create(
-        name=UNSERVED, format="transformers", task="chat", path="tiny"
-    )
-    keys = {
-        "main": ApiKeyFactory(name="main"),
-        "rpm": ApiKeyFactory(name="rpm", rpm_limit=2),
-        "single": ApiKeyFactory(name="single", max_concurrent=1),
-        "embed-only": ApiKeyFactory(name="embed-only", allowed_models=[embedder]),
-        "revoked": ApiKeyFactory(name="revoked"),
-        "fallback": ApiKeyFactory(name="fallback"),
-    }
-    keys["revoked"].revoked_at = keys["revoked"].created_at
-    keys["revoked"].save()
-    return {name: key.plaintext for name, key in keys.items()}
-
-
-@pytest.fixture(scope="module")
-def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
-    base_port = free_port_block()
-    with django_db_blocker.unblock():
-        keys = _rows(base_port)
-    tmp = tmp_path_factory.mktemp("live-api")
-    run_dir = tmp / "run"
-    run_dir.mkdir(mode=0o700)
-    port = free_port_block(1)
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url(),
-        "ROUNDHOUSE_RUN_DIR": str(run_dir),
-        "ROUNDHOUSE_MODELS_DIR": str(models_dir_path),
-        "SECRET_KEY": "api-tests-not-secret",
-        "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
-    }
-    env.pop("REDIS_URL", None)  # limits in the front's own memory: one process
-    processes = []
-    for name, argv in (
-        ("supervisor", [sys.executable, "manage.py", "supervise"]),
-        (
-            "front",
-            [sys.executable, "-m", "roundhouse.serve", "--port", str(port)],
-        ),
-    ):
-        with open(tmp / f"{name}.log", "ab") as log:
-            processes.append(
-                subprocess.Popen(
-                    argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-                )
-            )
-    platform = Live(
-        run_dir=run_dir,
-        port=port,
-        keys=keys,
-        front_pid=processes[1].pid,
-        env=env,
-        processes=processes,
-    )
-
-    def engines_ready():
-        try:
-            status, _, body = platform.get("/healthz")
-        except OSError:
-            return False
-        return status == 200 and json.loads(body)["engines_ready"]
-
-    try:
-        wait_for(engines_ready, timeout=180, what="the front and an engine")
-        yield platform
-    finally:
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        with django_db_blocker.unblock():
-            for model in (Usage, ApiKey, ModelConfig, EngineSpec):
-                model.objects.all().delete()
-
-
-@pytest.fixture(scope="module")
-def database(django_db_setup, django_db_blocker):
-    with live_database(django_db_blocker):
-        yield
-
-
-@pytest.fixture(scope="module")
-def models_dir_path() -> Path:
-    from django.conf import settings
-
-    path = Path(settings.MODELS_DIR)
-    if not (path / "SmolLM2-135M-Instruct.Q4_1.gguf").exists():
-        pytest.fail(f"bundled models missing in {path}: run `make test`")
-    return path
-
-
-@pytest.fixture
-def orm(django_db_blocker):
-    """Database access for a test of this module, without a flush afterwards."""
-    with django_db_blocker.unblock():
-        yield
+database = live_platform.database
+models_dir_path = live_platform.models_dir_path
+live = live_platform.live
+orm = live_platform.orm
 
 
 def usage_rows(**filters) -> list[Usage]:

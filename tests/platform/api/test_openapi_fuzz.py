@@ -21,13 +21,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.platform.api import test_openai
-from tests.platform.api.test_openai import CHAT, EMBEDDER
+from tests.platform import live_platform
+from tests.platform.live_platform import CHAT, EMBEDDER
 
 # The live platform of the OpenAI tests, started again for this module.
-database = test_openai.database
-live = test_openai.live
-models_dir_path = test_openai.models_dir_path
+database = live_platform.database
+live = live_platform.live
+models_dir_path = live_platform.models_dir_path
 
 CHECKS = [
     not_a_server_error,

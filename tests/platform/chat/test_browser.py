@@ -20,9 +20,9 @@ from django.db import connections
 from chat.models import Conversation, Message
 from fleet.models import EngineState
 from tests.conftest import ROOT
-from tests.platform.api import test_openai as api_platform
-from tests.platform.api.test_openai import CHAT, ENGINE
+from tests.platform import live_platform
 from tests.platform.live import wait_for
+from tests.platform.live_platform import CHAT, ENGINE
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
@@ -34,10 +34,10 @@ from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 # The live platform of the API tests (one engine serving SmolLM2 and MiniLM),
 # started once for this module too.
-database = api_platform.database
-models_dir_path = api_platform.models_dir_path
-live = api_platform.live
-orm = api_platform.orm
+database = live_platform.database
+models_dir_path = live_platform.models_dir_path
+live = live_platform.live
+orm = live_platform.orm
 
 PASSWORD = "browser-test-password"
 TIMEOUT_MS = 60_000

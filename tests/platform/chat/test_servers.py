@@ -12,13 +12,13 @@ import pytest
 from websockets.sync.client import connect
 
 from tests.conftest import ROOT
-from tests.platform.api import test_openai as api_platform
-from tests.platform.api.test_openai import CHAT, ENGINE
+from tests.platform import live_platform
 from tests.platform.live import free_port_block, wait_for
+from tests.platform.live_platform import CHAT, ENGINE
 
-database = api_platform.database
-models_dir_path = api_platform.models_dir_path
-live = api_platform.live
+database = live_platform.database
+models_dir_path = live_platform.models_dir_path
+live = live_platform.live
 
 
 @pytest.fixture(scope="module")
