@@ -162,12 +162,19 @@ def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+# What a chat longer than a model's context gets (engines/context.py).
+CONTEXT_OVERFLOW = ("refuse", "drop_oldest")
+
+
 @dataclass
 class Limits:
     """Admission limits, pushed again by `configure` when the admin changes."""
 
-    max_parallel_requests: int = 4
-    max_slots_per_model: int = 2
+    max_parallel_requests: int = 32
+    # The most slots a model with `auto` slots gets (engines/memory.py).
+    max_slots_per_model: int = 32
+    # Memory for a generation model's KV pool, which its slots share.
+    kv_cache_mib: int = 1024
     queue_limit: int = 64
     queue_timeout_s: float = 60.0
     models_max: int = 3
@@ -194,7 +201,7 @@ class ModelSpec:
     max_batch_size: int = 64
     keep_alive_s: int = 300
     context_length: int | None = None
-    slots: int | None = None
+    slots: int | None = None  # None: auto, sized by memory (engines/memory.py)
     # Memory measured after an earlier load (the supervisor stores it in the
     # catalog); used instead of the estimate when known.
     measured_mib: float | None = None
@@ -204,10 +211,19 @@ class ModelSpec:
     # Keep each slot's KV between requests, reused for a prompt that starts
     # the same way (engines/slots.py).
     prompt_cache: bool = True
+    # A chat longer than the context: "refuse" or "drop_oldest" turns
+    # (engines/context.py).
+    context_overflow: str = "refuse"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
-        return from_known_fields(cls, data)
+        spec = from_known_fields(cls, data)
+        if spec.context_overflow not in CONTEXT_OVERFLOW:
+            raise ValueError(
+                f"ModelSpec: context_overflow must be one of {CONTEXT_OVERFLOW}, "
+                f"not {spec.context_overflow!r}"
+            )
+        return spec
 
 
 @dataclass

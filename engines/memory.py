@@ -3,14 +3,19 @@ them until a load has measured the real figure). No ML library: GGUF metadata is
 read by engines/ggufmeta.py, everything else from file sizes and configs."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ModelSpec
+from .config import Limits, ModelSpec
 from .ggufmeta import read_header
 
 MIB = 2**20
 KV_BYTES = 2  # llama.cpp and transformers keep K and V in 16-bit here
-DEFAULT_CONTEXT = 2048
+# A generation model's context when its setting is empty (its trained one, if
+# shorter).
+DEFAULT_CONTEXT = 4096
+# Auto slots: one per this many tokens of the KV pool.
+AUTO_SLOT_TOKENS = 1024
 
 
 def _gguf_shape(path: Path) -> dict:
@@ -43,30 +48,86 @@ def _files_mib(path: Path, suffixes: tuple[str, ...]) -> float:
     return sum(f.stat().st_size for f in files if f.suffix in suffixes) / MIB
 
 
-def estimate_model_mib(spec: ModelSpec, *, slots: int) -> float:
-    """Weights plus the KV cache for the configured context on every slot."""
+def _shape(spec: ModelSpec) -> dict:
+    """Layers, KV width and trained context of a generation model's files."""
     path = Path(spec.path)
-    if spec.format == "gguf":
-        shape = _gguf_shape(path)
-        context = min(spec.context_length or DEFAULT_CONTEXT, shape["trained_context"])
-        return path.stat().st_size / MIB + _kv_mib(shape, context * slots)
-    if spec.format == "transformers" and path.suffix == ".gguf":
-        # transformers dequantizes a GGUF to float32 weights.
-        shape = _gguf_shape(path)
-        context = min(spec.context_length or DEFAULT_CONTEXT, shape["trained_context"])
-        return shape["parameters"] * 4 / MIB + _kv_mib(shape, context * slots)
-    if spec.format == "transformers":
-        weights = _files_mib(path, (".safetensors", ".bin"))
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        stored = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-        if "16" in stored:
-            weights *= 2  # loaded as float32
-        heads = config.get("num_attention_heads", 1)
-        shape = {
-            "layers": config.get("num_hidden_layers", 0),
-            "kv_width": config.get("num_key_value_heads", heads)
-            * config.get("head_dim", config.get("hidden_size", 0) // heads),
+    if spec.format == "gguf" or path.suffix == ".gguf":
+        return _gguf_shape(path)
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    heads = config.get("num_attention_heads", 1)
+    return {
+        "layers": config.get("num_hidden_layers", 0),
+        "kv_width": config.get("num_key_value_heads", heads)
+        * config.get("head_dim", config.get("hidden_size", 0) // heads),
+        "trained_context": config.get("max_position_embeddings") or DEFAULT_CONTEXT,
+    }
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How a generation model is served: its slots, the tokens one conversation
+    may hold (`context`), and the KV pool the slots share (`pool_tokens`,
+    `kv_mib`): one long conversation may use more than an equal share."""
+
+    slots: int
+    context: int
+    pool_tokens: int
+    kv_mib: float
+    auto: bool
+
+    def describe(self) -> dict:
+        return {
+            "slots": self.slots,
+            "slots_auto": self.auto,
+            "context": self.context,
+            "kv_pool_tokens": self.pool_tokens,
+            "kv_mib": round(self.kv_mib, 1),
         }
-        context = spec.context_length or DEFAULT_CONTEXT
-        return weights + _kv_mib(shape, context * slots)
-    return _files_mib(path, (".safetensors", ".bin"))  # an embedder's weights
+
+
+def plan_slots(spec: ModelSpec, limits: Limits) -> SlotPlan:
+    """The model's slots and KV pool. Its context: its setting, else its trained
+    context up to DEFAULT_CONTEXT. The pool: the KV budget's worth of tokens
+    (Limits.kv_cache_mib), never less than one whole context nor more than
+    every slot's whole context. Slots `auto` (the model's `slots` empty): one
+    per AUTO_SLOT_TOKENS of the pool (a context, if shorter), up to the cap
+    (Limits.max_slots_per_model), at least one. Reads file headers: run it off
+    the event loop."""
+    try:
+        shape = _shape(spec)
+    except (OSError, ValueError, KeyError):
+        # Files that do not tell: the load itself says what is wrong with them.
+        shape = {"layers": 0, "kv_width": 0, "trained_context": DEFAULT_CONTEXT}
+    trained = shape["trained_context"] or DEFAULT_CONTEXT
+    context = min(spec.context_length or min(trained, DEFAULT_CONTEXT), trained)
+    per_token = _kv_mib(shape, 1)
+    budget = int(limits.kv_cache_mib / per_token) if per_token else context
+    slots = spec.slots
+    if not slots:
+        share = min(context, AUTO_SLOT_TOKENS)
+        slots = max(1, min(limits.max_slots_per_model, budget // share))
+    pool = max(context, min(budget, slots * context))
+    return SlotPlan(slots, context, pool, pool * per_token, auto=not spec.slots)
+
+
+def estimate_model_mib(
+    spec: ModelSpec, *, slots: int = 1, pool_tokens: int = 0
+) -> float:
+    """Weights plus the KV cache: `pool_tokens` (a SlotPlan's), else the
+    configured context on every slot."""
+    path = Path(spec.path)
+    if spec.format == "embedding":
+        return _files_mib(path, (".safetensors", ".bin"))  # an embedder's weights
+    shape = _shape(spec)
+    context = min(spec.context_length or DEFAULT_CONTEXT, shape["trained_context"])
+    kv = _kv_mib(shape, pool_tokens or context * slots)
+    if spec.format == "gguf":
+        return path.stat().st_size / MIB + kv
+    if path.suffix == ".gguf":  # transformers dequantizes a GGUF to float32
+        return shape["parameters"] * 4 / MIB + kv
+    weights = _files_mib(path, (".safetensors", ".bin"))
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    stored = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    if "16" in stored:
+        weights *= 2  # loaded as float32
+    return weights + kv

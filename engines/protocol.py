@@ -65,6 +65,8 @@ class ErrorCode(enum.StrEnum):
     """Stable error codes; the front maps each to one HTTP status."""
 
     BAD_REQUEST = "bad_request"
+    # The prompt does not fit the model's context (OpenAI's code for it).
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     UNAUTHORIZED = "unauthorized"
     UNKNOWN_MODEL = "unknown_model"
     OVERLOADED = "overloaded"

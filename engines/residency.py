@@ -17,7 +17,7 @@ from .batching import MicroBatcher
 from .config import GPU_BACKENDS, EngineConfig, Limits, ModelSpec
 from .devices import DeviceMemory
 from .generation import DecodeThread, GenerationBackend, GenerationRunner
-from .memory import estimate_model_mib
+from .memory import estimate_model_mib, plan_slots
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("roundhouse.engine")
@@ -74,7 +74,12 @@ class ResidentModel:
                 largest_batch=self.batcher.stats.largest,
             )
         if self.runner is not None:
-            described.update(slots=self.runner.backend.n_slots, steps=self.runner.steps)
+            backend = self.runner.backend
+            described.update(slots=backend.n_slots, steps=self.runner.steps)
+            plan = getattr(backend, "plan", None)
+            if plan is not None:  # slots, context, and the KV pool's size
+                described.update(plan.describe())
+            described["copied_tokens"] = getattr(backend, "copied_tokens", 0)
         return described
 
 
@@ -86,9 +91,11 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
         return EmbeddingBackend(
             spec.path, backend=backend, batch_size=spec.max_batch_size
         )
+    plan = plan_slots(spec, limits)
     generation = {
-        "n_slots": spec.slots or limits.max_slots_per_model,
-        "context_length": spec.context_length,
+        "n_slots": plan.slots,
+        "context_length": plan.context,
+        "pool_tokens": plan.pool_tokens,
         "n_threads": limits.threads or None,
         "chat_template": spec.chat_template,
         "prompt_cache": spec.prompt_cache,
@@ -97,23 +104,30 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
         from .backends.gguf import LlamaBackend
 
         gpu = backend in GPU_BACKENDS
-        return LlamaBackend(spec.path, gpu=gpu, **generation)
-    if spec.format == "transformers":
+        loaded = LlamaBackend(spec.path, gpu=gpu, **generation)
+    elif spec.format == "transformers":
         from .backends.hf import TransformersBackend
 
         device = "cuda" if backend in ("cuda", "rocm") else "cpu"
-        return TransformersBackend(spec.path, device=device, **generation)
-    raise ProtocolError(
-        ErrorCode.BAD_REQUEST,
-        f"model {spec.name!r} has format {spec.format!r}, which engines do not serve",
-    )
+        loaded = TransformersBackend(spec.path, device=device, **generation)
+    else:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"model {spec.name!r} has format {spec.format!r}, which engines do "
+            "not serve",
+        )
+    loaded.plan = plan
+    return loaded
 
 
-def _estimate(spec: ModelSpec, slots: int) -> float | None:
-    """The model's estimated memory (None: its files do not tell). Reads file
-    headers: run it off the event loop."""
+def _estimate(spec: ModelSpec, limits: Limits) -> float | None:
+    """The model's estimated memory, its slots' KV pool included (None: its
+    files do not tell). Reads file headers: run it off the event loop."""
     try:
-        return estimate_model_mib(spec, slots=slots)
+        if spec.format == "embedding":
+            return estimate_model_mib(spec)
+        plan = plan_slots(spec, limits)
+        return estimate_model_mib(spec, pool_tokens=plan.pool_tokens)
     except (OSError, ValueError, KeyError) as error:
         log.warning("no memory estimate for %s: %s", spec.name, error)
         return None
@@ -257,8 +271,7 @@ class Residency:
         on_device = device_free is not None
         estimate = None
         if not spec.measured_mib or (on_device and not spec.measured_device_mib):
-            slots = spec.slots or limits.max_slots_per_model
-            estimate = await loop.run_in_executor(None, _estimate, spec, slots) or 0.0
+            estimate = await loop.run_in_executor(None, _estimate, spec, limits) or 0.0
         # On a GPU engine the weights and KV cache go to the cards: the host
         # needs only what an earlier load measured there.
         need = spec.measured_mib or (0.0 if on_device else estimate)
@@ -369,8 +382,9 @@ class Residency:
             # A card that shows no growth (memory the runtime had reserved
             # earlier, or a card we cannot read) holds what we expected.
             model.device_mib = grown or spec.measured_device_mib or 0.0
-        slots = getattr(backend, "n_slots", 1)
-        model.estimated_mib = await loop.run_in_executor(None, _estimate, spec, slots)
+        model.estimated_mib = await loop.run_in_executor(
+            None, _estimate, spec, self.config.limits
+        )
         if device_before is not None and not model.device_mib:
             model.device_mib = model.estimated_mib or 0.0
         try:

@@ -54,10 +54,13 @@ class SlotBackend(GenerationBackend):
     text/usage events, cancel and release. Subclasses decode."""
 
     slots: list[Slot]
-    ctx_per_slot: int
+    ctx_per_slot: int  # the tokens one request may hold, prompt and answer
+    pool_tokens: int  # the KV the slots hold together (their caches included)
     # Keep each slot's KV between requests (the model's `prompt_cache`).
     prompt_cache: bool = True
     _admissions: int = 0
+    # Prompt tokens copied from a slot in use instead of evaluated.
+    copied_tokens: int = 0
     chat_template: str = ""
     bos_text: str = ""
     eos_text: str = ""
@@ -125,7 +128,7 @@ class SlotBackend(GenerationBackend):
             request.finish(
                 {
                     "event": "error",
-                    "code": "bad_request",
+                    "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
                     "message": f"the prompt has {len(request.prompt_tokens)} tokens; "
                     f"this model's context holds {self.ctx_per_slot}",
                 }
@@ -133,11 +136,20 @@ class SlotBackend(GenerationBackend):
             return
         prompt = request.prompt_tokens
         slot, shared = self._cached_slot(prompt)
+        donor, lent = self._busy_prefix(prompt)
         # At least the prompt's last token is evaluated: its logits give the
         # first token.
-        keep = min(shared, len(prompt) - 1)
+        keep, lend = min(shared, len(prompt) - 1), min(lent, len(prompt) - 1)
         try:
-            keep = self._keep(slot, keep)
+            # A slot in use may hold a longer prefix (a common system prompt):
+            # copied where the backend can, instead of evaluated again.
+            copied = self._copy_prefix(donor, slot, lend) if lend > keep else 0
+            if copied:
+                slot.tokens[:] = prompt[:copied]
+                keep = copied
+                self.copied_tokens += copied
+            else:
+                keep = self._keep(slot, keep)
         except BaseException:
             self._forget(slot)
             raise
@@ -171,6 +183,61 @@ class SlotBackend(GenerationBackend):
             ):
                 best, best_shared = slot, shared
         return best, best_shared
+
+    def pass_room(self, running: list[Slot], wanted: int) -> int:
+        """Room in the KV pool for this pass: each running slot's next token,
+        and up to `wanted` prompt tokens; how many prompt tokens fit. Idle
+        slots' caches go first, least recently used first. Where the running
+        slots alone overflow the pool, the newest of them fails (overloaded:
+        the caller may retry); where no prompt token fits and nothing runs, the
+        newest slot reading its prompt does, so the others go on."""
+        need = len(running) + wanted
+        free = self.pool_tokens - sum(len(slot.tokens) for slot in self.slots)
+        if free < need:
+            idle = [s for s in self.slots if s.request is None and s.tokens]
+            for slot in sorted(idle, key=lambda s: s.used_at):
+                self._forget(slot)
+                free = self.pool_tokens - sum(len(s.tokens) for s in self.slots)
+                if free >= need:
+                    break
+        active = [s for s in self.slots if s.request is not None]
+        while running and free < len(running):
+            newest = max(running, key=lambda s: s.used_at)
+            running.remove(newest)
+            free += len(newest.tokens)
+            self.fail(newest, self._pool_full(), ErrorCode.OVERLOADED.value)
+        if free <= len(running) and not running and wanted:
+            reading = [s for s in active if s.request is not None and s.todo]
+            if len(reading) > 1:
+                newest = max(reading, key=lambda s: s.used_at)
+                free += len(newest.tokens)
+                self.fail(newest, self._pool_full(), ErrorCode.OVERLOADED.value)
+        return max(0, min(wanted, free - len(running)))
+
+    def _pool_full(self) -> str:
+        return (
+            f"the model's KV pool ({self.pool_tokens} tokens) is full with the "
+            "other requests' conversations: try again shortly"
+        )
+
+    def _busy_prefix(self, prompt: list[int]) -> tuple[Slot | None, int]:
+        """The slot in use whose tokens share the longest prefix with the prompt,
+        and that prefix's length (None, 0: no slot in use, or no cache)."""
+        if not self.prompt_cache:
+            return None, 0
+        best, best_shared = None, 0
+        for slot in self.slots:
+            if slot.request is not None:
+                shared = _common_prefix(slot.tokens, prompt)
+                if shared > best_shared:
+                    best, best_shared = slot, shared
+        return best, best_shared
+
+    def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
+        """Make the target's KV the source's first `count` tokens (the target's
+        own dropped); how many were copied. Backends that cannot share KV
+        between slots copy nothing: the target keeps its own cache."""
+        return 0
 
     def _forget(self, slot: Slot) -> None:
         """Drop the slot's whole cache (its KV may not match `tokens`)."""

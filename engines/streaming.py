@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from .context import Prompt, fit_prompt
 from .generation import GenerationRequest, GenerationRunner
 from .protocol import ErrorCode, ProtocolError, encode_message, error_frame
 from .residency import ResidentModel
@@ -39,11 +40,17 @@ def _prompt_chars(message: dict) -> int:
     return 0
 
 
-async def _prompt_tokens(model: ResidentModel, message: dict) -> list[int]:
-    backend = model.runner.backend
-
-    def render() -> list[int]:
-        return backend.tokenize(backend.render_prompt(message))
+async def _prompt(
+    model: ResidentModel, message: dict, params: SamplingParams
+) -> Prompt:
+    def render() -> Prompt:
+        return fit_prompt(
+            model.runner.backend,
+            message,
+            params,
+            policy=model.spec.context_overflow,
+            model=model.spec.name,
+        )
 
     if _prompt_chars(message) <= INLINE_PROMPT_CHARS:
         return render()
@@ -74,7 +81,8 @@ async def serve_generation(
         )
     first_token_ms: float | None = None
     params = SamplingParams.from_request(message, model.spec.sampling)
-    prompt_tokens = await _prompt_tokens(model, message)
+    prompt = await _prompt(model, message, params)
+    prompt_tokens = prompt.tokens
     loop = asyncio.get_running_loop()
     # The decode thread's events land here; `ready` wakes this coroutine for
     # them or for the caller hanging up. Events that arrived together leave in
@@ -116,6 +124,7 @@ async def serve_generation(
                 "event": "start",
                 "request_id": request.id,
                 "prompt_tokens": len(prompt_tokens),
+                "dropped_messages": prompt.dropped_messages,
             }
         )
     try:
@@ -147,6 +156,7 @@ async def serve_generation(
                         frames.append(start)
                         started = True
                     reply = {"status": "ok", **event, "request_id": request.id}
+                    reply["dropped_messages"] = prompt.dropped_messages
                     reply["timings"] = {
                         "first_token_ms": first_token_ms,
                         "total_ms": _ms_since(received),

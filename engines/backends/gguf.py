@@ -74,6 +74,7 @@ class LlamaBackend(SlotBackend):
         gpu: bool = False,
         chat_template: str = "",
         prompt_cache: bool = True,
+        pool_tokens: int | None = None,
     ) -> None:
         _init_llama_cpp()
         self.n_slots = n_slots
@@ -81,12 +82,16 @@ class LlamaBackend(SlotBackend):
         self.model = self.ctx = self.batch = None
         self.slots: list[Slot] = []
         try:
-            self._create(path, context_length, n_threads, gpu, chat_template)
+            self._create(
+                path, context_length, n_threads, gpu, chat_template, pool_tokens
+            )
         except Exception:
             self.close()  # release whatever was created before the failure
             raise
 
-    def _create(self, path, context_length, n_threads, gpu, chat_template) -> None:
+    def _create(
+        self, path, context_length, n_threads, gpu, chat_template, pool_tokens
+    ) -> None:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 999 if gpu else 0
         self.model = llama_cpp.llama_model_load_from_file(
@@ -99,7 +104,12 @@ class LlamaBackend(SlotBackend):
         trained = llama_cpp.llama_model_n_ctx_train(self.model)
         self.ctx_per_slot = min(context_length or DEFAULT_CONTEXT, trained or 2**31)
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = self.ctx_per_slot * self.n_slots
+        # One KV pool the slots share (unified): a sequence may hold up to
+        # its context, more than an equal share of the pool.
+        self.pool_tokens = max(
+            self.ctx_per_slot, pool_tokens or self.ctx_per_slot * self.n_slots
+        )
+        cparams.n_ctx = self.pool_tokens
         cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
         cparams.n_seq_max = self.n_slots
         threads = n_threads or usable_cores()
@@ -169,6 +179,14 @@ class LlamaBackend(SlotBackend):
         llama_cpp.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
         return 0
 
+    def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
+        """Share the source sequence's first `count` positions with the target
+        (llama.cpp's sequence copy: in the unified KV cache the cells are
+        shared, not duplicated)."""
+        llama_cpp.llama_memory_seq_rm(self.memory, target.index, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self.memory, source.index, target.index, 0, count)
+        return count
+
     def _is_end(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
@@ -237,17 +255,23 @@ class LlamaBackend(SlotBackend):
         firsts: list[tuple[Slot, int]] = []
         running: list[tuple[Slot, int]] = []
         reading: list[Slot] = []  # a prompt chunk in this pass, more to come
+        going = [
+            s for s in self.slots if s.request is not None and s.next_token is not None
+        ]
+        wanted = sum(len(s.todo) for s in self.slots if s.request is not None)
+        # The KV pool's room: the running slots' tokens, then prompt chunks.
+        prompt_room = self.pass_room(going, min(wanted, BATCH_TOKENS - len(going)))
+        for slot in going:
+            index = self._add(slot.next_token, slot.n_past, slot.index, True)
+            slot.tokens.append(slot.next_token)
+            slot.n_past += 1
+            slot.next_token = None
+            running.append((slot, index))
         for slot in self.slots:
-            if slot.request is not None and slot.next_token is not None:
-                index = self._add(slot.next_token, slot.n_past, slot.index, True)
-                slot.tokens.append(slot.next_token)
-                slot.n_past += 1
-                slot.next_token = None
-                running.append((slot, index))
-        for slot in self.slots:
-            room = BATCH_TOKENS - self.batch.n_tokens
+            room = min(BATCH_TOKENS - self.batch.n_tokens, prompt_room)
             if slot.request is None or not slot.todo or room <= 0:
                 continue
+            prompt_room -= min(room, len(slot.todo))
             chunk, slot.todo = slot.todo[:room], slot.todo[room:]
             slot.tokens.extend(chunk)
             for offset, token in enumerate(chunk):

@@ -53,6 +53,7 @@ class TransformersBackend(SlotBackend):
         device: str = "cpu",
         chat_template: str = "",
         prompt_cache: bool = True,
+        pool_tokens: int | None = None,
     ) -> None:
         self.n_slots = n_slots
         self.prompt_cache = prompt_cache
@@ -74,6 +75,10 @@ class TransformersBackend(SlotBackend):
         self.model.eval()
         trained = getattr(self.model.config, "max_position_embeddings", None)
         self.ctx_per_slot = min(context_length or DEFAULT_CONTEXT, trained or 2**31)
+        # The KV the slots may hold together (each slot's own tensors here).
+        self.pool_tokens = max(
+            self.ctx_per_slot, pool_tokens or self.ctx_per_slot * n_slots
+        )
         self.chat_template = chat_template or (self.tokenizer.chat_template or "")
         self.bos_text = self.tokenizer.bos_token or ""
         self.eos_text = self.tokenizer.eos_token or ""
@@ -126,17 +131,20 @@ class TransformersBackend(SlotBackend):
     def step(self) -> None:
         """Prefill one chunk of one waiting prompt, then one batched decode step
         over every slot that has a token to feed."""
-        prefilling = next(
-            (s for s in self.slots if s.request is not None and s.todo), None
-        )
-        if prefilling is not None:
-            try:
-                self._prefill(prefilling)
-            except Exception as error:  # this prompt's failure is its own
-                self.fail(prefilling, f"evaluating the prompt failed: {error!r}"[:300])
         running = [
             s for s in self.slots if s.request is not None and s.next_token is not None
         ]
+        prefilling = next(
+            (s for s in self.slots if s.request is not None and s.todo), None
+        )
+        wanted = min(len(prefilling.todo), PREFILL_CHUNK) if prefilling else 0
+        # The KV pool's room: the running slots' tokens, then a prompt chunk.
+        room = self.pass_room(running, wanted)
+        if prefilling is not None and prefilling.request is not None and room:
+            try:
+                self._prefill(prefilling, room)
+            except Exception as error:  # this prompt's failure is its own
+                self.fail(prefilling, f"evaluating the prompt failed: {error!r}"[:300])
         if running:
             self._decode(running)
 
@@ -152,9 +160,9 @@ class TransformersBackend(SlotBackend):
         layers = [(layer.keys, layer.values) for layer in out.cache.layers]
         return out.logits[:, -1, :], layers
 
-    def _prefill(self, slot: Slot) -> None:
+    def _prefill(self, slot: Slot, size: int) -> None:
         state: _SlotState = slot.state
-        chunk, slot.todo = slot.todo[:PREFILL_CHUNK], slot.todo[PREFILL_CHUNK:]
+        chunk, slot.todo = slot.todo[:size], slot.todo[size:]
         slot.tokens.extend(chunk)
         start = state.kv.length
         ids = torch.tensor([chunk], device=self.device)

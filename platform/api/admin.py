@@ -110,6 +110,7 @@ class UsageAdmin(admin.ModelAdmin):
         "engine",
         "status",
         "prompt_tokens",
+        "cached_tokens",
         "completion_tokens",
         "latency_ms",
         "error_code",

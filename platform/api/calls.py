@@ -129,6 +129,7 @@ class Call:
                 endpoint=self.endpoint,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
+                cached_tokens=self.cached_tokens,
                 latency_ms=round(latency * 1000, 3),
                 status=self.status,
                 error_code=self.error_code,

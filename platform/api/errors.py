@@ -65,6 +65,7 @@ class Mapping:
 # WebSocket chat maps through the same table.
 ENGINE_ERRORS: dict[str, Mapping] = {
     ErrorCode.BAD_REQUEST: Mapping(400, "invalid_request_error"),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: Mapping(400, "invalid_request_error"),
     ErrorCode.UNKNOWN_MODEL: Mapping(404, "invalid_request_error"),
     ErrorCode.OVERLOADED: Mapping(429, "rate_limit_error", retry_after_s=1),
     ErrorCode.INSUFFICIENT_MEMORY: Mapping(503, "server_error", retry_after_s=5),

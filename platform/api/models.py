@@ -97,6 +97,11 @@ class Usage(models.Model):
     endpoint = models.CharField(max_length=32, choices=Endpoint.choices)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(
+        default=0,
+        help_text="Prompt tokens taken from the engine's prompt cache (included "
+        "in the prompt tokens).",
+    )
     latency_ms = models.FloatField(default=0)
     status = models.PositiveSmallIntegerField(help_text="HTTP status of the answer.")
     error_code = models.CharField(max_length=64, blank=True)

@@ -40,6 +40,7 @@ def usage_build(
     latency_ms: float,
     status: int,
     error_code: str = "",
+    cached_tokens: int = 0,
 ) -> Usage:
     """One request's usage row, checked and not yet saved."""
     usage = Usage(
@@ -51,6 +52,7 @@ def usage_build(
         endpoint=endpoint,
         prompt_tokens=prompt_tokens or 0,
         completion_tokens=completion_tokens or 0,
+        cached_tokens=cached_tokens or 0,
         latency_ms=latency_ms,
         status=status,
         error_code=error_code[: Usage._meta.get_field("error_code").max_length],

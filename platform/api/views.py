@@ -56,6 +56,10 @@ from .schemas import (
 )
 from .services import api_key_allows
 
+# The answer's header naming how many of the oldest messages were dropped to fit
+# the model's context.
+DROPPED_HEADER = "X-Roundhouse-Dropped-Messages"
+
 log = logging.getLogger("roundhouse.api")
 
 
@@ -161,7 +165,7 @@ async def _generate(
                 "logprobs": None,
                 "finish_reason": reason,
             }
-        return JsonResponse(
+        response = JsonResponse(
             {
                 "id": ("chatcmpl-" if chat else "cmpl-") + reply["request_id"],
                 "object": "chat.completion" if chat else "text_completion",
@@ -173,6 +177,8 @@ async def _generate(
                 "timings": call.timings(reply),
             }
         )
+        _dropped_header(response, reply)
+        return response
 
     frames, start = await generation_open(call, route, snapshot, fields)
     base = {
@@ -236,7 +242,16 @@ async def _generate(
     response = StreamingHttpResponse(content(), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # proxies must not hold tokens back
+    _dropped_header(response, start)
     return response
+
+
+def _dropped_header(response: HttpResponse, frame: dict) -> None:
+    """How many of the oldest messages the engine dropped to fit the model's
+    context (its context overflow setting allows it): the answer's header."""
+    dropped = int(frame.get("dropped_messages") or 0)
+    if dropped:
+        response[DROPPED_HEADER] = str(dropped)
 
 
 @csrf_exempt

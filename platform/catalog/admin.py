@@ -41,6 +41,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
                     "sampling",
                     "chat_template",
                     "prompt_cache",
+                    "context_overflow",
                 ]
             },
         ),

@@ -58,6 +58,12 @@ def validate_sampling(value: object) -> None:
         raise ValidationError("; ".join(errors))
 
 
+class ContextOverflow(models.TextChoices):
+    # The values engines know (engines.config.CONTEXT_OVERFLOW).
+    REFUSE = "refuse", "Refuse with the counts"
+    DROP_OLDEST = "drop_oldest", "Drop the oldest turns"
+
+
 class ModelConfig(models.Model):
     """One servable model: its file, format, task, engine pin and serving limits."""
 
@@ -88,7 +94,9 @@ class ModelConfig(models.Model):
         null=True,
         blank=True,
         validators=[MinValueValidator(1)],
-        help_text="Parallel sessions of this model. Empty: the engine's limit.",
+        help_text="Parallel sessions of this model. Empty: auto, as many as the "
+        "KV memory budget allows, up to the engine's slot cap (Concurrency "
+        "settings).",
     )
     batch_window_ms = models.FloatField(
         default=5.0,
@@ -117,6 +125,14 @@ class ModelConfig(models.Model):
         help_text="Keep each slot's KV between requests and reuse it for a prompt "
         "that starts the same way (a chat's next turn evaluates only its new "
         "tokens). Off: every prompt is evaluated in full.",
+    )
+    context_overflow = models.CharField(
+        max_length=16,
+        choices=ContextOverflow.choices,
+        default=ContextOverflow.REFUSE,
+        help_text="A chat longer than the context: refused with the counts "
+        "(context_length_exceeded), or answered with its oldest turns left out "
+        "(the system prompt and the latest message always stay).",
     )
     enabled = models.BooleanField(default=True)
     measured_memory_mib = models.PositiveIntegerField(

@@ -61,6 +61,7 @@ def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
             "sampling": model.sampling,
             "chat_template": model.chat_template,
             "prompt_cache": model.prompt_cache,
+            "context_overflow": model.context_overflow,
         }
         for model in rows.order_by("name")
     ]

@@ -145,12 +145,20 @@ class ChatStream:
             await self._check_conversation(chat.conversation)
         route, snapshot = await model_route(call, request.model)
         await admit(call)
-        frames, _ = await generation_open(call, route, snapshot, fields)
+        frames, start = await generation_open(call, route, snapshot, fields)
         self._messages = fields["messages"]
         self.answer.model, self.answer.engine = route.name, call.engine
         self._started = True
+        # The oldest messages the model did not see: the conversation was
+        # longer than its context and its context overflow setting drops them.
         await self._send(
-            {"type": "start", "id": chat.id, "model": route.name, "engine": call.engine}
+            {
+                "type": "start",
+                "id": chat.id,
+                "model": route.name,
+                "engine": call.engine,
+                "dropped_messages": int(start.get("dropped_messages") or 0),
+            }
         )
         async for frame in frames:
             event = frame.get("event")

@@ -205,13 +205,29 @@ class PlacedModelConfigAdmin(ModelConfigAdmin):
         held = model_residence(name=model.name) if model.pk else []
         if not held:
             return "no engine holds it now"
-        return ", ".join(f"{engine} ({memory:.0f} MiB)" for engine, memory in held)
+        return "; ".join(_residence_text(where) for where in held)
 
     def save_model(self, request, obj: ModelConfig, form, change) -> None:
         super().save_model(request, obj, form, change)  # warns of path problems
         problem = model_pin_problem(model=obj, engines=engine_views())
         if problem:
             self.message_user(request, problem, messages.WARNING)
+
+
+def _residence_text(where) -> str:
+    """`cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB),
+    up to 2,048 tokens per conversation`."""
+    text = f"{where.engine} ({where.memory_mib:.0f} MiB)"
+    if where.slots:
+        text += f": {where.slots} slot{'s' if where.slots > 1 else ''}"
+        text += " (auto)" if where.slots_auto else ""
+        if where.kv_pool_tokens:
+            text += (
+                f" sharing a {where.kv_pool_tokens:,}-token KV pool "
+                f"({where.kv_mib or 0:.0f} MiB), up to {where.context:,} tokens "
+                "per conversation"
+            )
+    return text
 
 
 class SingletonAdmin(admin.ModelAdmin):
@@ -282,4 +298,4 @@ class ConcurrencyOverrideInline(admin.TabularInline):
 @admin.register(ConcurrencySettings)
 class ConcurrencySettingsAdmin(SingletonAdmin):
     inlines = [ConcurrencyOverrideInline]
-    fields = ["max_parallel_requests", "max_slots_per_model"]
+    fields = ["max_parallel_requests", "max_slots_per_model", "kv_cache_mib"]

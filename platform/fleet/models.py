@@ -446,14 +446,23 @@ class ConcurrencySettings(SingletonModel):
     """Default concurrency limits of every engine."""
 
     max_parallel_requests = models.PositiveIntegerField(
-        default=4,
+        default=32,
         validators=[MinValueValidator(1)],
         help_text="Requests one engine runs at once.",
     )
     max_slots_per_model = models.PositiveIntegerField(
-        default=2,
+        default=32,
         validators=[MinValueValidator(1)],
-        help_text="Parallel sessions (slots) of one model in one engine.",
+        help_text="The most parallel sessions (slots) a model with auto slots "
+        "gets in one engine.",
+    )
+    kv_cache_mib = models.PositiveIntegerField(
+        "KV cache (MiB)",
+        default=1024,
+        validators=[MinValueValidator(16)],
+        help_text="Memory for one generation model's KV cache, a pool its slots "
+        "share (a long conversation may use more than its share). Auto slots: "
+        "one per 1,024 tokens it holds, up to the slot cap.",
     )
 
     class Meta:
@@ -477,6 +486,9 @@ class ConcurrencyOverride(models.Model):
     )
     max_slots_per_model = models.PositiveIntegerField(
         null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    kv_cache_mib = models.PositiveIntegerField(
+        "KV cache (MiB)", null=True, blank=True, validators=[MinValueValidator(16)]
     )
 
     class Meta:

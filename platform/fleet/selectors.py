@@ -48,6 +48,7 @@ class EngineLimits:
 
     max_parallel_requests: int
     max_slots_per_model: int
+    kv_cache_mib: int
 
 
 def engine_limits(*, spec: EngineSpec) -> EngineLimits:
@@ -59,6 +60,7 @@ def engine_limits(*, spec: EngineSpec) -> EngineLimits:
         or defaults.max_parallel_requests,
         max_slots_per_model=(override and override.max_slots_per_model)
         or defaults.max_slots_per_model,
+        kv_cache_mib=(override and override.kv_cache_mib) or defaults.kv_cache_mib,
     )
 
 
@@ -129,6 +131,7 @@ def engine_config(
         limits=Limits(
             max_parallel_requests=limits.max_parallel_requests,
             max_slots_per_model=limits.max_slots_per_model,
+            kv_cache_mib=limits.kv_cache_mib,
             queue_limit=server.queue_limit,
             queue_timeout_s=server.queue_timeout_s,
             models_max=server.models_max,
@@ -281,12 +284,35 @@ def fleet_overview() -> dict:
     }
 
 
-def model_residence(*, name: str) -> list[tuple[str, float]]:
-    """The engines that hold the model now, with the memory it takes there
-    (as the supervisor last recorded)."""
+@dataclass(frozen=True)
+class Residence:
+    """One engine holding a model: the memory it takes there and, for a
+    generation model, its slots and the KV pool they share."""
+
+    engine: str
+    memory_mib: float
+    slots: int | None = None
+    slots_auto: bool = False
+    kv_pool_tokens: int | None = None
+    kv_mib: float | None = None
+    context: int | None = None
+
+
+def model_residence(*, name: str) -> list[Residence]:
+    """The engines that hold the model now (as the supervisor last recorded)."""
     held = []
     for state in EngineState.objects.select_related("spec").order_by("spec__name"):
         for item in state.resident_models:
             if item.get("name") == name:
-                held.append((state.spec.name, float(item.get("memory_mib", 0))))
+                held.append(
+                    Residence(
+                        engine=state.spec.name,
+                        memory_mib=float(item.get("memory_mib", 0)),
+                        slots=item.get("slots"),
+                        slots_auto=bool(item.get("slots_auto")),
+                        kv_pool_tokens=item.get("kv_pool_tokens"),
+                        kv_mib=item.get("kv_mib"),
+                        context=item.get("context"),
+                    )
+                )
     return held

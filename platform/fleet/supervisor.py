@@ -50,6 +50,10 @@ from .recorder import Recorder
 from .selectors import DesiredEngine
 from .supervisor_lock import SupervisorLock
 
+# What the engine reports of a generation model's slots (engines.memory
+# SlotPlan.describe), recorded with its memory.
+SLOT_PLAN_FIELDS = ("slots", "slots_auto", "context", "kv_pool_tokens", "kv_mib")
+
 log = logging.getLogger("roundhouse.supervisor")
 
 # What `configure` changes in a running engine; the rest needs a restart.
@@ -522,6 +526,12 @@ class Supervisor:
                     "memory_mib": item["memory_mib"],
                     "queued": item.get("queued", 0),
                     "busy": item.get("busy", 0),
+                    # A generation model's slots and the KV pool they share.
+                    **{
+                        field: item[field]
+                        for field in SLOT_PLAN_FIELDS
+                        if item.get(field) is not None
+                    },
                 }
                 for item in state.get("models", [])
             ],

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from engines.config import ModelSpec
-from engines.memory import estimate_model_mib
+from engines.config import Limits, ModelSpec
+from engines.memory import estimate_model_mib, plan_slots
 
 
 def spec(fmt: str, path: str, context: int | None = 512) -> ModelSpec:
@@ -76,3 +76,33 @@ def test_header_reader_refuses_what_is_not_gguf(tmp_path):
     other.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(GGUFFormatError):
         read_header(other)
+
+
+def test_auto_slots_follow_the_kv_budget_up_to_the_cap():
+    """SmolLM2 (22.5 KiB of KV per token): auto slots are one per 1,024 tokens
+    of the budget, at most the cap; the pool is the budget, at most every
+    slot's whole context, at least one context. Set slots are kept."""
+    per_token = 2 * 30 * 192 * 2 / 2**20
+    model = spec("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", 2048)
+    roomy = plan_slots(model, Limits(kv_cache_mib=1024, max_slots_per_model=8))
+    assert (roomy.slots, roomy.context, roomy.pool_tokens) == (8, 2048, 8 * 2048)
+    assert roomy.auto and roomy.kv_mib == pytest.approx(8 * 2048 * per_token)
+    tight = plan_slots(model, Limits(kv_cache_mib=90, max_slots_per_model=8))
+    budget = int(90 / per_token)  # 4,096 tokens
+    assert (tight.slots, tight.pool_tokens) == (budget // 1024, budget)
+    tiny = plan_slots(model, Limits(kv_cache_mib=16, max_slots_per_model=8))
+    assert (tiny.slots, tiny.pool_tokens) == (1, 2048)  # one whole context
+    model.slots = 3
+    fixed = plan_slots(model, Limits(kv_cache_mib=1024, max_slots_per_model=8))
+    assert (fixed.slots, fixed.pool_tokens, fixed.auto) == (3, 3 * 2048, False)
+    # Its estimate counts the pool.
+    estimate = estimate_model_mib(model, pool_tokens=fixed.pool_tokens)
+    assert estimate == pytest.approx(
+        Path(model.path).stat().st_size / 2**20 + 3 * 2048 * per_token
+    )
+
+
+def test_the_default_context_is_the_trained_one_up_to_4096():
+    model = spec("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", None)
+    plan = plan_slots(model, Limits())
+    assert plan.context == 4096  # SmolLM2 was trained on 8,192

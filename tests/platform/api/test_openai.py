@@ -77,6 +77,8 @@ def test_usage_reports_prompt_tokens_from_the_cache(live):
         )
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    # The usage rows record it too.
+    wait_for_usage(endpoint="chat.completions", key__name="main", cached_tokens=cached)
     _, _, body = live.get("/metrics")
     counted = re.search(
         rf'roundhouse_tokens_total{{engine="{ENGINE}",kind="prompt_cached",'

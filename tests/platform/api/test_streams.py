@@ -42,7 +42,14 @@ LONG_PROMPT = " ".join(["The harbour is quiet tonight."] * 50)
 def chat_engine(log_dir, **limits):
     return start_engine(
         log_dir,
-        models=[gguf_spec(CHAT, "SmolLM2-135M-Instruct.Q4_1.gguf", slots=1)],
+        models=[
+            gguf_spec(
+                CHAT,
+                "SmolLM2-135M-Instruct.Q4_1.gguf",
+                slots=1,
+                context_overflow="drop_oldest",
+            )
+        ],
         preload=[CHAT],
         limits=limits,
     )
@@ -81,6 +88,46 @@ def front(engine, tmp_path, settings, monkeypatch):
     return routed_to(engine, tmp_path, settings, monkeypatch)
 
 
+def chat_scope(key: str, payload: bytes) -> dict:
+    """The ASGI scope of a POST /v1/chat/completions with this key and body, as
+    uvicorn hands it to the app."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"authorization", f"Bearer {key}".encode()),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+        "client": ("10.0.0.9", 40000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+def long_chat() -> list[dict]:
+    """Sixteen question/answer turns and a last question: more than the
+    engine's 512-token context."""
+    messages = []
+    for n in range(16):
+        messages.append({"role": "user", "content": f"Tell me fact {n} about tides."})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": f"Fact {n}: " + "tides rise and fall. " * 4,
+            }
+        )
+    messages.append({"role": "user", "content": "And the last fact?"})
+    return messages
+
+
 class Caller:
     """One streamed chat request as the server hands it to the ASGI app, and
     the caller's side of it: what came back, and a hang-up the test makes."""
@@ -96,25 +143,7 @@ class Caller:
             "stream": True,
         }
         self._request: bytes | None = json.dumps(body).encode()
-        self.scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [
-                (b"host", b"127.0.0.1"),
-                (b"content-type", b"application/json"),
-                (b"authorization", f"Bearer {key}".encode()),
-                (b"content-length", str(len(self._request)).encode()),
-            ],
-            "client": ("10.0.0.9", 40000),
-            "server": ("127.0.0.1", 8000),
-        }
+        self.scope = chat_scope(key, self._request)
         # A caller whose socket takes no more once the headers are written:
         # the handler's send waits there until it is cancelled.
         self.stall_headers = stall_headers

@@ -24,6 +24,7 @@ from tests.platform.api.test_streams import (
     CHAT,
     ESSAY,
     engine_idle,
+    long_chat,
     slot_free,
     within,
 )
@@ -105,7 +106,13 @@ async def test_key_chat_streams_and_is_recorded(socket_app, engine):
     start, *tokens, done = messages
     # Then, the answer over, where its turn was stored.
     (where,) = await socket.until("stored", "a")
-    assert start == {"type": "start", "id": "a", "model": CHAT, "engine": "streams0"}
+    assert start == {
+        "type": "start",
+        "id": "a",
+        "model": CHAT,
+        "engine": "streams0",
+        "dropped_messages": 0,
+    }
     assert tokens and all(t["type"] == "token" and t["id"] == "a" for t in tokens)
     assert done["finish_reason"] in ("stop", "length")
     assert done["usage"]["completion_tokens"] == len(tokens)
@@ -339,4 +346,19 @@ async def test_a_refused_stream_refreshes_the_fleet_snapshot(socket_app, monkeyp
     await within(reloaded())
     await socket.send(chat("after"))
     assert (await socket.until("done", "after"))[-1]["finish_reason"]
+    await socket.close()
+
+
+async def test_a_conversation_over_the_context_says_what_was_dropped(socket_app):
+    """The engine's model drops the oldest turns of a chat longer than its
+    512-token context: the `start` message says how many; the answer comes."""
+    key = await sync_to_async(ApiKeyFactory)()
+    socket = await keyed_socket(socket_app, key)
+    message = chat("long")
+    message["messages"] = long_chat()
+    await socket.send(message)
+    start, *_, done = await socket.until("done", "long")
+    assert start["type"] == "start"
+    assert 0 < start["dropped_messages"] < len(message["messages"]) - 1
+    assert done["type"] == "done"
     await socket.close()

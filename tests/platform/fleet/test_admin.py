@@ -81,10 +81,12 @@ def test_concurrency_override_per_engine(admin_client):
     data = {
         "max_parallel_requests": "4",
         "max_slots_per_model": "2",
+        "kv_cache_mib": "512",
         **inline_management("overrides", 1),
         "overrides-0-engine": str(gpu.pk),
         "overrides-0-max_parallel_requests": "8",
         "overrides-0-max_slots_per_model": "",
+        "overrides-0-kv_cache_mib": "2048",
     }
     response = admin_client.post(url, data)
     assert response.status_code == 302
@@ -96,6 +98,9 @@ def test_concurrency_override_per_engine(admin_client):
 
     limits = engine_limits(spec=gpu)
     assert (limits.max_parallel_requests, limits.max_slots_per_model) == (8, 2)
+    assert limits.kv_cache_mib == 2048
+    other = engine_limits(spec=EngineSpecFactory(name="cpu9"))
+    assert (other.max_parallel_requests, other.kv_cache_mib) == (4, 512)
 
 
 def engine_post(**fields) -> dict:
@@ -291,3 +296,22 @@ def test_model_change_form_shows_owner_engine_and_memory_where_resident(
     body = admin_client.get(url).content.decode()
     assert "cpu0 (312 MiB)" in body
     assert "321" in body  # the memory its last load measured
+    # A generation model: the slots chosen and the KV pool they share.
+    EngineState.objects.filter(spec=engine).update(
+        resident_models=[
+            {
+                "name": "chatty",
+                "memory_mib": 312.4,
+                "slots": 8,
+                "slots_auto": True,
+                "context": 2048,
+                "kv_pool_tokens": 16384,
+                "kv_mib": 360.0,
+            }
+        ]
+    )
+    body = admin_client.get(url).content.decode()
+    assert (
+        "cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB), "
+        "up to 2,048 tokens per conversation"
+    ) in body

@@ -130,6 +130,15 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
     assert {"device": "CPU", "celsius": 93.0} in recorded.temperatures
     assert recorded.memory_mib > 50
     assert recorded.tokens_generated >= reply["usage"]["completion_tokens"] > 0
+    # The chat model's slots (auto, the default) and the KV pool they share.
+    (chat,) = [
+        item
+        for item in recorded.resident_models
+        if item["name"] == "smollm2-135m-instruct"
+    ]
+    assert chat["slots_auto"] is True and chat["slots"] >= 1
+    assert chat["kv_pool_tokens"] >= chat["context"] > 0
+    assert chat["kv_mib"] > 0
     body = admin_client.get(reverse("admin:fleet_enginespec_changelist"))
     assert "cooling (CPU (cpu) at 93 °C" in body.content.decode()
     thermal = ThermalSettings.load()

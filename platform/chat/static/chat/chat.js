@@ -27,6 +27,7 @@
     engine_timeout: "The engine stopped answering",
     model_not_found: "This model is not available to you",
     conversation_not_found: "This conversation is not yours or no longer exists",
+    context_length_exceeded: "This conversation is longer than the model's context",
     internal: "Something went wrong on the server",
   };
   // Errors worth trying again by themselves, after their retry_after.
@@ -100,8 +101,17 @@
     if (m.completion_tokens != null) parts.push(`${m.completion_tokens} tokens`);
     if (m.finish_reason === "cancelled") parts.push("stopped");
     if (m.finish_reason === "length") parts.push("cut at max tokens");
+    if (m.dropped) parts.push(`${m.dropped} oldest messages not seen`);
     if (m.engine) parts.push(m.engine);
     bubble.querySelector(".stats").textContent = parts.join(" · ");
+  }
+
+  // The conversation outgrew the model's context and its setting drops the
+  // oldest messages: the answer did not see them.
+  function droppedNotice(count) {
+    if (!count) return "";
+    const what = count === 1 ? "oldest message was" : `${count} oldest messages were`;
+    return `This conversation is longer than the model's context: its ${what} left out of this answer.`;
   }
 
   function showNotice(text) {
@@ -161,7 +171,8 @@
       case "start":
         if (state.stream && message.id === state.stream.id) {
           state.stream.engine = message.engine;
-          showNotice("");
+          state.stream.dropped = message.dropped_messages || 0;
+          showNotice(droppedNotice(state.stream.dropped));
         }
         return;
       case "token":
@@ -241,13 +252,13 @@
     stream.bubble.querySelector(".body").innerHTML = render(stream.text);
     showStats(stream.bubble, {
       ...done.usage, ...done.timings, finish_reason: done.finish_reason,
-      engine: done.timings.engine,
+      engine: done.timings.engine, dropped: stream.dropped,
     });
     state.history = [...stream.turn.history, { role: "assistant", content: stream.text }];
     state.storing = { id: done.id, turn: stream.turn };
     // Never wait for ever: the turn is answered even if it cannot be stored.
     setTimeout(() => stored({ id: done.id, conversation: null }), 5000);
-    showNotice("");
+    showNotice(droppedNotice(stream.dropped));
     setBusy(false);
   }
 
@@ -301,7 +312,8 @@
     stream.bubble.classList.add("failed");
     stream.bubble.querySelector(".body").innerHTML = render(stream.text);
     stream.bubble.querySelector(".stats").textContent = `${plain}${error.code === "bad_request" ? "" : ` (${error.code})`}.`;
-    showNotice(error.code === "bad_request" ? `The request was refused: ${error.message}` : `${plain}.`);
+    const refused = error.code === "bad_request" || error.code === "context_length_exceeded";
+    showNotice(refused ? `The request was refused: ${error.message}` : `${plain}.`);
     setBusy(false);
   }
 

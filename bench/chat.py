@@ -1,0 +1,366 @@
+"""Chat as people use it: many conversations at once, each turn resending the
+whole conversation after a shared system prompt.
+
+Run: .venv/bin/python bench/chat.py [--users 32] [--turns 6] [--only NAME ...]
+
+Each simulated user opens a conversation with the same ~400-token system prompt,
+asks a short question, waits for the whole streamed answer (SSE, at most
+`--answer-tokens` tokens, greedy), thinks for a moment (0.5-1.5 s, seeded) and
+asks the next question with the conversation so far, `--turns` times. Users
+start within the first second, in a seeded order.
+
+Servers, one after the other, each on the same conversations:
+- `roundhouse`: the platform with the settings a fresh `make run` gives (its own
+  temporary run dir, the bundled models, `manage.py supervise`, the front), through
+  /v1/chat/completions with an API key;
+- `roundhouse-nocache`: the same with the model's prompt cache switched off in
+  the admin (ModelConfig.prompt_cache), the control for the cache's effect;
+- `llama-server` (the anchor): llama.cpp's C++ server with its own defaults on the
+  same GGUF file and thread count, through its /v1/chat/completions. Built as
+  bench/README.md says and found through ROUNDHOUSE_LLAMA_SERVER; left out
+  without it.
+
+Reported per server: aggregate completion tokens/s over the whole run, p50 and p99
+time to first token per turn, prompt tokens sent and the share the server took
+from its cache. Ratios: Roundhouse's tokens/s over the anchor's (goal >= 1.0),
+its turn-6 p50 TTFT over the anchor's (goal <= 1.0), and its turn-6 p50 TTFT
+with the cache over without (goal <= 0.25).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.front import MODEL, Platform, http_open  # noqa: E402
+from bench.generation import MODEL_PATH, THREADS, free_port, wait_http  # noqa: E402
+
+SEED = 20261201
+TIMEOUT_S = 600.0  # one answer, queueing included
+
+SYSTEM_PROMPT = " ".join(
+    [
+        "You are Harbourline's support assistant. Harbourline runs passenger",
+        "ferries between six island ports and the mainland, all year round, with",
+        "more sailings in summer. Answer in plain, friendly English, in at most",
+        "three short sentences, and never invent timetables or prices: when you",
+        "do not know, say so and point to the ticket office. Tickets can be",
+        "bought online, at the ports' ticket offices or on board (cash or card,",
+        "with a surcharge of two euros on board). Children under four travel",
+        "free; children from four to eleven pay half fare; students and people",
+        "over sixty-five get a quarter off with a card that shows it. Bicycles",
+        "travel free on every route; cars, vans and motorbikes must be booked at",
+        "least a day ahead in summer. Dogs travel on the outer decks on a lead;",
+        "assistance dogs may go anywhere on board. Every ship has a lift, and",
+        "staff help passengers in wheelchairs when they book help a day ahead.",
+        "Sailings are cancelled when the wind passes force eight; passengers of",
+        "a cancelled sailing may take the next one or get their money back in",
+        "full within thirty days. Luggage is free up to two bags of twenty kilos",
+        "each; more costs five euros a bag. Lost property is kept for ninety days",
+        "at the port where the ship ended its trip. Season tickets exist for",
+        "islanders and for commuters who cross at least four days a week; they",
+        "are sold at the ticket offices only, with a photo and proof of address.",
+        "Food and drink are sold on board from the first sailing to the last;",
+        "the cafe takes cards only. Smoking is allowed nowhere on board, vaping",
+        "neither. Ports open their waiting rooms an hour before the first",
+        "sailing and close them half an hour after the last. Parking at the",
+        "mainland port costs eight euros a day; island ports have free parking",
+        "for up to three days. Passengers must be at the gate fifteen minutes",
+        "before sailing with a car, and ten minutes on foot. Complaints go to",
+        "the customer office by mail or through the website's form; they are",
+        "answered within ten working days.",
+    ]
+)
+
+QUESTIONS = [
+    "Can I bring my bicycle on the ferry?",
+    "How much does a ticket cost for my six-year-old?",
+    "What happens if my sailing is cancelled because of wind?",
+    "Is there food on board?",
+    "Can my dog come with me inside?",
+    "Where do I park at the mainland port, and how much is it?",
+    "I lost my umbrella on yesterday's boat. Where is it now?",
+    "Do you give discounts to students?",
+    "How early should I be at the gate with my car?",
+    "Can I pay on board with cash?",
+    "How do I complain about rude staff?",
+    "We are twelve people travelling together. Is there a discount?",
+    "How much luggage can I take for free?",
+    "When does the waiting room open in the morning?",
+    "Is there a lift for my grandmother's wheelchair?",
+    "How long does a refund take when I bought the ticket online?",
+    "Can I smoke on the outer deck?",
+    "What is a season ticket and who can get one?",
+    "Where are the life jackets?",
+    "Do I need to book my motorbike ahead in August?",
+]
+
+
+@dataclass
+class Turn:
+    user: int
+    turn: int
+    started: float
+    first_token_s: float | None = None
+    ended: float = 0.0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Run:
+    server: str
+    turns: list[Turn] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+# -- one streamed chat completion ---------------------------------------------------
+
+
+async def stream_chat(
+    port: int, key: str, messages: list[dict], args, record: Turn
+) -> str:
+    """POST a streamed chat completion; fills `record`; returns the answer."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": args.answer_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    reader, writer, status = await http_open(
+        port, "POST", "/v1/chat/completions", key=key, body=body
+    )
+    try:
+        if status != 200:
+            record.error = f"HTTP {status}: {(await reader.read())[:200]!r}"
+            return ""
+        parts = []
+        while line := await reader.readline():
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                record.error = str(event["error"])[:200]
+                return ""
+            for choice in event.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if record.first_token_s is None:
+                        record.first_token_s = time.monotonic() - record.started
+                    parts.append(text)
+            usage = event.get("usage")
+            if usage:
+                record.completion_tokens = usage.get("completion_tokens", 0)
+                record.prompt_tokens = usage.get("prompt_tokens", 0)
+                details = usage.get("prompt_tokens_details") or {}
+                record.cached_tokens = details.get("cached_tokens") or 0
+            timings = event.get("timings")  # llama-server's own
+            if timings and not record.cached_tokens:
+                record.cached_tokens = timings.get("cache_n", 0)
+        return "".join(parts)
+    finally:
+        writer.close()
+
+
+async def user(index: int, port: int, key: str, args, run: Run, begin: float) -> None:
+    chooser = random.Random(SEED + index)
+    await asyncio.sleep(chooser.random())  # arrivals spread over the first second
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    questions = chooser.sample(QUESTIONS, args.turns)
+    for number, question in enumerate(questions, start=1):
+        messages.append({"role": "user", "content": question})
+        record = Turn(index, number, time.monotonic())
+        try:
+            answer = await asyncio.wait_for(
+                stream_chat(port, key, messages, args, record), TIMEOUT_S
+            )
+        except (TimeoutError, OSError, ValueError) as error:
+            record.error = repr(error)[:200]
+            answer = ""
+        record.ended = time.monotonic()
+        run.turns.append(record)
+        if record.error:
+            return  # this user gives up
+        messages.append({"role": "assistant", "content": answer})
+        await asyncio.sleep(0.5 + chooser.random())
+
+
+async def conversations(server: str, port: int, key: str, args) -> Run:
+    run = Run(server)
+    begin = time.monotonic()
+    await asyncio.gather(
+        *(user(index, port, key, args, run, begin) for index in range(args.users))
+    )
+    run.wall_s = time.monotonic() - begin
+    return run
+
+
+# -- the servers --------------------------------------------------------------------
+
+
+def run_roundhouse(args, *, cache: bool) -> Run:
+    name = "roundhouse" if cache else "roundhouse-nocache"
+    with tempfile.TemporaryDirectory(prefix="roundhouse-chat-") as run_dir:
+        platform = Platform(Path(run_dir))
+        try:
+            if not cache:
+                platform.manage("migrate", "--noinput")
+                platform.manage(
+                    "shell",
+                    "-c",
+                    "from catalog.models import ModelConfig\n"
+                    f"ModelConfig.objects.filter(name={MODEL!r})"
+                    ".update(prompt_cache=False)",
+                )
+            platform.startup([])
+            print(f"{name}: running", flush=True)
+            return asyncio.run(conversations(name, platform.port, platform.key, args))
+        finally:
+            platform.stop()
+
+
+def run_llama_server(args, binary: str) -> Run:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="llama-server-") as log_dir:
+        log = open(Path(log_dir) / "server.log", "wb")  # noqa: SIM115
+        # Its own defaults: only the model, the address and the thread count.
+        argv = [binary, "-m", str(MODEL_PATH), "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "-t", str(THREADS), "--no-webui"]
+        process = subprocess.Popen(argv, stdout=log, stderr=log)
+        try:
+            wait_http(port, process, "/health")
+            print("llama-server: running", flush=True)
+            return asyncio.run(conversations("llama-server", port, "", args))
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            log.close()
+            if args.keep_logs:
+                print((Path(log_dir) / "server.log").read_text()[-3000:])
+
+
+# -- report -------------------------------------------------------------------------
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def turn_p50(run: Run, turn: int) -> float:
+    values = [t.first_token_s for t in run.turns if t.turn == turn and t.first_token_s]
+    return statistics.median(values) if values else float("nan")
+
+
+def tokens_per_s(run: Run) -> float:
+    return sum(t.completion_tokens for t in run.turns) / run.wall_s
+
+
+def report(runs: list[Run], args) -> None:
+    print(
+        f"\n{args.users} users x {args.turns} turns, ~400-token system prompt, "
+        f"answers of at most {args.answer_tokens} tokens, greedy, SSE; "
+        f"{THREADS} threads, {os.cpu_count()} cores shared by everything"
+    )
+    header = f"{'server':<20}{'tok/s':>7}{'errors':>7}{'prompt':>8}{'cached':>8}"
+    header += "".join(f"{'t' + str(n) + ' p50/p99 s':>15}" for n in range(1, 7))
+    print(header)
+    for run in runs:
+        errors = sum(bool(t.error) for t in run.turns)
+        prompt = sum(t.prompt_tokens for t in run.turns)
+        cached = sum(t.cached_tokens for t in run.turns)
+        line = f"{run.server:<20}{tokens_per_s(run):>7.1f}{errors:>7}{prompt:>8}"
+        line += f"{cached / prompt if prompt else 0:>8.0%}"
+        for number in range(1, args.turns + 1):
+            values = [
+                t.first_token_s
+                for t in run.turns
+                if t.turn == number and t.first_token_s
+            ]
+            line += (
+                f"{statistics.median(values):>8.2f}/{percentile(values, 0.99):<6.2f}"
+                if values
+                else f"{'-':>15}"
+            )
+        print(line)
+        for sample in [t.error for t in run.turns if t.error][:3]:
+            print(f"    error: {sample}")
+    by_name = {run.server: run for run in runs}
+    ours, off = by_name.get("roundhouse"), by_name.get("roundhouse-nocache")
+    anchor = by_name.get("llama-server")
+    last = args.turns
+    print()
+    if ours and anchor:
+        print(
+            f"tokens/s, roundhouse / llama-server: "
+            f"{tokens_per_s(ours) / tokens_per_s(anchor):.2f} (goal >= 1.0)"
+        )
+        print(
+            f"turn-{last} p50 TTFT, roundhouse / llama-server: "
+            f"{turn_p50(ours, last) / turn_p50(anchor, last):.2f} (goal <= 1.0)"
+        )
+    if ours and off:
+        print(
+            f"turn-{last} p50 TTFT, cache on / off: "
+            f"{turn_p50(ours, last) / turn_p50(off, last):.2f} (goal <= 0.25)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--users", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--answer-tokens", type=int, default=64)
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        choices=["roundhouse", "roundhouse-nocache", "llama-server"],
+        help="run only these servers",
+    )
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args()
+    if args.turns > len(QUESTIONS):
+        parser.error(f"at most {len(QUESTIONS)} turns")
+    wanted = args.only or ["llama-server", "roundhouse", "roundhouse-nocache"]
+    runs = []
+    binary = os.environ.get("ROUNDHOUSE_LLAMA_SERVER")
+    if "llama-server" in wanted:
+        if binary:
+            runs.append(run_llama_server(args, binary))
+            report(runs, args)  # as it goes: a run takes minutes
+        else:
+            print("ROUNDHOUSE_LLAMA_SERVER not set: the anchor is left out")
+    if "roundhouse" in wanted:
+        runs.append(run_roundhouse(args, cache=True))
+        report(runs, args)
+    if "roundhouse-nocache" in wanted:
+        runs.append(run_roundhouse(args, cache=False))
+    print("\n== all servers ==")
+    report(runs, args)
+
+
+if __name__ == "__main__":
+    main()
