@@ -25,6 +25,7 @@ def model_post(**fields) -> dict:
         "keep_alive_s": "300",
         "sampling": "{}",
         "chat_template": "",
+        "context_overflow": "refuse",
     }
     data.update(fields)
     return data

@@ -113,7 +113,13 @@ def test_websocket_chat(port, live):
         received = []
         while not received or received[-1]["type"] not in ("done", "error"):
             received.append(json.loads(socket.recv(timeout=60)))
-    assert received[0] == {"type": "start", "id": "1", "model": CHAT, "engine": ENGINE}
+    assert received[0] == {
+        "type": "start",
+        "id": "1",
+        "model": CHAT,
+        "engine": ENGINE,
+        "dropped_messages": 0,
+    }
     assert received[-1]["type"] == "done", received[-1]
     assert received[-1]["usage"]["completion_tokens"] == len(received) - 2
 
