@@ -117,6 +117,8 @@ class Turn:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Roundhouse's engine's own part of the time to first token.
+    engine_first_token_s: float | None = None
     error: str = ""
 
 
@@ -172,9 +174,11 @@ async def stream_chat(
                 record.prompt_tokens = usage.get("prompt_tokens", 0)
                 details = usage.get("prompt_tokens_details") or {}
                 record.cached_tokens = details.get("cached_tokens") or 0
-            timings = event.get("timings")  # llama-server's own
+            timings = event.get("timings")  # llama-server's, or Roundhouse's
             if timings and not record.cached_tokens:
                 record.cached_tokens = timings.get("cache_n", 0)
+            if timings and timings.get("engine_first_token_ms") is not None:
+                record.engine_first_token_s = timings["engine_first_token_ms"] / 1000
         return "".join(parts)
     finally:
         writer.close()
@@ -306,6 +310,22 @@ def report(runs: list[Run], args) -> None:
                 else f"{'-':>15}"
             )
         print(line)
+        engine = [
+            statistics.median(parts)
+            for number in range(1, args.turns + 1)
+            if (
+                parts := [
+                    t.engine_first_token_s
+                    for t in run.turns
+                    if t.turn == number and t.engine_first_token_s is not None
+                ]
+            )
+        ]
+        if engine:
+            print(
+                f"{'  engine part p50 s':<50}"
+                + "".join(f"{value:>8.2f}{'':7}" for value in engine)
+            )
         for sample in [t.error for t in run.turns if t.error][:3]:
             print(f"    error: {sample}")
     by_name = {run.server: run for run in runs}

@@ -187,10 +187,10 @@ class SlotBackend(GenerationBackend):
     def pass_room(self, running: list[Slot], wanted: int) -> int:
         """Room in the KV pool for this pass: each running slot's next token,
         and up to `wanted` prompt tokens; how many prompt tokens fit. Idle
-        slots' caches go first, least recently used first. Where the running
-        slots alone overflow the pool, the newest of them fails (overloaded:
-        the caller may retry); where no prompt token fits and nothing runs, the
-        newest slot reading its prompt does, so the others go on."""
+        slots' caches go first, least recently used first. Where the requests
+        in slots leave no room to move (the running ones' next tokens, or any
+        prompt token while none runs), the newest admitted fails (overloaded:
+        the caller may retry) and frees its room, so the older ones go on."""
         need = len(running) + wanted
         free = self.pool_tokens - sum(len(slot.tokens) for slot in self.slots)
         if free < need:
@@ -201,17 +201,21 @@ class SlotBackend(GenerationBackend):
                 if free >= need:
                     break
         active = [s for s in self.slots if s.request is not None]
-        while running and free < len(running):
-            newest = max(running, key=lambda s: s.used_at)
-            running.remove(newest)
+
+        def stuck() -> bool:
+            # No room for the running slots' next tokens, or for any prompt
+            # token while nothing runs: nothing could move.
+            return free < len(running) or (
+                not running and wanted and free <= 0 and len(active) > 1
+            )
+
+        while active and stuck():
+            newest = max(active, key=lambda s: s.used_at)
+            active.remove(newest)
+            if newest in running:
+                running.remove(newest)
             free += len(newest.tokens)
             self.fail(newest, self._pool_full(), ErrorCode.OVERLOADED.value)
-        if free <= len(running) and not running and wanted:
-            reading = [s for s in active if s.request is not None and s.todo]
-            if len(reading) > 1:
-                newest = max(reading, key=lambda s: s.used_at)
-                free += len(newest.tokens)
-                self.fail(newest, self._pool_full(), ErrorCode.OVERLOADED.value)
         return max(0, min(wanted, free - len(running)))
 
     def _pool_full(self) -> str:

@@ -267,7 +267,9 @@ class LlamaBackend(SlotBackend):
             slot.n_past += 1
             slot.next_token = None
             running.append((slot, index))
-        for slot in self.slots:
+        # Prompt chunks in admission order: the oldest prompt is read first, so
+        # a prompt waits for those admitted before it, never for later ones.
+        for slot in sorted(self.slots, key=lambda s: s.used_at):
             room = min(BATCH_TOKENS - self.batch.n_tokens, prompt_room)
             if slot.request is None or not slot.todo or room <= 0:
                 continue

@@ -134,8 +134,11 @@ class TransformersBackend(SlotBackend):
         running = [
             s for s in self.slots if s.request is not None and s.next_token is not None
         ]
-        prefilling = next(
-            (s for s in self.slots if s.request is not None and s.todo), None
+        # The oldest admitted prompt first (FIFO).
+        prefilling = min(
+            (s for s in self.slots if s.request is not None and s.todo),
+            key=lambda s: s.used_at,
+            default=None,
         )
         wanted = min(len(prefilling.todo), PREFILL_CHUNK) if prefilling else 0
         # The KV pool's room: the running slots' tokens, then a prompt chunk.

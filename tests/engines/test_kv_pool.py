@@ -3,6 +3,7 @@ slot in use, a conversation longer than an equal share of the pool, idle
 slots' caches dropped for room, and auto slots sized by the memory budget."""
 
 import threading
+import time
 
 import pytest
 
@@ -55,6 +56,16 @@ def ask(engine, model: str, question: str, **fields) -> dict:
     ]
     fields = {"temperature": 0, "max_tokens": 8, **fields}
     return engine.client().generate(model, messages=messages, **fields)
+
+
+def wait_until_busy(engine, model: str, busy: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        models = engine.client().state()["models"]
+        if any(m["name"] == model and m["busy"] >= busy for m in models):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{model} never had {busy} requests running")
 
 
 def while_busy(engine, model: str, then):
@@ -151,3 +162,36 @@ def test_a_prompt_over_the_context_is_refused_with_the_counts(engine):
         engine.client().generate(POOLED, prompt="boat " * 600, max_tokens=4)
     assert error.value.code == "context_length_exceeded"
     assert "context holds 512" in error.value.message
+
+
+def test_a_full_pool_fails_the_newest_request_and_the_others_go_on(engine):
+    """Three long prompts at once on a pool that holds two of them with their
+    answers: the newest request fails with `overloaded` (retry later) and
+    frees its room; the two before it finish whole."""
+    # About 213 tokens; with 60 of answer, two fit in the 591-token pool.
+    prompt = "Count the waves: " + "wave " * 200
+    outcomes: dict[int, object] = {}
+
+    def run(index: int) -> None:
+        try:
+            outcomes[index] = engine.client().generate(
+                POOLED, prompt=prompt + f" ({index})", max_tokens=60, ignore_eos=True
+            )
+        except EngineRequestError as error:
+            outcomes[index] = error
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    wait_until_busy(engine, POOLED, 1)
+    others = [threading.Thread(target=run, args=(n,)) for n in (1, 2)]
+    for worker in others:
+        worker.start()
+    for worker in [first, *others]:
+        worker.join(120)
+    failed = [n for n, o in outcomes.items() if isinstance(o, EngineRequestError)]
+    answered = [n for n, o in outcomes.items() if isinstance(o, dict)]
+    assert len(failed) == 1 and 0 in answered
+    assert outcomes[failed[0]].code == "overloaded"
+    assert "KV pool" in outcomes[failed[0]].message
+    for n in answered:
+        assert outcomes[n]["usage"]["completion_tokens"] == 60
