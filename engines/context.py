@@ -50,22 +50,37 @@ def fit_prompt(
     first = 0
     while first < kept and _role(messages[first]) in KEPT_ROLES:
         first += 1
-    dropped = 0
-    while first + dropped < kept:
-        dropped += 1
-        # A turn never starts with the answer to a dropped question.
-        while first + dropped < kept and _role(messages[first + dropped]) not in (
-            "user",
-        ):
-            dropped += 1
-        trimmed = messages[:first] + messages[first + dropped :]
-        tokens = backend.tokenize(
-            backend.render_prompt({**message, "messages": trimmed})
-        )
-        if len(tokens) + _room(params, context) <= context:
-            return Prompt(tokens, dropped)
-    if len(tokens) < context - 1:
-        return Prompt(tokens, dropped)  # the answer may be cut short: "length"
+    # Where the kept part may start: at a user message (a turn never starts
+    # with the answer to a dropped question), or at the latest message.
+    cuts = [
+        dropped
+        for dropped in range(1, kept - first + 1)
+        if first + dropped == kept or _role(messages[first + dropped]) == "user"
+    ]
+    if not cuts:
+        raise _exceeded(len(tokens), context, model, dropped=0, can_drop=True)
+    counted: dict[int, list[int]] = {}
+
+    def tokens_without(dropped: int) -> list[int]:
+        if dropped not in counted:
+            trimmed = messages[:first] + messages[first + dropped :]
+            rendered = backend.render_prompt({**message, "messages": trimmed})
+            counted[dropped] = backend.tokenize(rendered)
+        return counted[dropped]
+
+    # The fewest dropped that leave room for the answer: the prompt shrinks as
+    # more is dropped, so a binary search (a long chat costs a few renders).
+    low, high = 0, len(cuts) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if len(tokens_without(cuts[middle])) + _room(params, context) <= context:
+            high = middle
+        else:
+            low = middle + 1
+    dropped = cuts[low]
+    tokens = tokens_without(dropped)
+    if len(tokens) < context - 1:  # short of room, the answer may end "length"
+        return Prompt(tokens, dropped)
     raise _exceeded(len(tokens), context, model, dropped=dropped, can_drop=True)
 
 

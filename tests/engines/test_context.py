@@ -98,6 +98,18 @@ def test_the_oldest_turns_are_dropped_where_the_model_allows(engine):
     )
     assert by_hand["usage"]["prompt_tokens"] == done["usage"]["prompt_tokens"]
     assert by_hand["dropped_messages"] == 0
+    # And no more than needed: with one turn fewer dropped, no room is left.
+    fuller = [messages[0], *messages[1 + dropped - 2 :]]
+    assert prompt_tokens(engine, fuller) + 16 > 256
+
+
+def prompt_tokens(engine, messages: list[dict]) -> int:
+    """The prompt's token count, read from the answer or from the refusal."""
+    try:
+        reply = engine.client().generate(REFUSING, messages=messages, max_tokens=1)
+    except EngineRequestError as error:
+        return int(error.message.split("this prompt has ")[1].split(" ")[0])
+    return reply["usage"]["prompt_tokens"]
 
 
 def test_what_cannot_fit_even_with_every_turn_dropped_is_refused(engine):
