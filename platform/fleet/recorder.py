@@ -29,6 +29,30 @@ log = logging.getLogger("roundhouse.supervisor")
 UNAVAILABLE = (DatabaseError, InterfaceError)  # InterfaceError: connection gone
 
 
+# What the engine reports of a generation model's slots (engines.memory
+# SlotPlan.describe), recorded with its memory.
+SLOT_PLAN_FIELDS = ("slots", "slots_auto", "context", "kv_pool_tokens", "kv_mib")
+
+
+def resident_models_of(state: dict) -> list[dict]:
+    """An engine state's resident models as EngineState records them."""
+    return [
+        {
+            "name": item["name"],
+            "memory_mib": item["memory_mib"],
+            "queued": item.get("queued", 0),
+            "busy": item.get("busy", 0),
+            # A generation model's slots and the KV pool they share.
+            **{
+                field: item[field]
+                for field in SLOT_PLAN_FIELDS
+                if item.get(field) is not None
+            },
+        }
+        for item in state.get("models", [])
+    ]
+
+
 @dataclass(frozen=True)
 class Desired:
     """One read of what should run: the enabled engines and the host-RAM cap."""

@@ -46,13 +46,9 @@ from engines.launch import spawn_engine
 
 from .leftovers import engine_leftovers_end
 from .models import EngineStatus
-from .recorder import Recorder
+from .recorder import Recorder, resident_models_of
 from .selectors import DesiredEngine
 from .supervisor_lock import SupervisorLock
-
-# What the engine reports of a generation model's slots (engines.memory
-# SlotPlan.describe), recorded with its memory.
-SLOT_PLAN_FIELDS = ("slots", "slots_auto", "context", "kv_pool_tokens", "kv_mib")
 
 log = logging.getLogger("roundhouse.supervisor")
 
@@ -520,21 +516,7 @@ class Supervisor:
             pid=engine.process.pid,
             port=engine.desired.port,
             heartbeat_at=timezone.now(),
-            resident_models=[
-                {
-                    "name": item["name"],
-                    "memory_mib": item["memory_mib"],
-                    "queued": item.get("queued", 0),
-                    "busy": item.get("busy", 0),
-                    # A generation model's slots and the KV pool they share.
-                    **{
-                        field: item[field]
-                        for field in SLOT_PLAN_FIELDS
-                        if item.get(field) is not None
-                    },
-                }
-                for item in state.get("models", [])
-            ],
+            resident_models=resident_models_of(state),
             queue_depth=int(state.get("queue_depth", 0)),
             slots_in_use=int(state.get("slots_in_use", 0)),
             cooling_reason=str(state.get("cooling_reason", "")),
