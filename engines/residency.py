@@ -17,7 +17,7 @@ from .batching import MicroBatcher
 from .config import GPU_BACKENDS, EngineConfig, Limits, ModelSpec
 from .devices import DeviceMemory
 from .generation import DecodeThread, GenerationBackend, GenerationRunner
-from .memory import estimate_model_mib, plan_slots
+from .memory import SlotPlan, estimate_model_mib, plan_slots
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("roundhouse.engine")
@@ -120,13 +120,16 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
     return loaded
 
 
-def _estimate(spec: ModelSpec, limits: Limits) -> float | None:
-    """The model's estimated memory, its slots' KV pool included (None: its
-    files do not tell). Reads file headers: run it off the event loop."""
+def _estimate(
+    spec: ModelSpec, limits: Limits, plan: SlotPlan | None = None
+) -> float | None:
+    """The model's estimated memory, its slots' KV pool included (the plan it
+    was loaded with, else a new one; None: its files do not tell). Reads file
+    headers: run it off the event loop."""
     try:
         if spec.format == "embedding":
             return estimate_model_mib(spec)
-        plan = plan_slots(spec, limits)
+        plan = plan or plan_slots(spec, limits)
         return estimate_model_mib(spec, pool_tokens=plan.pool_tokens)
     except (OSError, ValueError, KeyError) as error:
         log.warning("no memory estimate for %s: %s", spec.name, error)
@@ -383,7 +386,7 @@ class Residency:
             # earlier, or a card we cannot read) holds what we expected.
             model.device_mib = grown or spec.measured_device_mib or 0.0
         model.estimated_mib = await loop.run_in_executor(
-            None, _estimate, spec, self.config.limits
+            None, _estimate, spec, self.config.limits, getattr(backend, "plan", None)
         )
         if device_before is not None and not model.device_mib:
             model.device_mib = model.estimated_mib or 0.0

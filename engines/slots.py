@@ -24,6 +24,10 @@ from .textgen import TextStream, render_chat, validate_messages
 
 log = logging.getLogger("roundhouse.engine.generation")
 
+# A backend's context when none is given (engines/memory.py plans one for
+# every model an engine loads).
+DEFAULT_CONTEXT = 2048
+
 
 @dataclass
 class Slot:
@@ -64,6 +68,17 @@ class SlotBackend(GenerationBackend):
     chat_template: str = ""
     bos_text: str = ""
     eos_text: str = ""
+
+    def size_context(
+        self, context_length: int | None, trained: int | None, pool_tokens: int | None
+    ) -> None:
+        """Set the context one request may hold (the setting, else
+        DEFAULT_CONTEXT; never past what the model was trained on) and the KV
+        pool the slots share (at least one context; else every slot's)."""
+        self.ctx_per_slot = min(context_length or DEFAULT_CONTEXT, trained or 2**31)
+        self.pool_tokens = max(
+            self.ctx_per_slot, pool_tokens or self.ctx_per_slot * self.n_slots
+        )
 
     def render_prompt(self, message: dict[str, Any]) -> str:
         if "messages" in message:
@@ -196,8 +211,8 @@ class SlotBackend(GenerationBackend):
         if free < need:
             idle = [s for s in self.slots if s.request is None and s.tokens]
             for slot in sorted(idle, key=lambda s: s.used_at):
+                free += len(slot.tokens)
                 self._forget(slot)
-                free = self.pool_tokens - sum(len(s.tokens) for s in self.slots)
                 if free >= need:
                     break
         active = [s for s in self.slots if s.request is not None]

@@ -21,7 +21,6 @@ log = logging.getLogger("roundhouse.engine.gguf")
 # Prompt tokens evaluated per step across all slots. A long prompt is fed in
 # chunks of this size, so running streams wait at most one chunk per token.
 BATCH_TOKENS = 512
-DEFAULT_CONTEXT = 2048
 # Repeat/frequency/presence penalties look at this many previous tokens.
 PENALTY_WINDOW = 64
 
@@ -102,13 +101,10 @@ class LlamaBackend(SlotBackend):
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         trained = llama_cpp.llama_model_n_ctx_train(self.model)
-        self.ctx_per_slot = min(context_length or DEFAULT_CONTEXT, trained or 2**31)
+        self.size_context(context_length, trained, pool_tokens)
         cparams = llama_cpp.llama_context_default_params()
         # One KV pool the slots share (unified): a sequence may hold up to
         # its context, more than an equal share of the pool.
-        self.pool_tokens = max(
-            self.ctx_per_slot, pool_tokens or self.ctx_per_slot * self.n_slots
-        )
         cparams.n_ctx = self.pool_tokens
         cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
         cparams.n_seq_max = self.n_slots

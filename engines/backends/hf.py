@@ -14,7 +14,6 @@ from ..textgen import SamplingParams
 
 # Prompt tokens prefilled per step: bounds how long running streams wait.
 PREFILL_CHUNK = 128
-DEFAULT_CONTEXT = 2048
 
 
 class _Kv:
@@ -74,11 +73,8 @@ class TransformersBackend(SlotBackend):
         ).to(self.device)
         self.model.eval()
         trained = getattr(self.model.config, "max_position_embeddings", None)
-        self.ctx_per_slot = min(context_length or DEFAULT_CONTEXT, trained or 2**31)
         # The KV the slots may hold together (each slot's own tensors here).
-        self.pool_tokens = max(
-            self.ctx_per_slot, pool_tokens or self.ctx_per_slot * n_slots
-        )
+        self.size_context(context_length, trained, pool_tokens)
         self.chat_template = chat_template or (self.tokenizer.chat_template or "")
         self.bos_text = self.tokenizer.bos_token or ""
         self.eos_text = self.tokenizer.eos_token or ""

@@ -174,3 +174,11 @@ def build_tiny_llama(out: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def wait_until(predicate, timeout: float = 30) -> None:
+    """Poll the engine's state until `predicate()` holds; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never came"
+        time.sleep(0.05)

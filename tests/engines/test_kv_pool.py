@@ -3,12 +3,11 @@ slot in use, a conversation longer than an equal share of the pool, idle
 slots' caches dropped for room, and auto slots sized by the memory budget."""
 
 import threading
-import time
 
 import pytest
 
 from engines.client import EngineRequestError
-from tests.engines.conftest import start_engine
+from tests.engines.conftest import start_engine, wait_until
 from tests.engines.test_generation import gguf_spec
 
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,16 +55,6 @@ def ask(engine, model: str, question: str, **fields) -> dict:
     ]
     fields = {"temperature": 0, "max_tokens": 8, **fields}
     return engine.client().generate(model, messages=messages, **fields)
-
-
-def wait_until_busy(engine, model: str, busy: int) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        models = engine.client().state()["models"]
-        if any(m["name"] == model and m["busy"] >= busy for m in models):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{model} never had {busy} requests running")
 
 
 def while_busy(engine, model: str, then):
@@ -182,7 +171,7 @@ def test_a_full_pool_fails_the_newest_request_and_the_others_go_on(engine):
 
     first = threading.Thread(target=run, args=(0,))
     first.start()
-    wait_until_busy(engine, POOLED, 1)
+    wait_until(lambda: resident(engine, POOLED)["busy"] >= 1, timeout=60)
     others = [threading.Thread(target=run, args=(n,)) for n in (1, 2)]
     for worker in others:
         worker.start()

@@ -10,7 +10,7 @@ import pytest
 from django.conf import settings
 
 from engines.client import EngineRequestError
-from tests.engines.conftest import start_engine
+from tests.engines.conftest import start_engine, wait_until
 
 
 def tiny(name: str, path, **extra) -> dict:
@@ -63,13 +63,6 @@ def use(engine, name: str) -> None:
 def model_state(engine, name: str) -> dict:
     models = {m["name"]: m for m in engine.client().state()["models"]}
     return models.get(name, {"queued": 0})
-
-
-def wait_until(predicate, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never came"
-        time.sleep(0.05)
 
 
 def test_models_max_evicts_the_least_recently_used(engine):

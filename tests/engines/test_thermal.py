@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engines.thermal import FileProbe, ThermalGate, Thresholds
-from tests.engines.conftest import start_engine
+from tests.engines.conftest import start_engine, wait_until
 
 TINY = "tiny-llama"
 
@@ -109,13 +109,6 @@ def two_engines(tmp_path, tiny_llama, monkeypatch):
 
 def cooling(engine) -> str:
     return engine.client().state()["cooling_reason"]
-
-
-def wait_until(predicate, timeout=30):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def test_hot_gpu_pauses_its_engine_and_hot_cpu_pauses_all(two_engines):
