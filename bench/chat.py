@@ -361,6 +361,9 @@ def main() -> None:
         help="run only these servers",
     )
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument(
+        "--dump", metavar="FILE", help="write every turn's record as JSON lines"
+    )
     args = parser.parse_args()
     if args.turns > len(QUESTIONS):
         parser.error(f"at most {len(QUESTIONS)} turns")
@@ -380,6 +383,12 @@ def main() -> None:
         runs.append(run_roundhouse(args, cache=False))
     print("\n== all servers ==")
     report(runs, args)
+    if args.dump:
+        with open(args.dump, "w", encoding="utf-8") as out:
+            for run in runs:
+                for record in run.turns:
+                    out.write(json.dumps({"server": run.server, **vars(record)}))
+                    out.write("\n")
 
 
 if __name__ == "__main__":

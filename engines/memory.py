@@ -16,6 +16,12 @@ KV_BYTES = 2  # llama.cpp and transformers keep K and V in 16-bit here
 DEFAULT_CONTEXT = 4096
 # Auto slots: one per this many tokens of the KV pool.
 AUTO_SLOT_TOKENS = 1024
+# A GGUF model's slots are split over up to this many llama.cpp contexts (KV
+# groups; engines/backends/gguf.py says why), each of at least
+# GROUP_MIN_SLOTS slots and GROUP_MIN_CONTEXTS whole contexts of the pool.
+MAX_KV_GROUPS = 4
+GROUP_MIN_SLOTS = 4
+GROUP_MIN_CONTEXTS = 2
 
 
 def _gguf_shape(path: Path) -> dict:
@@ -67,13 +73,15 @@ def _shape(spec: ModelSpec) -> dict:
 class SlotPlan:
     """How a generation model is served: its slots, the tokens one conversation
     may hold (`context`), and the KV pool the slots share (`pool_tokens`,
-    `kv_mib`): one long conversation may use more than an equal share."""
+    `kv_mib`), split in `kv_groups` equal groups of slots: one long
+    conversation may use more than an equal share."""
 
     slots: int
     context: int
     pool_tokens: int
     kv_mib: float
     auto: bool
+    kv_groups: int = 1
 
     def describe(self) -> dict:
         return {
@@ -82,6 +90,7 @@ class SlotPlan:
             "context": self.context,
             "kv_pool_tokens": self.pool_tokens,
             "kv_mib": round(self.kv_mib, 1),
+            "kv_groups": self.kv_groups,
         }
 
 
@@ -91,8 +100,11 @@ def plan_slots(spec: ModelSpec, limits: Limits) -> SlotPlan:
     (Limits.kv_cache_mib), never less than one whole context nor more than
     every slot's whole context. Slots `auto` (the model's `slots` empty): one
     per AUTO_SLOT_TOKENS of the pool (a context, if shorter), up to the cap
-    (Limits.max_slots_per_model), at least one. Reads file headers: run it off
-    the event loop."""
+    (Limits.max_slots_per_model), at least one. A GGUF model's KV groups: as
+    many as leave each group GROUP_MIN_SLOTS slots and GROUP_MIN_CONTEXTS
+    contexts of the pool, up to MAX_KV_GROUPS (so a conversation can still
+    hold its whole context, more than an equal share). Reads file headers:
+    run it off the event loop."""
     try:
         shape = _shape(spec)
     except (OSError, ValueError, KeyError):
@@ -107,7 +119,13 @@ def plan_slots(spec: ModelSpec, limits: Limits) -> SlotPlan:
         share = min(context, AUTO_SLOT_TOKENS)
         slots = max(1, min(limits.max_slots_per_model, budget // share))
     pool = max(context, min(budget, slots * context))
-    return SlotPlan(slots, context, pool, pool * per_token, auto=not spec.slots)
+    groups = 1
+    if spec.format == "gguf":
+        by_pool = pool // (GROUP_MIN_CONTEXTS * context)
+        groups = max(1, min(MAX_KV_GROUPS, slots // GROUP_MIN_SLOTS, by_pool))
+    return SlotPlan(
+        slots, context, pool, pool * per_token, auto=not spec.slots, kv_groups=groups
+    )
 
 
 def estimate_model_mib(

@@ -104,7 +104,9 @@ def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
         from .backends.gguf import LlamaBackend
 
         gpu = backend in GPU_BACKENDS
-        loaded = LlamaBackend(spec.path, gpu=gpu, **generation)
+        loaded = LlamaBackend(
+            spec.path, gpu=gpu, kv_groups=plan.kv_groups, **generation
+        )
     elif spec.format == "transformers":
         from .backends.hf import TransformersBackend
 

@@ -8,7 +8,11 @@ when its request ends. A new request goes to the free slot whose tokens share
 the longest prefix with its prompt (ties: the least recently used), which
 keeps that prefix, drops the rest, and evaluates only the new tokens (at
 least the prompt's last, whose logits give the first token). The usage
-reports the tokens taken from the cache (`cached_tokens`)."""
+reports the tokens taken from the cache (`cached_tokens`).
+
+KV groups: a backend may split its slots into `kv_groups` groups, each with
+its own share of the KV pool (llama.cpp: one context per group). A prefix is
+copied only within a group, and the pool's room is counted per group."""
 
 import abc
 import logging
@@ -65,6 +69,10 @@ class SlotBackend(GenerationBackend):
     _admissions: int = 0
     # Prompt tokens copied from a slot in use instead of evaluated.
     copied_tokens: int = 0
+    # Whether _copy_prefix can share a slot's KV with another slot.
+    copies_prefix: bool = False
+    # The groups the slots are split over, each with an equal share of the pool.
+    kv_groups: int = 1
     chat_template: str = ""
     bos_text: str = ""
     eos_text: str = ""
@@ -79,6 +87,14 @@ class SlotBackend(GenerationBackend):
         self.pool_tokens = max(
             self.ctx_per_slot, pool_tokens or self.ctx_per_slot * self.n_slots
         )
+
+    def group_of(self, slot: Slot) -> int:
+        """The KV group of a slot (contiguous runs of slots, sizes within one)."""
+        return slot.index * self.kv_groups // self.n_slots
+
+    def group_pool(self) -> int:
+        """The KV tokens each group's slots hold together."""
+        return self.pool_tokens // self.kv_groups
 
     def render_prompt(self, message: dict[str, Any]) -> str:
         if "messages" in message:
@@ -150,8 +166,9 @@ class SlotBackend(GenerationBackend):
             )
             return
         prompt = request.prompt_tokens
-        slot, shared = self._cached_slot(prompt)
-        donor, lent = self._busy_prefix(prompt)
+        lent_in = self._busy_prefixes(prompt)
+        slot, shared = self._cached_slot(prompt, lent_in)
+        donor, lent = lent_in.get(self.group_of(slot), (None, 0))
         # At least the prompt's last token is evaluated: its logits give the
         # first token.
         keep, lend = min(shared, len(prompt) - 1), min(lent, len(prompt) - 1)
@@ -185,37 +202,48 @@ class SlotBackend(GenerationBackend):
             slot.todo = []
             raise
 
-    def _cached_slot(self, prompt: list[int]) -> tuple[Slot, int]:
-        """The free slot to take: the one whose cache shares the longest prefix
-        with the prompt (ties: least recently used), and that prefix's length."""
-        best, best_shared = None, -1
+    def _cached_slot(
+        self, prompt: list[int], lent_in: dict[int, tuple[Slot, int]]
+    ) -> tuple[Slot, int]:
+        """The free slot to take: the one that starts with the longest prefix
+        of the prompt, from its own cache or copied from a slot in use in its
+        group (ties: the KV group whose requests hold the fewest tokens, then
+        the least recently used slot); and its own cache's share."""
+        held = [0] * self.kv_groups
+        for slot in self.slots:
+            if slot.request is not None:
+                held[self.group_of(slot)] += len(slot.tokens) + len(slot.todo)
+        best, best_key, best_shared = None, None, 0
         for slot in self.slots:
             if slot.request is not None:
                 continue
+            group = self.group_of(slot)
             shared = _common_prefix(slot.tokens, prompt) if self.prompt_cache else 0
-            if shared > best_shared or (
-                shared == best_shared and slot.used_at < best.used_at
-            ):
-                best, best_shared = slot, shared
+            score = max(shared, lent_in.get(group, (None, 0))[1])
+            key = (score, -held[group], -slot.used_at)
+            if best_key is None or key > best_key:
+                best, best_key, best_shared = slot, key, shared
         return best, best_shared
 
-    def pass_room(self, running: list[Slot], wanted: int) -> int:
-        """Room in the KV pool for this pass: each running slot's next token,
-        and up to `wanted` prompt tokens; how many prompt tokens fit. Idle
-        slots' caches go first, least recently used first. Where the requests
-        in slots leave no room to move (the running ones' next tokens, or any
-        prompt token while none runs), the newest admitted fails (overloaded:
-        the caller may retry) and frees its room, so the older ones go on."""
+    def pass_room(self, running: list[Slot], wanted: int, group: int = 0) -> int:
+        """Room in a KV group's pool for this pass: each of its running slots'
+        next token, and up to `wanted` prompt tokens; how many prompt tokens
+        fit. Idle slots' caches go first, least recently used first. Where the
+        requests in slots leave no room to move (the running ones' next tokens,
+        or any prompt token while none runs), the newest admitted fails
+        (overloaded: the caller may retry) and frees its room, so the older
+        ones go on."""
+        members = [s for s in self.slots if self.group_of(s) == group]
         need = len(running) + wanted
-        free = self.pool_tokens - sum(len(slot.tokens) for slot in self.slots)
+        free = self.group_pool() - sum(len(slot.tokens) for slot in members)
         if free < need:
-            idle = [s for s in self.slots if s.request is None and s.tokens]
+            idle = [s for s in members if s.request is None and s.tokens]
             for slot in sorted(idle, key=lambda s: s.used_at):
                 free += len(slot.tokens)
                 self._forget(slot)
                 if free >= need:
                     break
-        active = [s for s in self.slots if s.request is not None]
+        active = [s for s in members if s.request is not None]
 
         def stuck() -> bool:
             # No room for the running slots' next tokens, or for any prompt
@@ -234,28 +262,30 @@ class SlotBackend(GenerationBackend):
         return max(0, min(wanted, free - len(running)))
 
     def _pool_full(self) -> str:
+        share = f" (its {self.kv_groups} groups' share)" if self.kv_groups > 1 else ""
         return (
-            f"the model's KV pool ({self.pool_tokens} tokens) is full with the "
-            "other requests' conversations: try again shortly"
+            f"the model's KV pool ({self.group_pool()} tokens{share}) is full "
+            "with the other requests' conversations: try again shortly"
         )
 
-    def _busy_prefix(self, prompt: list[int]) -> tuple[Slot | None, int]:
-        """The slot in use whose tokens share the longest prefix with the prompt,
-        and that prefix's length (None, 0: no slot in use, or no cache)."""
-        if not self.prompt_cache:
-            return None, 0
-        best, best_shared = None, 0
+    def _busy_prefixes(self, prompt: list[int]) -> dict[int, tuple[Slot, int]]:
+        """Per KV group, the slot in use whose tokens share the longest prefix
+        with the prompt, and that prefix's length (empty: nothing to copy)."""
+        best: dict[int, tuple[Slot, int]] = {}
+        if not (self.prompt_cache and self.copies_prefix):
+            return best
         for slot in self.slots:
             if slot.request is not None:
                 shared = _common_prefix(slot.tokens, prompt)
-                if shared > best_shared:
-                    best, best_shared = slot, shared
-        return best, best_shared
+                group = self.group_of(slot)
+                if shared > best.get(group, (None, 0))[1]:
+                    best[group] = (slot, shared)
+        return best
 
     def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
         """Make the target's KV the source's first `count` tokens (the target's
-        own dropped); how many were copied. Backends that cannot share KV
-        between slots copy nothing: the target keeps its own cache."""
+        own dropped; both in one KV group); how many were copied. Backends that
+        cannot share KV between slots (copies_prefix False) copy nothing."""
         return 0
 
     def _forget(self, slot: Slot) -> None:

@@ -1,10 +1,19 @@
 """GGUF models through llama.cpp's low-level API (llama-cpp-python's ctypes
-bindings), with continuous batching: one context, one sequence id per slot, and
-every active slot's next token in one llama_decode batch."""
+bindings), with continuous batching: one sequence id per slot, and every active
+slot's next token in one llama_decode per KV group.
+
+KV groups: the slots are split over `kv_groups` llama.cpp contexts sharing the
+weights, each with a unified KV cache for its slots (a conversation may hold
+up to its context, more than an equal share). llama.cpp's attention scans
+every cell in use in a context, a conversation's own or not: with 32
+conversations of ~900 tokens in one context each token costs ~3.5x what it
+costs alone; in four contexts each token scans a quarter of the cells, for one
+more decode call per group and step."""
 
 import ctypes
 import logging
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +69,27 @@ def load(path: Path | str, *, n_ctx: int = 2048, n_threads: int | None = None):
     )
 
 
+@dataclass
+class _Group:
+    """One llama.cpp context: a KV group's slots (sequence id = the slot's
+    index less `first`) and the batch built for it each step."""
+
+    ctx: Any
+    memory: Any
+    batch: Any
+    first: int
+    # This step's slots with logits: (slot, batch row), first tokens, then
+    # running ones; and slots that read a prompt chunk with more to come.
+    firsts: list = field(default_factory=list)
+    running: list = field(default_factory=list)
+    reading: list = field(default_factory=list)
+
+
 class LlamaBackend(SlotBackend):
-    """A GGUF model with `n_slots` sessions over one llama.cpp context."""
+    """A GGUF model with `n_slots` sessions over `kv_groups` llama.cpp
+    contexts."""
+
+    copies_prefix = True
 
     def __init__(
         self,
@@ -74,11 +102,14 @@ class LlamaBackend(SlotBackend):
         chat_template: str = "",
         prompt_cache: bool = True,
         pool_tokens: int | None = None,
+        kv_groups: int = 1,
     ) -> None:
         _init_llama_cpp()
         self.n_slots = n_slots
+        self.kv_groups = max(1, min(kv_groups, n_slots))
         self.prompt_cache = prompt_cache
-        self.model = self.ctx = self.batch = None
+        self.model = None
+        self.groups: list[_Group] = []
         self.slots: list[Slot] = []
         try:
             self._create(
@@ -102,25 +133,29 @@ class LlamaBackend(SlotBackend):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         trained = llama_cpp.llama_model_n_ctx_train(self.model)
         self.size_context(context_length, trained, pool_tokens)
-        cparams = llama_cpp.llama_context_default_params()
-        # One KV pool the slots share (unified): a sequence may hold up to
-        # its context, more than an equal share of the pool.
-        cparams.n_ctx = self.pool_tokens
-        cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
-        cparams.n_seq_max = self.n_slots
-        threads = n_threads or usable_cores()
-        cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.kv_unified = True
-        cparams.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            raise ProtocolError(
-                ErrorCode.INSUFFICIENT_MEMORY,
-                f"cannot create a {cparams.n_ctx}-token context for {path}",
-            )
-        self.memory = llama_cpp.llama_get_memory(self.ctx)
-        self.batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
         self.slots = [Slot(index=index) for index in range(self.n_slots)]
+        threads = n_threads or usable_cores()
+        for group in range(self.kv_groups):
+            members = [s for s in self.slots if self.group_of(s) == group]
+            cparams = llama_cpp.llama_context_default_params()
+            # The group's KV (unified): a sequence may hold up to its
+            # context, more than an equal share of the pool.
+            cparams.n_ctx = self.group_pool()
+            cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
+            cparams.n_seq_max = len(members)
+            cparams.n_threads = cparams.n_threads_batch = threads
+            cparams.kv_unified = True
+            cparams.no_perf = True
+            ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+            if not ctx:
+                raise ProtocolError(
+                    ErrorCode.INSUFFICIENT_MEMORY,
+                    f"cannot create a {cparams.n_ctx}-token context for {path}",
+                )
+            batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
+            self.groups.append(
+                _Group(ctx, llama_cpp.llama_get_memory(ctx), batch, members[0].index)
+            )
         own = llama_cpp.llama_model_chat_template(self.model, None)
         self.chat_template = chat_template or (own.decode("utf-8") if own else "")
         self.bos_text = self._token_text(llama_cpp.llama_vocab_bos(self.vocab))
@@ -168,19 +203,29 @@ class LlamaBackend(SlotBackend):
         if slot.state is not None:
             llama_cpp.llama_sampler_free(slot.state)
 
+    def _where(self, slot: Slot) -> tuple[_Group, int]:
+        """The slot's group and its sequence id in the group's context."""
+        group = self.groups[self.group_of(slot)]
+        return group, slot.index - group.first
+
     def _keep(self, slot: Slot, count: int) -> int:
         """Cut the slot's sequence in the KV cache after `count` positions."""
-        if count and llama_cpp.llama_memory_seq_rm(self.memory, slot.index, count, -1):
+        group, seq = self._where(slot)
+        if count and llama_cpp.llama_memory_seq_rm(group.memory, seq, count, -1):
             return count
-        llama_cpp.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
+        llama_cpp.llama_memory_seq_rm(group.memory, seq, -1, -1)
         return 0
 
     def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
         """Share the source sequence's first `count` positions with the target
         (llama.cpp's sequence copy: in the unified KV cache the cells are
-        shared, not duplicated)."""
-        llama_cpp.llama_memory_seq_rm(self.memory, target.index, -1, -1)
-        llama_cpp.llama_memory_seq_cp(self.memory, source.index, target.index, 0, count)
+        shared, not duplicated). Both are in one group (one context)."""
+        group, to = self._where(target)
+        source_group, origin = self._where(source)
+        if source_group is not group:
+            return 0
+        llama_cpp.llama_memory_seq_rm(group.memory, to, -1, -1)
+        llama_cpp.llama_memory_seq_cp(group.memory, origin, to, 0, count)
         return count
 
     def _is_end(self, token: int) -> bool:
@@ -227,89 +272,109 @@ class LlamaBackend(SlotBackend):
 
     # -- decoding --------------------------------------------------------------------
 
-    def _add(self, token: int, pos: int, seq: int, logits: bool) -> int:
-        batch = self.batch
+    @staticmethod
+    def _add(group: _Group, token: int, pos: int, seq: int, logits: bool) -> int:
+        batch = group.batch
         index = batch.n_tokens
         batch.token[index] = token
         batch.pos[index] = pos
         batch.n_seq_id[index] = 1
-        batch.seq_id[index][0] = seq
+        batch.seq_id[index][0] = seq - group.first
         batch.logits[index] = logits
         batch.n_tokens = index + 1
         return index
 
     def step(self) -> None:
         """Running slots add their last token; slots still reading their prompt
-        fill the rest of the batch with prompt chunks; one llama_decode; then each
-        slot that produced logits samples its next token."""
-        self.batch.n_tokens = 0
+        fill the rest of the pass with prompt chunks; one llama_decode per KV
+        group with tokens; then each slot that produced logits samples its next
+        token."""
+        active = [s for s in self.slots if s.request is not None]
+        going = [s for s in active if s.next_token is not None]
+        for group in self.groups:
+            group.batch.n_tokens = 0
+            group.firsts, group.running, group.reading = [], [], []
+        # Each group's KV room: its running slots' tokens, then prompt chunks
+        # (the pass takes at most BATCH_TOKENS in all).
+        budget = BATCH_TOKENS - len(going)
+        room = []
+        for number in range(self.kv_groups):
+            mine = [s for s in going if self.group_of(s) == number]
+            wanted = sum(len(s.todo) for s in active if self.group_of(s) == number)
+            room.append(self.pass_room(mine, min(wanted, budget), number))
+        for slot in going:
+            if slot.request is None:  # failed for lack of room
+                continue
+            group = self.groups[self.group_of(slot)]
+            index = self._add(group, slot.next_token, slot.n_past, slot.index, True)
+            slot.tokens.append(slot.next_token)
+            slot.n_past += 1
+            slot.next_token = None
+            group.running.append((slot, index))
+        # Prompt chunks in admission order: the oldest prompt is read first, so
+        # a prompt waits for those admitted before it, never for later ones.
+        for slot in sorted(self.slots, key=lambda s: s.used_at):
+            number = self.group_of(slot)
+            group = self.groups[number]
+            take = min(BATCH_TOKENS - group.batch.n_tokens, room[number], budget)
+            if slot.request is None or not slot.todo or take <= 0:
+                continue
+            chunk, slot.todo = slot.todo[:take], slot.todo[take:]
+            room[number] -= len(chunk)
+            budget -= len(chunk)
+            slot.tokens.extend(chunk)
+            for offset, token in enumerate(chunk):
+                last = not slot.todo and offset == len(chunk) - 1
+                index = self._add(group, token, slot.n_past, slot.index, last)
+                slot.n_past += 1
+            if not slot.todo:
+                group.firsts.append((slot, index))
+            else:
+                group.reading.append(slot)
         # Slots whose prompt ends in this pass are sampled first, the running
         # ones after: a first token then leaves ahead of the other streams' next
         # tokens, here and in every hop that relays them one by one (a stream's
         # user is waiting on its first token; a running stream's next token is
         # due no sooner than the next pass).
-        firsts: list[tuple[Slot, int]] = []
-        running: list[tuple[Slot, int]] = []
-        reading: list[Slot] = []  # a prompt chunk in this pass, more to come
-        going = [
-            s for s in self.slots if s.request is not None and s.next_token is not None
-        ]
-        wanted = sum(len(s.todo) for s in self.slots if s.request is not None)
-        # The KV pool's room: the running slots' tokens, then prompt chunks.
-        prompt_room = self.pass_room(going, min(wanted, BATCH_TOKENS - len(going)))
-        for slot in going:
-            index = self._add(slot.next_token, slot.n_past, slot.index, True)
-            slot.tokens.append(slot.next_token)
-            slot.n_past += 1
-            slot.next_token = None
-            running.append((slot, index))
-        # Prompt chunks in admission order: the oldest prompt is read first, so
-        # a prompt waits for those admitted before it, never for later ones.
-        for slot in sorted(self.slots, key=lambda s: s.used_at):
-            room = min(BATCH_TOKENS - self.batch.n_tokens, prompt_room)
-            if slot.request is None or not slot.todo or room <= 0:
+        firsts, running = [], []
+        for group in self.groups:
+            if group.batch.n_tokens == 0:
                 continue
-            prompt_room -= min(room, len(slot.todo))
-            chunk, slot.todo = slot.todo[:room], slot.todo[room:]
-            slot.tokens.extend(chunk)
-            for offset, token in enumerate(chunk):
-                last = not slot.todo and offset == len(chunk) - 1
-                index = self._add(token, slot.n_past, slot.index, last)
-                slot.n_past += 1
-            if not slot.todo:
-                firsts.append((slot, index))
-            else:
-                reading.append(slot)
-        if self.batch.n_tokens == 0:
-            return
-        outputs = firsts + running
-        code = llama_cpp.llama_decode(self.ctx, self.batch)
-        if code != 0:
-            # Every slot with tokens in the pass fails: its KV now lacks them.
-            for slot in [*(slot for slot, _ in outputs), *reading]:
-                self.fail(slot, f"llama_decode returned {code}")
-            return
-        self.sample_each(outputs, self._sample_at)
+            code = llama_cpp.llama_decode(group.ctx, group.batch)
+            outputs = [(slot, (group, index)) for slot, index in group.firsts]
+            later = [(slot, (group, index)) for slot, index in group.running]
+            if code != 0:
+                # Every slot with tokens in the pass fails: its KV now lacks them.
+                for slot, _ in [*outputs, *later]:
+                    self.fail(slot, f"llama_decode returned {code}")
+                for slot in group.reading:
+                    self.fail(slot, f"llama_decode returned {code}")
+                continue
+            firsts += outputs
+            running += later
+        self.sample_each(firsts + running, self._sample_at)
 
-    def _sample_at(self, slot: Slot, index: int) -> None:
-        """Sample the slot's next token from the batch's output row `index`."""
+    def _sample_at(self, slot: Slot, where: tuple[_Group, int]) -> None:
+        """Sample the slot's next token from its group's output row."""
+        group, index = where
         params = slot.request.params
-        logprobs = self._logprobs(index) if params.logprobs else None
-        token = llama_cpp.llama_sampler_sample(slot.state, self.ctx, index)
+        logprobs = self._logprobs(group.ctx, index) if params.logprobs else None
+        token = llama_cpp.llama_sampler_sample(slot.state, group.ctx, index)
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"the sampler returned token {token}")
         # NaN or inf logits (a broken model, numerical overflow) let the sampler
         # pick anything: the chosen token's own logit tells, at the cost of one
         # read instead of a pass over the vocabulary.
-        if not math.isfinite(llama_cpp.llama_get_logits_ith(self.ctx, index)[token]):
+        logit = llama_cpp.llama_get_logits_ith(group.ctx, index)[token]
+        if not math.isfinite(logit):
             raise ValueError("the model produced non-finite logits (NaN or inf)")
         entry = None
         if logprobs is not None:
             entry = logprob_entry(logprobs, token, params.top_logprobs)
         self.accept(slot, token, entry)
 
-    def _logprobs(self, index: int) -> np.ndarray:
-        pointer = llama_cpp.llama_get_logits_ith(self.ctx, index)
+    def _logprobs(self, ctx, index: int) -> np.ndarray:
+        pointer = llama_cpp.llama_get_logits_ith(ctx, index)
         logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
         logits = logits.astype(np.float64)
         peak = logits.max()
@@ -318,12 +383,10 @@ class LlamaBackend(SlotBackend):
     def close(self) -> None:
         self.cancel_all()
         self.slots = []
-        if self.batch is not None:
-            llama_cpp.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
+        for group in self.groups:
+            llama_cpp.llama_batch_free(group.batch)
+            llama_cpp.llama_free(group.ctx)
+        self.groups = []
         if self.model:
             llama_cpp.llama_model_free(self.model)
             self.model = None

@@ -215,8 +215,8 @@ class PlacedModelConfigAdmin(ModelConfigAdmin):
 
 
 def _residence_text(where) -> str:
-    """`cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB),
-    up to 2,048 tokens per conversation`."""
+    """`cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB)
+    in 2 groups, up to 2,048 tokens per conversation`."""
     text = f"{where.engine} ({where.memory_mib:.0f} MiB)"
     if where.slots:
         text += f": {where.slots} slot{'s' if where.slots > 1 else ''}"
@@ -224,9 +224,11 @@ def _residence_text(where) -> str:
         if where.kv_pool_tokens:
             text += (
                 f" sharing a {where.kv_pool_tokens:,}-token KV pool "
-                f"({where.kv_mib or 0:.0f} MiB), up to {where.context:,} tokens "
-                "per conversation"
+                f"({where.kv_mib or 0:.0f} MiB)"
             )
+            if where.kv_groups > 1:
+                text += f" in {where.kv_groups} groups"
+            text += f", up to {where.context:,} tokens per conversation"
     return text
 
 

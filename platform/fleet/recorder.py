@@ -31,7 +31,14 @@ UNAVAILABLE = (DatabaseError, InterfaceError)  # InterfaceError: connection gone
 
 # What the engine reports of a generation model's slots (engines.memory
 # SlotPlan.describe), recorded with its memory.
-SLOT_PLAN_FIELDS = ("slots", "slots_auto", "context", "kv_pool_tokens", "kv_mib")
+SLOT_PLAN_FIELDS = (
+    "slots",
+    "slots_auto",
+    "context",
+    "kv_pool_tokens",
+    "kv_mib",
+    "kv_groups",
+)
 
 
 def resident_models_of(state: dict) -> list[dict]:

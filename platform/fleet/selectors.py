@@ -296,6 +296,7 @@ class Residence:
     kv_pool_tokens: int | None = None
     kv_mib: float | None = None
     context: int | None = None
+    kv_groups: int = 1
 
 
 def model_residence(*, name: str) -> list[Residence]:
@@ -313,6 +314,7 @@ def model_residence(*, name: str) -> list[Residence]:
                         kv_pool_tokens=item.get("kv_pool_tokens"),
                         kv_mib=item.get("kv_mib"),
                         context=item.get("context"),
+                        kv_groups=item.get("kv_groups") or 1,
                     )
                 )
     return held

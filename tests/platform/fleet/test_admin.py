@@ -307,11 +307,12 @@ def test_model_change_form_shows_owner_engine_and_memory_where_resident(
                 "context": 2048,
                 "kv_pool_tokens": 16384,
                 "kv_mib": 360.0,
+                "kv_groups": 2,
             }
         ]
     )
     body = admin_client.get(url).content.decode()
     assert (
-        "cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB), "
-        "up to 2,048 tokens per conversation"
+        "cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB) "
+        "in 2 groups, up to 2,048 tokens per conversation"
     ) in body

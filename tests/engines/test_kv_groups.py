@@ -1,0 +1,147 @@
+"""KV groups of a GGUF model (engines/backends/gguf.py): its slots split over
+several llama.cpp contexts, each with its share of the KV pool. Driven in a
+child interpreter (the test process never imports llama_cpp), on SmolLM2."""
+
+import json
+
+from tests.conftest import run_python
+
+DRIVER = """
+import json
+from engines.backends.gguf import LlamaBackend
+from engines.generation import GenerationRequest
+from engines.textgen import SamplingParams
+
+SYSTEM = " ".join(
+    f"Rule {n}: answer questions about the harbour of Port {n} politely."
+    for n in range(1, 13)
+)
+QUESTIONS = ["Name a ship.", "Name a port.", "Name a tide.", "Name a crane."]
+
+
+def backend(groups, pool):
+    return LlamaBackend(
+        MODEL, n_slots=4, kv_groups=groups, context_length=512,
+        pool_tokens=pool, n_threads=2,
+    )
+
+
+class Run:
+    def __init__(self, backend):
+        self.backend = backend
+        self.out = {}
+
+    def admit(self, name, prompt, max_tokens=12):
+        record = self.out[name] = {"text": "", "final": None}
+
+        def emit(event):
+            if event["event"] == "token":
+                record["text"] += event["text"]
+            elif event["event"] in ("done", "error"):
+                record["final"] = event
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        request = GenerationRequest(self.backend.tokenize(prompt), params, emit)
+        self.backend.admit(request)
+        slot = next(s for s in self.backend.slots if s.request is request)
+        record["group"] = self.backend.group_of(slot)
+        return record
+
+    def until(self, done):
+        while not done():
+            self.backend.step()
+
+    def finish(self):
+        self.until(lambda: all(r["final"] for r in self.out.values()))
+        return self.out
+
+
+def chat(model, question):
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": question},
+    ]
+    return model.render_prompt({"messages": messages})
+"""
+
+COPY_WITHIN_GROUP = """
+grouped = backend(2, 1200)
+run = Run(grouped)
+first = run.admit("a", chat(grouped, QUESTIONS[0]), max_tokens=40)
+run.until(lambda: first["text"])  # a's prompt is in its slot's KV
+copied = []
+for name, question in zip("bcd", QUESTIONS[1:]):
+    before = grouped.copied_tokens
+    run.admit(name, chat(grouped, question))
+    copied.append(grouped.copied_tokens - before)
+    grouped.step()
+answers = run.finish()
+flat = backend(1, 1200)
+alone = {}
+for name, question in zip("abcd", QUESTIONS):
+    one = Run(flat)
+    one.admit(name, chat(flat, question), max_tokens=40 if name == "a" else 12)
+    alone[name] = one.finish()[name]["text"]
+print(json.dumps({"answers": answers, "copied": copied, "alone": alone}))
+"""
+
+
+def drive(models_dir, script: str) -> dict:
+    model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    code = f"MODEL = {str(model)!r}\n{DRIVER}\n{script}"
+    result = run_python(code, timeout=300)
+    assert result.returncode == 0, f"driver died ({result.returncode}): {result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_prefix_is_copied_within_its_group_and_answers_do_not_change(models_dir):
+    """Two groups of two slots. While `a` runs, `b` (same system prompt) takes
+    the other slot of a's group and copies the prompt from it; `c` finds that
+    group full and goes to the other group, where no slot holds the prompt:
+    nothing is copied (a context cannot copy from another). Every greedy
+    answer is the one the same prompt gets alone in a single-group model."""
+    report = drive(models_dir, COPY_WITHIN_GROUP)
+    answers = report["answers"]
+    assert answers["b"]["group"] == answers["a"]["group"]
+    assert answers["c"]["group"] != answers["a"]["group"]
+    copied_b, copied_c, _ = report["copied"]
+    assert copied_b > 100  # the whole system prompt, from a's slot
+    assert copied_c == 0  # the control: nothing to copy in c's group
+    assert answers["b"]["final"]["usage"]["cached_tokens"] == copied_b
+    assert answers["c"]["final"]["usage"]["cached_tokens"] == 0
+    for name, text in report["alone"].items():
+        assert answers[name]["final"]["event"] == "done", answers[name]
+        assert answers[name]["text"] == text, name
+
+
+ROOM_PER_GROUP = """
+long = {
+    name: "Count the " + word + "s: " + (word + " ") * 300
+    for name, word in (("x", "boat"), ("y", "wave"))
+}
+out = {}
+for label, model in (("grouped", backend(2, 1200)), ("one-pool", backend(1, 600))):
+    run = Run(model)
+    for name, prompt in long.items():
+        run.admit(name, prompt, max_tokens=20)
+    out[label] = run.finish()
+print(json.dumps(out))
+"""
+
+
+def test_new_conversations_go_to_the_emptier_group_and_room_is_per_group(
+    models_dir,
+):
+    """Two ~300-token prompts at once: with two groups of 600 tokens each they
+    go to different groups and both finish. The control: one 600-token pool
+    (a single group's share) cannot hold both, and the newer one fails with
+    `overloaded`."""
+    report = drive(models_dir, ROOM_PER_GROUP)
+    grouped = report["grouped"]
+    assert grouped["x"]["group"] != grouped["y"]["group"]
+    for name in "xy":
+        assert grouped[name]["final"]["event"] == "done", grouped[name]
+        assert grouped[name]["final"]["usage"]["completion_tokens"] == 20
+    one_pool = report["one-pool"]
+    assert one_pool["x"]["final"]["event"] == "done"
+    assert one_pool["y"]["final"]["code"] == "overloaded"
