@@ -10,6 +10,10 @@ keeps that prefix, drops the rest, and evaluates only the new tokens (at
 least the prompt's last, whose logits give the first token). The usage
 reports the tokens taken from the cache (`cached_tokens`).
 
+A prefix that a slot in use is still reading (a burst of new conversations
+with one system prompt) is waited for instead of read twice: the new request
+waits (`awaiting`) until the other slot has read it, then copies it.
+
 KV groups: a backend may split its slots into `kv_groups` groups, each with
 its own share of the KV pool (llama.cpp: one context per group). A prefix is
 copied only within a group, and the pool's room is counted per group."""
@@ -31,6 +35,9 @@ log = logging.getLogger("roundhouse.engine.generation")
 # A backend's context when none is given (engines/memory.py plans one for
 # every model an engine loads).
 DEFAULT_CONTEXT = 2048
+# A shared prefix shorter than this (a chat template's opening) neither steers
+# a request to a slot nor is copied or waited for.
+MIN_SHARED_PREFIX = 32
 
 
 @dataclass
@@ -54,6 +61,9 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     used_at: int = 0
     cached: int = 0
+    # (slot, its request, tokens): the prefix to copy once that slot has read
+    # it; the slot reads nothing of its own prompt until then.
+    awaiting: tuple | None = None
 
 
 class SlotBackend(GenerationBackend):
@@ -172,10 +182,12 @@ class SlotBackend(GenerationBackend):
         # At least the prompt's last token is evaluated: its logits give the
         # first token.
         keep, lend = min(shared, len(prompt) - 1), min(lent, len(prompt) - 1)
+        # A slot in use may hold a longer prefix (a common system prompt):
+        # copied where the backend can, instead of evaluated again; one still
+        # reading it is waited for.
+        ready = lend > keep and len(donor.tokens) >= lend
         try:
-            # A slot in use may hold a longer prefix (a common system prompt):
-            # copied where the backend can, instead of evaluated again.
-            copied = self._copy_prefix(donor, slot, lend) if lend > keep else 0
+            copied = self._copy_prefix(donor, slot, lend) if ready else 0
             if copied:
                 slot.tokens[:] = prompt[:copied]
                 keep = copied
@@ -186,6 +198,8 @@ class SlotBackend(GenerationBackend):
             self._forget(slot)
             raise
         del slot.tokens[keep:]
+        if lend > keep and not ready:
+            slot.awaiting = (donor, donor.request, lend)
         self._admissions += 1
         slot.used_at = self._admissions
         slot.request = request
@@ -220,6 +234,8 @@ class SlotBackend(GenerationBackend):
             group = self.group_of(slot)
             shared = _common_prefix(slot.tokens, prompt) if self.prompt_cache else 0
             score = max(shared, lent_in.get(group, (None, 0))[1])
+            if score < MIN_SHARED_PREFIX:
+                score = 0
             key = (score, -held[group], -slot.used_at)
             if best_key is None or key > best_key:
                 best, best_key, best_shared = slot, key, shared
@@ -270,17 +286,51 @@ class SlotBackend(GenerationBackend):
 
     def _busy_prefixes(self, prompt: list[int]) -> dict[int, tuple[Slot, int]]:
         """Per KV group, the slot in use whose tokens share the longest prefix
-        with the prompt, and that prefix's length (empty: nothing to copy)."""
+        with the prompt (a slot still reading its prompt: the prompt it will
+        hold; ties: the one holding more of it now), and that prefix's length
+        (empty: nothing to copy)."""
         best: dict[int, tuple[Slot, int]] = {}
+        ready: dict[int, int] = {}
         if not (self.prompt_cache and self.copies_prefix):
             return best
         for slot in self.slots:
-            if slot.request is not None:
-                shared = _common_prefix(slot.tokens, prompt)
-                group = self.group_of(slot)
-                if shared > best.get(group, (None, 0))[1]:
-                    best[group] = (slot, shared)
+            if slot.request is None:
+                continue
+            held = slot.request.prompt_tokens if slot.todo else slot.tokens
+            shared = _common_prefix(held, prompt)
+            if shared < MIN_SHARED_PREFIX:
+                continue
+            now = min(shared, len(slot.tokens))
+            group = self.group_of(slot)
+            if (shared, now) > (best.get(group, (None, 0))[1], ready.get(group, 0)):
+                best[group], ready[group] = (slot, shared), now
         return best
+
+    def settle_awaiting(self) -> None:
+        """Slots waiting for a prefix another slot was reading: copy it once
+        read (or what is left of it, if that slot's request ended or failed
+        first); then they read the rest of their prompt. Run before a step."""
+        for slot in sorted(self.slots, key=lambda s: s.used_at):
+            if slot.request is None or slot.awaiting is None:
+                continue
+            donor, request, count = slot.awaiting
+            if donor.request is request and len(donor.tokens) < count:
+                continue  # still reading it
+            slot.awaiting = None
+            prompt = slot.request.prompt_tokens
+            available = _common_prefix(donor.tokens[:count], prompt)
+            if available <= slot.n_past:
+                continue
+            try:
+                copied = self._copy_prefix(donor, slot, available)
+            except Exception as error:
+                self.fail(slot, f"copying a cached prefix failed: {error!r}")
+                continue
+            if copied:
+                slot.tokens[:] = prompt[:copied]
+                slot.n_past = slot.cached = copied
+                slot.todo = list(prompt[copied:])
+                self.copied_tokens += copied
 
     def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
         """Make the target's KV the source's first `count` tokens (the target's
@@ -378,7 +428,7 @@ class SlotBackend(GenerationBackend):
             self._close(slot)
         except Exception:  # the slot is reused all the same; its state is reset
             log.exception("clearing slot %d failed", slot.index)
-        slot.request = slot.next_token = slot.state = None
+        slot.request = slot.next_token = slot.state = slot.awaiting = None
         slot.todo = []
 
     def cancel(self, request_id: str) -> bool:

@@ -289,7 +289,9 @@ class LlamaBackend(SlotBackend):
         fill the rest of the pass with prompt chunks; one llama_decode per KV
         group with tokens; then each slot that produced logits samples its next
         token."""
-        active = [s for s in self.slots if s.request is not None]
+        self.settle_awaiting()
+        # Slots waiting for a prefix another slot is reading read nothing yet.
+        active = [s for s in self.slots if s.request is not None and s.awaiting is None]
         going = [s for s in active if s.next_token is not None]
         for group in self.groups:
             group.batch.n_tokens = 0
@@ -317,7 +319,9 @@ class LlamaBackend(SlotBackend):
             number = self.group_of(slot)
             group = self.groups[number]
             take = min(BATCH_TOKENS - group.batch.n_tokens, room[number], budget)
-            if slot.request is None or not slot.todo or take <= 0:
+            if slot not in active or slot.request is None or not slot.todo:
+                continue  # no request, waiting for a prefix, or prompt read
+            if take <= 0:
                 continue
             chunk, slot.todo = slot.todo[:take], slot.todo[take:]
             room[number] -= len(chunk)

@@ -145,3 +145,39 @@ def test_new_conversations_go_to_the_emptier_group_and_room_is_per_group(
     one_pool = report["one-pool"]
     assert one_pool["x"]["final"]["event"] == "done"
     assert one_pool["y"]["final"]["code"] == "overloaded"
+
+
+WAIT_FOR_A_PREFIX_BEING_READ = """
+model = backend(1, 1200)
+run = Run(model)
+# Both at once: when b is admitted, a has not read its prompt yet.
+run.admit("a", chat(model, QUESTIONS[0]))
+run.admit("b", chat(model, QUESTIONS[1]))
+b_slot = next(s for s in model.slots if s.request and s.index != 0)
+awaited = b_slot.awaiting is not None
+answers = run.finish()
+alone = {}
+for name, question in zip("ab", QUESTIONS):
+    one = Run(backend(1, 1200))
+    one.admit(name, chat(one.backend, question))
+    alone[name] = one.finish()[name]["text"]
+print(json.dumps({
+    "answers": answers, "awaited": awaited, "copied": model.copied_tokens,
+    "alone": alone,
+}))
+"""
+
+
+def test_a_prefix_still_being_read_is_waited_for_and_copied(models_dir):
+    """Two conversations with one system prompt arrive at once: the second
+    waits for the first to read the prompt, then copies it instead of
+    reading it a second time (its cached_tokens count it); both answers are
+    the ones each gets alone."""
+    report = drive(models_dir, WAIT_FOR_A_PREFIX_BEING_READ)
+    answers = report["answers"]
+    assert report["awaited"]
+    assert report["copied"] > 100
+    assert answers["b"]["final"]["usage"]["cached_tokens"] == report["copied"]
+    assert answers["a"]["final"]["usage"]["cached_tokens"] == 0
+    for name, text in report["alone"].items():
+        assert answers[name]["text"] == text, name
