@@ -16,7 +16,8 @@ waits (`awaiting`) until the other slot has read it, then copies it.
 
 KV groups: a backend may split its slots into `kv_groups` groups, each with
 its own share of the KV pool (llama.cpp: one context per group). A prefix is
-copied only within a group, and the pool's room is counted per group."""
+copied from a slot in the same group where one holds it, else from another
+group where the backend can; the pool's room is counted per group."""
 
 import abc
 import logging
@@ -79,8 +80,10 @@ class SlotBackend(GenerationBackend):
     _admissions: int = 0
     # Prompt tokens copied from a slot in use instead of evaluated.
     copied_tokens: int = 0
-    # Whether _copy_prefix can share a slot's KV with another slot.
+    # Whether _copy_prefix can share a slot's KV with another slot, and with
+    # one in another KV group.
     copies_prefix: bool = False
+    copies_across_groups: bool = False
     # The groups the slots are split over, each with an equal share of the pool.
     kv_groups: int = 1
     chat_template: str = ""
@@ -178,7 +181,7 @@ class SlotBackend(GenerationBackend):
         prompt = request.prompt_tokens
         lent_in = self._busy_prefixes(prompt)
         slot, shared = self._cached_slot(prompt, lent_in)
-        donor, lent = lent_in.get(self.group_of(slot), (None, 0))
+        donor, lent = self._lender(lent_in, self.group_of(slot))
         # At least the prompt's last token is evaluated: its logits give the
         # first token.
         keep, lend = min(shared, len(prompt) - 1), min(lent, len(prompt) - 1)
@@ -233,7 +236,7 @@ class SlotBackend(GenerationBackend):
                 continue
             group = self.group_of(slot)
             shared = _common_prefix(slot.tokens, prompt) if self.prompt_cache else 0
-            score = max(shared, lent_in.get(group, (None, 0))[1])
+            score = max(shared, self._lender(lent_in, group)[1])
             if score < MIN_SHARED_PREFIX:
                 score = 0
             key = (score, -held[group], -slot.used_at)
@@ -306,6 +309,16 @@ class SlotBackend(GenerationBackend):
                 best[group], ready[group] = (slot, shared), now
         return best
 
+    def _lender(
+        self, lent_in: dict[int, tuple[Slot, int]], group: int
+    ) -> tuple[Slot | None, int]:
+        """The slot in use a slot of `group` would copy a prefix from: one in
+        its group, else (where the backend copies across groups) the one with
+        the longest prefix in any group."""
+        if group in lent_in or not self.copies_across_groups:
+            return lent_in.get(group, (None, 0))
+        return max(lent_in.values(), key=lambda lent: lent[1], default=(None, 0))
+
     def settle_awaiting(self) -> None:
         """Slots waiting for a prefix another slot was reading: copy it once
         read (or what is left of it, if that slot's request ended or failed
@@ -334,8 +347,9 @@ class SlotBackend(GenerationBackend):
 
     def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
         """Make the target's KV the source's first `count` tokens (the target's
-        own dropped; both in one KV group); how many were copied. Backends that
-        cannot share KV between slots (copies_prefix False) copy nothing."""
+        own dropped; both in one KV group unless copies_across_groups); how
+        many were copied. Backends that cannot share KV between slots
+        (copies_prefix False) copy nothing."""
         return 0
 
     def _forget(self, slot: Slot) -> None:

@@ -90,6 +90,7 @@ class LlamaBackend(SlotBackend):
     contexts."""
 
     copies_prefix = True
+    copies_across_groups = True
 
     def __init__(
         self,
@@ -217,15 +218,27 @@ class LlamaBackend(SlotBackend):
         return 0
 
     def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
-        """Share the source sequence's first `count` positions with the target
-        (llama.cpp's sequence copy: in the unified KV cache the cells are
-        shared, not duplicated). Both are in one group (one context)."""
+        """Give the target the source sequence's first `count` positions. In
+        one group (one context): llama.cpp's sequence copy, the unified KV
+        cache's cells shared, not duplicated. Across groups: the source
+        sequence's KV copied into the target's context (llama.cpp's sequence
+        state, ~23 KiB a token for SmolLM2: a memory copy, not a pass of the
+        model), then cut after `count`; 0 where that context has no room."""
         group, to = self._where(target)
         source_group, origin = self._where(source)
-        if source_group is not group:
-            return 0
         llama_cpp.llama_memory_seq_rm(group.memory, to, -1, -1)
-        llama_cpp.llama_memory_seq_cp(group.memory, origin, to, 0, count)
+        if source_group is group:
+            llama_cpp.llama_memory_seq_cp(group.memory, origin, to, 0, count)
+            return count
+        size = llama_cpp.llama_state_seq_get_size(source_group.ctx, origin)
+        state = (ctypes.c_uint8 * size)()
+        size = llama_cpp.llama_state_seq_get_data(source_group.ctx, state, size, origin)
+        if not size or not llama_cpp.llama_state_seq_set_data(
+            group.ctx, state, size, to
+        ):
+            llama_cpp.llama_memory_seq_rm(group.memory, to, -1, -1)
+            return 0
+        llama_cpp.llama_memory_seq_rm(group.memory, to, count, -1)
         return count
 
     def _is_end(self, token: int) -> bool:
