@@ -142,6 +142,10 @@ class ModelConfig(models.Model):
         null=True, blank=True, help_text="Device memory measured after a load."
     )
     measured_at = models.DateTimeField(null=True, blank=True)
+    # What the model's files say (catalog.inspection.Inspection.as_dict),
+    # filled by the Celery task catalog.inspect_model.
+    inspection = models.JSONField(default=dict, blank=True, editable=False)
+    inspected_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -1,8 +1,13 @@
 """Writes of catalog data."""
 
+import logging
+
+from django.db import transaction
 from django.utils import timezone
 
 from .models import ModelConfig
+
+log = logging.getLogger("roundhouse.catalog")
 
 # A new measurement replaces the stored one only when it moved this much: the
 # stored figure feeds the engines' configuration, which should not churn.
@@ -32,3 +37,35 @@ def model_memory_record(
     model.measured_at = timezone.now()
     model.save(update_fields=[*changed, "measured_at"])
     return True
+
+
+def model_inspection_run(*, model_id: int) -> bool:
+    """Inspect a model's files now and store the result (False: no such
+    model, deleted since the task was queued). Running it twice stores the
+    same thing twice."""
+    from .inspection import inspect_model_files
+
+    model = ModelConfig.objects.filter(pk=model_id).first()
+    if model is None:
+        return False
+    found = inspect_model_files(model.format, model.resolved_path)
+    model.inspection = found.as_dict()
+    model.inspected_at = timezone.now()
+    model.save(update_fields=["inspection", "inspected_at"])
+    return True
+
+
+def model_inspection_queue(*, model: ModelConfig) -> None:
+    """Queue the model's inspection for when the current transaction commits
+    (at once outside one): the worker then reads the committed row."""
+    from .tasks import inspect_model
+
+    model_id = model.pk
+
+    def send() -> None:
+        try:
+            inspect_model.delay(model_id)
+        except Exception:  # the broker is down: the save stands, say so
+            log.exception("could not queue the inspection of model %s", model_id)
+
+    transaction.on_commit(send)

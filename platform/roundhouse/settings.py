@@ -180,6 +180,8 @@ else:
         "data_folder_out": str(CELERY_QUEUE_DIR / "queue"),
         "processed_folder": str(CELERY_QUEUE_DIR / "processed"),
     }
+    for _folder in ("queue", "processed"):
+        (CELERY_QUEUE_DIR / _folder).mkdir(mode=0o700, parents=True, exist_ok=True)
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
