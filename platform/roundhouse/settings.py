@@ -179,8 +179,10 @@ else:
         "data_folder_in": str(CELERY_QUEUE_DIR / "queue"),
         "data_folder_out": str(CELERY_QUEUE_DIR / "queue"),
         "processed_folder": str(CELERY_QUEUE_DIR / "processed"),
+        # Broadcast exchanges (worker control); kombu's default is ./control.
+        "control_folder": str(CELERY_QUEUE_DIR / "control"),
     }
-    for _folder in ("queue", "processed"):
+    for _folder in ("queue", "processed", "control"):
         (CELERY_QUEUE_DIR / _folder).mkdir(mode=0o700, parents=True, exist_ok=True)
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"

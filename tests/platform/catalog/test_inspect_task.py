@@ -88,3 +88,6 @@ def test_a_worker_inspects_a_model_when_added_and_when_its_path_changes(
     body = admin_client.get(url).content.decode()
     assert "problem: not found" in body
     assert process.poll() is None  # the worker is still up
+    # The broker's folders are all in the run dir, none in the working dir
+    # (kombu's default control folder is ./control).
+    assert not (ROOT / "control").exists()
