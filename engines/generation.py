@@ -36,6 +36,8 @@ class GenerationRequest:
     id: str = field(default_factory=lambda: f"gen-{next(_ids)}")
     queued_at: float = field(default_factory=time.monotonic)
     finished: bool = False
+    # A batch line (priority "batch"): it yields to interactive requests.
+    background: bool = False
 
     def finish(self, event: dict[str, Any]) -> None:
         """Deliver the final event once (later calls are ignored)."""
@@ -363,15 +365,20 @@ class GenerationRunner:
         return False
 
     def _take_admissible(self) -> list[GenerationRequest]:
-        """Refuse every queued request past its queue timeout (whether or not a
-        slot is free), then admit the oldest ones into the free slots, FIFO
-        (caller holds the lock)."""
+        """Refuse every queued interactive request past its queue timeout
+        (whether or not a slot is free; a batch request waits as long as it
+        must, its worker keeping few in the queue), then admit the oldest
+        ones into the free slots, FIFO, interactive requests before batch
+        ones; batch requests leave a quarter of the slots free, so that an
+        interactive request never waits behind them for a slot (caller holds
+        the lock)."""
         if self.queue_timeout_s > 0 and self._pending:
             now = time.monotonic()
             overdue = [
                 request
                 for request in self._pending
-                if now - request.queued_at > self.queue_timeout_s
+                if not request.background
+                and now - request.queued_at > self.queue_timeout_s
             ]
             for request in overdue:
                 self._pending.remove(request)
@@ -383,7 +390,20 @@ class GenerationRunner:
                     }
                 )
         free = min(self.backend.free_slots(), self._decoder.parallel_left())
-        return [self._pending.popleft() for _ in range(min(free, len(self._pending)))]
+        if not free or not self._pending:
+            return []
+        taken = [r for r in self._pending if not r.background][:free]
+        background_room = self.backend.free_slots() - len(taken) - self._reserve()
+        if background_room > 0 and len(taken) < free:
+            room = min(background_room, free - len(taken))
+            taken += [r for r in self._pending if r.background][:room]
+        for request in taken:
+            self._pending.remove(request)
+        return taken
+
+    def _reserve(self) -> int:
+        """Slots that batch requests leave free for interactive ones."""
+        return min(self.backend.n_slots, self._decoder.max_parallel) // 4
 
     def _cancel_queued(self, request_id: str) -> bool:
         with self._wake:

@@ -47,6 +47,12 @@ MAX_TOP_LOGPROBS = 20
 # engine that is wedged or gone.
 CONTROL_TIMEOUT_S = 2.0
 
+# A generation's priority: interactive (a person or an app waiting on it) or
+# batch (a Batch API line). Batch requests are admitted after interactive ones,
+# leave slots free for them, and sit out a pass while an interactive prompt is
+# being read (engines/generation.py, engines/slots.py).
+PRIORITIES = ("interactive", "batch")
+
 KINDS = (
     "ping",
     "state",
@@ -407,6 +413,11 @@ def validate_request(message: dict[str, Any]) -> str:
             check_text(prompt, "prompt")
         _require(message, "messages", list, optional=True)
         _require(message, "request_id", str, optional=True)
+        priority = _require(message, "priority", str, optional=True)
+        if priority not in (None, *PRIORITIES):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"priority is one of {', '.join(PRIORITIES)}"
+            )
     if kind == "cancel":
         _require(message, "request_id", str)
     if kind == "embed":

@@ -105,6 +105,17 @@ class SlotBackend(GenerationBackend):
         """The KV group of a slot (contiguous runs of slots, sizes within one)."""
         return slot.index * self.kv_groups // self.n_slots
 
+    def stepping(self) -> list[Slot]:
+        """The slots with a request that take part in the next pass: not those
+        waiting for a prefix another slot reads, nor, while an interactive
+        request's prompt is being read, batch requests (they yield: the
+        interactive request's first token comes as soon as with no batch
+        running, at the cost of a pass for the batch)."""
+        active = [s for s in self.slots if s.request is not None and s.awaiting is None]
+        if any(s.todo and not s.request.background for s in active):
+            return [s for s in active if not s.request.background]
+        return active
+
     def group_pool(self) -> int:
         """The KV tokens each group's slots hold together."""
         return self.pool_tokens // self.kv_groups

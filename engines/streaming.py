@@ -99,7 +99,12 @@ async def serve_generation(
         with contextlib.suppress(RuntimeError):  # the loop closed at exit
             loop.call_soon_threadsafe(arrived, event)
 
-    request = GenerationRequest(prompt_tokens=prompt_tokens, params=params, emit=emit)
+    request = GenerationRequest(
+        prompt_tokens=prompt_tokens,
+        params=params,
+        emit=emit,
+        background=message.get("priority") == "batch",
+    )
     if message.get("request_id"):
         request.id = message["request_id"]
     if request.id in generations:

@@ -303,8 +303,9 @@ class LlamaBackend(SlotBackend):
         group with tokens; then each slot that produced logits samples its next
         token."""
         self.settle_awaiting()
-        # Slots waiting for a prefix another slot is reading read nothing yet.
-        active = [s for s in self.slots if s.request is not None and s.awaiting is None]
+        # Slots waiting for a prefix another slot is reading read nothing yet;
+        # batch requests sit out while an interactive prompt is read.
+        active = self.stepping()
         going = [s for s in active if s.next_token is not None]
         for group in self.groups:
             group.batch.n_tokens = 0

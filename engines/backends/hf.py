@@ -127,13 +127,13 @@ class TransformersBackend(SlotBackend):
     def step(self) -> None:
         """Prefill one chunk of one waiting prompt, then one batched decode step
         over every slot that has a token to feed."""
-        running = [
-            s for s in self.slots if s.request is not None and s.next_token is not None
-        ]
-        # The oldest admitted prompt first (FIFO).
+        # Batch requests sit out while an interactive prompt is read.
+        active = self.stepping()
+        running = [s for s in active if s.next_token is not None]
+        # The oldest admitted prompt first (FIFO), interactive ones before batch.
         prefilling = min(
-            (s for s in self.slots if s.request is not None and s.todo),
-            key=lambda s: s.used_at,
+            (s for s in active if s.todo),
+            key=lambda s: (s.request.background, s.used_at),
             default=None,
         )
         wanted = min(len(prefilling.todo), PREFILL_CHUNK) if prefilling else 0

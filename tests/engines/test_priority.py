@@ -1,0 +1,162 @@
+"""Batch requests (priority "batch": Batch API lines) yield to interactive
+ones in the engine: admitted after them, a quarter of the slots left to them,
+and out of the pass while an interactive prompt is read."""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from engines.client import EngineRequestError
+from tests.conftest import run_python
+from tests.engines.conftest import start_engine, wait_until
+
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """SmolLM2 with 8 slots: batch requests may hold 6 of them."""
+    engine = start_engine(
+        tmp_path_factory.mktemp("priority"),
+        models=[
+            {
+                "name": SMOL,
+                "format": "gguf",
+                "task": "chat",
+                "path": str(
+                    Path(settings.MODELS_DIR) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+                ),
+                "context_length": 256,
+                "slots": 8,
+            }
+        ],
+        preload=[SMOL],
+        limits={"max_parallel_requests": 16},
+    )
+    yield engine
+    engine.stop()
+
+
+def state(engine) -> dict:
+    return next(m for m in engine.client().state()["models"] if m["name"] == SMOL)
+
+
+def in_background(engine, finished: list, name: str, **fields) -> threading.Thread:
+    def run():
+        try:
+            engine.client().generate(SMOL, prompt=f"Story {name}:", **fields)
+        except EngineRequestError as error:
+            finished.append((name, error.code))
+            return
+        finished.append((name, "done"))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_batch_requests_leave_slots_to_interactive_ones(engine):
+    """Eight long batch requests: six run, two wait; an interactive request
+    sent then runs at once (a seventh slot), and ends long before them."""
+    finished: list = []
+    long = {"max_tokens": 60, "ignore_eos": True, "temperature": 0.0}
+    threads = [
+        in_background(engine, finished, f"b{n}", priority="batch", **long)
+        for n in range(8)
+    ]
+    # Admitted over the next passes: six run, and two stay queued (without
+    # the reserve all eight would run).
+    wait_until(lambda: (state(engine)["busy"], state(engine)["queued"]) == (6, 2), 60)
+    live = in_background(engine, finished, "live", max_tokens=4, temperature=0.0)
+    live.join(60)
+    assert finished[0] == ("live", "done"), finished
+    for thread in threads:
+        thread.join(300)
+    assert sorted(finished) == sorted(
+        [("live", "done")] + [(f"b{n}", "done") for n in range(8)]
+    )
+
+
+def test_an_interactive_request_goes_ahead_of_queued_batch_ones(engine):
+    """One request at a time: batch requests queued first still wait for an
+    interactive request queued after them."""
+    client = engine.client()
+    client.call("configure", config={"limits": {"max_parallel_requests": 1}})
+    try:
+        finished: list = []
+        running = in_background(
+            engine, finished, "first", max_tokens=60, ignore_eos=True
+        )
+        wait_until(lambda: state(engine)["busy"] == 1)
+        batch = [
+            in_background(engine, finished, f"b{n}", priority="batch", max_tokens=4)
+            for n in range(2)
+        ]
+        wait_until(lambda: state(engine)["queued"] == 2)
+        live = in_background(engine, finished, "live", max_tokens=4)
+        wait_until(lambda: state(engine)["queued"] == 3)
+        for thread in [running, live, *batch]:
+            thread.join(120)
+        assert [name for name, _ in finished[:2]] == ["first", "live"], finished
+    finally:
+        client.call("configure", config={"limits": {"max_parallel_requests": 16}})
+
+
+def test_priority_is_checked(engine):
+    with pytest.raises(EngineRequestError) as refused:
+        engine.client().generate(SMOL, prompt="Hi", priority="urgent")
+    assert refused.value.code == "bad_request"
+    assert "priority" in refused.value.message
+
+
+YIELD = """
+import json
+import engines.backends.gguf as gguf
+from engines.generation import GenerationRequest
+from engines.textgen import SamplingParams
+
+gguf.BATCH_TOKENS = 64  # a long prompt then takes several passes
+backend = gguf.LlamaBackend(MODEL, n_slots=4, context_length=512, n_threads=2)
+
+
+def admit(prompt, background):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    request = GenerationRequest(
+        backend.tokenize(prompt), params, lambda event: None, background=background
+    )
+    backend.admit(request)
+    return next(s for s in backend.slots if s.request is request)
+
+
+batch = admit("Once upon a time", True)
+for _ in range(3):
+    backend.step()
+before = batch.generated
+live = admit(" ".join(["The harbour at dawn was quiet."] * 30), False)
+steps = 0
+while live.generated == 0:
+    backend.step()
+    steps += 1
+during = batch.generated - before
+for _ in range(3):
+    backend.step()
+after = batch.generated - before - during
+print(json.dumps({"before": before, "steps": steps, "during": during, "after": after}))
+"""
+
+
+def test_batch_slots_sit_out_while_an_interactive_prompt_is_read(models_dir):
+    """While the interactive prompt is read (over several passes: its chunk
+    is capped by the pass), the batch request makes no token; it goes on
+    after. Control: it made tokens before, and makes them again after."""
+    model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    result = run_python(f"MODEL = {str(model)!r}\n{YIELD}", timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["before"] >= 2, report
+    assert report["steps"] >= 2, report  # the prompt took several passes
+    assert report["during"] == 0, report
+    assert report["after"] == 3, report
