@@ -17,15 +17,12 @@ never a 500.
 """
 
 import asyncio
-import base64
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import numpy as np
 from django import db
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -35,6 +32,12 @@ from engines.client import EngineError
 from routing.select import ModelRoute, Snapshot
 
 from . import errors
+from .answers import (
+    embedding_answer,
+    finish_reason,
+    generation_answer,
+    generation_fields,
+)
 from .calls import Call, Relay, after_answer
 from .gateway import GATEWAY
 from .models import ApiKey
@@ -46,7 +49,6 @@ from .pipeline import (
     engine_failure,
     generation_open,
     model_route,
-    with_engine,
 )
 from .schemas import (
     ChatCompletionRequest,
@@ -123,10 +125,6 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def _finish_reason(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
-
-
 # -- generation ---------------------------------------------------------------
 
 
@@ -138,48 +136,14 @@ async def _generate(
     *,
     chat: bool,
 ) -> HttpResponse:
-    fields = payload.engine_fields()
-    # Our own id: unique across engines and their restarts (engine ids are not).
-    fields["request_id"] = uuid.uuid4().hex
-    created = int(time.time())
     if not payload.stream:
-        reply = await with_engine(
-            call,
-            route,
-            snapshot,
-            lambda client: client.generate(route.name, **fields),
-        )
-        call.counted(reply.get("usage", {}))
-        reason = _finish_reason(reply.get("finish_reason", "stop"))
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": reply.get("text", "")},
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": reply.get("text", ""),
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-        response = JsonResponse(
-            {
-                "id": ("chatcmpl-" if chat else "cmpl-") + reply["request_id"],
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": route.name,
-                "system_fingerprint": None,
-                "choices": [choice],
-                "usage": call.usage(),
-                "timings": call.timings(reply),
-            }
-        )
+        body, reply = await generation_answer(call, payload, route, snapshot, chat=chat)
+        response = JsonResponse(body)
         _dropped_header(response, reply)
         return response
 
+    fields = generation_fields(payload, "interactive")
+    created = int(time.time())
     frames, start = await generation_open(call, route, snapshot, fields)
     base = {
         "id": ("chatcmpl-" if chat else "cmpl-") + start.get("request_id", ""),
@@ -219,7 +183,7 @@ async def _generate(
                     pending = b""
                 elif frame.get("event") == "done":
                     call.counted(frame.get("usage", {}))
-                    reason = _finish_reason(frame.get("finish_reason", "stop"))
+                    reason = finish_reason(frame.get("finish_reason", "stop"))
                     last = [
                         pending,
                         chunk({} if chat else "", reason, timings=call.timings(frame)),
@@ -280,38 +244,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
 async def _embed(
     call: Call, payload: EmbeddingRequest, route: ModelRoute, snapshot: Snapshot
 ) -> HttpResponse:
-    texts = payload.texts()
-    rows, prompt_tokens = await with_engine(
-        call,
-        route,
-        snapshot,
-        lambda client: client.embed_counted(route.name, texts),
-    )
-    if payload.dimensions is not None and payload.dimensions != rows.shape[1]:
-        raise errors.invalid_request(
-            f"The model '{route.name}' returns {rows.shape[1]} dimensions; "
-            f"{payload.dimensions} were asked for.",
-            param="dimensions",
-        )
-    call.prompt_tokens = prompt_tokens
-    if payload.encoding_format == "base64":
-        vectors = [
-            base64.b64encode(np.ascontiguousarray(row, dtype="<f4").tobytes()).decode()
-            for row in rows
-        ]
-    else:
-        vectors = rows.astype(float).tolist()
-    return JsonResponse(
-        {
-            "object": "list",
-            "data": [
-                {"object": "embedding", "index": index, "embedding": vector}
-                for index, vector in enumerate(vectors)
-            ],
-            "model": route.name,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-        }
-    )
+    return JsonResponse(await embedding_answer(call, payload, route, snapshot))
 
 
 @csrf_exempt

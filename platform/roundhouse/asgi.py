@@ -45,6 +45,9 @@ from api.usage import usage_flush  # noqa: E402
 from chat.websocket_urls import websocket_urlpatterns  # noqa: E402
 
 API_PATHS = ("/v1/", "/healthz", "/metrics")
+# What a multipart upload to /v1/files may add to its file (boundaries, the
+# purpose field).
+UPLOAD_FORM_BYTES = 64 * 1024
 
 
 class BareASGIHandler(ASGIHandler):
@@ -73,6 +76,9 @@ class BareASGIHandler(ASGIHandler):
         cancel the answer if the client hangs up first (the view's stream then
         cancels its engine request)."""
         cap = settings.ROUNDHOUSE_MAX_REQUEST_BYTES
+        if scope.get("path") == "/v1/files" and scope.get("method") == "POST":
+            # An upload (multipart): the file's cap, and room for the form.
+            cap = settings.ROUNDHOUSE_MAX_FILE_BYTES + UPLOAD_FORM_BYTES
         try:
             declared = _content_length(scope)
             if declared is not None and declared > cap:

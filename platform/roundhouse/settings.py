@@ -88,10 +88,13 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "django_celery_results",
+    "django_celery_beat",
     "fleet",
     "catalog",
     "api",
     "chat",
+    "batches",
 ]
 
 MIDDLEWARE = [
@@ -116,6 +119,20 @@ MESSAGE_STORAGE = "django.contrib.messages.storage.cookie.CookieStorage"
 ROUNDHOUSE_MAX_REQUEST_BYTES = env.int(
     "ROUNDHOUSE_MAX_REQUEST_BYTES", default=16 * 1024 * 1024
 )
+# ROUNDHOUSE_MAX_FILE_BYTES: the largest file POST /v1/files stores (a batch's
+# input); checked from Content-Length before reading, and again while writing.
+ROUNDHOUSE_MAX_FILE_BYTES = env.int(
+    "ROUNDHOUSE_MAX_FILE_BYTES", default=200 * 1024 * 1024
+)
+# ROUNDHOUSE_FILES_DIR: where the Files API keeps files (batch inputs, outputs
+# and errors). Default: the run dir's files/ folder.
+ROUNDHOUSE_FILES_DIR = Path(
+    env.str("ROUNDHOUSE_FILES_DIR", default=str(RUN_DIR / "files"))
+)
+ROUNDHOUSE_FILES_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+# ROUNDHOUSE_BATCH_CONCURRENCY: lines of a batch a worker keeps in flight at
+# once (the engines serve live requests first whatever this is).
+ROUNDHOUSE_BATCH_CONCURRENCY = env.int("ROUNDHOUSE_BATCH_CONCURRENCY", default=16)
 # Django's own cap on request.body, kept in step.
 DATA_UPLOAD_MAX_MEMORY_SIZE = ROUNDHOUSE_MAX_REQUEST_BYTES
 
@@ -187,7 +204,23 @@ else:
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_IGNORE_RESULT = True
+# Results (and failures, with their tracebacks) in the database, shown in the
+# admin under "Celery results" (django-celery-results), with the task's name.
+CELERY_RESULT_BACKEND = "django-db"
+CELERY_RESULT_EXTENDED = True
+CELERY_RESULT_EXPIRES = 7 * 24 * 3600
+# Periodic tasks live in the database and are edited in the admin under
+# "Periodic tasks" (django-celery-beat); the entries below are written there
+# when beat starts, and an operator may change their interval or disable them.
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_BEAT_SCHEDULE = {
+    # Batches whose worker is gone (killed on another host: its lease expired)
+    # are queued again. A worker queues them itself when it starts.
+    "resume-batches": {"task": "batches.resume", "schedule": 60.0},
+}
+# A worker takes one message at a time: a long batch does not hold back
+# messages another worker could take.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

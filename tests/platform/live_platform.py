@@ -6,6 +6,7 @@ test database, started once per test module that uses `live`.
 Its fixtures are used by name: a module assigns them at its top
 (`live = live_platform.live`, and `database`, `models_dir_path`, `orm`)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from email.message import Message
 from pathlib import Path
@@ -61,6 +63,23 @@ class Live:
             max_retries=0,
             timeout=120,
         )
+
+    def start_worker(self, name: str = "worker") -> subprocess.Popen:
+        """A Celery worker as the Procfile starts one, on this platform's
+        broker, database and run dir (its log: <run dir>/../<name>.log);
+        stopped with the platform unless the test stops it first."""
+        with open(self.run_dir.parent / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "roundhouse", "worker"]
+                + ["--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"]
+                + ["--hostname", f"{name}@%h"],
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self.processes.append(process)
+        return process
 
     def engine(self) -> EngineClient:
         return EngineClient.for_engine(self.run_dir, ENGINE)
@@ -129,24 +148,29 @@ def _rows(base_port: int) -> dict[str, str]:
     return {name: key.plaintext for name, key in keys.items()}
 
 
-@pytest.fixture(scope="module")
-def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
+@contextlib.contextmanager
+def start_live(
+    django_db_blocker, tmp: Path, models_dir: Path, *, env: dict | None = None
+) -> Iterator[Live]:
+    """The supervisor and the front on the test database, with `env` over
+    the defaults (REDIS_URL unset: the front's limits in its own memory, the
+    filesystem broker in the run dir); stopped and its rows deleted after."""
     base_port = free_port_block()
     with django_db_blocker.unblock():
         keys = _rows(base_port)
-    tmp = tmp_path_factory.mktemp("live-api")
     run_dir = tmp / "run"
     run_dir.mkdir(mode=0o700)
     port = free_port_block(1)
-    env = {
+    environment = {
         **os.environ,
         "DATABASE_URL": database_url(),
         "ROUNDHOUSE_RUN_DIR": str(run_dir),
-        "ROUNDHOUSE_MODELS_DIR": str(models_dir_path),
+        "ROUNDHOUSE_MODELS_DIR": str(models_dir),
         "SECRET_KEY": "api-tests-not-secret",
         "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
     }
-    env.pop("REDIS_URL", None)  # limits in the front's own memory: one process
+    environment.pop("REDIS_URL", None)
+    environment.update(env or {})
     processes = []
     for name, argv in (
         ("supervisor", [sys.executable, "manage.py", "supervise"]),
@@ -158,7 +182,11 @@ def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
         with open(tmp / f"{name}.log", "ab") as log:
             processes.append(
                 subprocess.Popen(
-                    argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                    argv,
+                    cwd=ROOT,
+                    env=environment,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
             )
     platform = Live(
@@ -166,7 +194,7 @@ def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
         port=port,
         keys=keys,
         front_pid=processes[1].pid,
-        env=env,
+        env=environment,
         processes=processes,
     )
 
@@ -181,16 +209,24 @@ def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
         wait_for(engines_ready, timeout=180, what="the front and an engine")
         yield platform
     finally:
-        for process in processes:
+        for process in platform.processes:
             process.send_signal(signal.SIGTERM)
-        for process in processes:
+        for process in platform.processes:
             try:
                 process.wait(60)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait(10)
         with django_db_blocker.unblock():
             for model in (Usage, ApiKey, ModelConfig, EngineSpec):
                 model.objects.all().delete()
+
+
+@pytest.fixture(scope="module")
+def live(database, django_db_blocker, tmp_path_factory, models_dir_path):
+    tmp = tmp_path_factory.mktemp("live-api")
+    with start_live(django_db_blocker, tmp, models_dir_path) as platform:
+        yield platform
 
 
 @pytest.fixture(scope="module")

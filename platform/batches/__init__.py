@@ -1,0 +1,2 @@
+"""OpenAI-compatible Batch API: uploaded files, batch jobs, and the Celery
+worker that answers their lines through the engines."""

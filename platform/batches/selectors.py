@@ -1,0 +1,91 @@
+"""Reads of files and batches, and their OpenAI JSON shapes."""
+
+from datetime import datetime
+from typing import Any
+
+from api.models import ApiKey
+
+from .models import Batch, StoredFile
+from .services import owner_filter
+
+
+def _seconds(moment: datetime | None) -> int | None:
+    return None if moment is None else int(moment.timestamp())
+
+
+def file_get(*, key: ApiKey, file_id: str) -> StoredFile | None:
+    """The key's file with this id (None: none, or another owner's)."""
+    return StoredFile.objects.filter(owner_filter(key), pk=file_id).first()
+
+
+def file_list(*, key: ApiKey, purpose: str | None = None) -> list[StoredFile]:
+    files = StoredFile.objects.filter(owner_filter(key))
+    if purpose:
+        files = files.filter(purpose=purpose)
+    return list(files[:10_000])
+
+
+def file_as_openai(stored: StoredFile) -> dict[str, Any]:
+    return {
+        "id": stored.id,
+        "object": "file",
+        "bytes": stored.bytes,
+        "created_at": _seconds(stored.created_at),
+        "filename": stored.filename,
+        "purpose": stored.purpose,
+        "status": "processed",
+        "status_details": None,
+    }
+
+
+def batch_get(*, key: ApiKey, batch_id: str) -> Batch | None:
+    """The key's batch with this id (None: none, or another owner's)."""
+    return Batch.objects.filter(owner_filter(key), pk=batch_id).first()
+
+
+def batch_page(
+    *, key: ApiKey, after: str | None, limit: int
+) -> tuple[list[Batch], bool]:
+    """The key's batches, newest first, after the one with id `after`; and
+    whether more follow."""
+    batches = Batch.objects.filter(owner_filter(key)).order_by("-created_at", "-id")
+    if after:
+        anchor = batches.filter(pk=after).values_list("created_at", flat=True).first()
+        if anchor is not None:
+            batches = batches.filter(created_at__lt=anchor) | batches.filter(
+                created_at=anchor, id__lt=after
+            )
+    page = list(batches[: limit + 1])
+    return page[:limit], len(page) > limit
+
+
+def batch_as_openai(batch: Batch) -> dict[str, Any]:
+    errors = None
+    if batch.errors:
+        errors = {"object": "list", "data": batch.errors}
+    return {
+        "id": batch.id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "errors": errors,
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": batch.status,
+        "output_file_id": batch.output_file_id,
+        "error_file_id": batch.error_file_id,
+        "created_at": _seconds(batch.created_at),
+        "in_progress_at": _seconds(batch.in_progress_at),
+        "expires_at": _seconds(batch.expires_at),
+        "finalizing_at": _seconds(batch.finalizing_at),
+        "completed_at": _seconds(batch.completed_at),
+        "failed_at": _seconds(batch.failed_at),
+        "expired_at": _seconds(batch.expired_at),
+        "cancelling_at": _seconds(batch.cancelling_at),
+        "cancelled_at": _seconds(batch.cancelled_at),
+        "request_counts": {
+            "total": batch.total,
+            "completed": batch.completed,
+            "failed": batch.failed,
+        },
+        "metadata": batch.metadata or None,
+    }

@@ -1,0 +1,244 @@
+"""The Files and Batch APIs, as OpenAI shapes them (the official client's
+`files` and `batches` calls work unchanged). Every call needs an API key; a
+key sees its owner's files and batches (or, with no owner, its own)."""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated
+
+from django import db
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from pydantic import Field, StringConstraints
+
+from api import errors
+from api.models import ApiKey
+from api.pipeline import authenticate, database_failed
+from api.schemas import Strict, parse
+from api.selectors import in_db_thread
+
+from . import selectors, services
+from .models import StoredFile
+
+log = logging.getLogger("roundhouse.batches")
+
+CHUNK_BYTES = 1 << 20
+MAX_PAGE = 100
+
+
+class BatchRequest(Strict):
+    """POST /v1/batches."""
+
+    input_file_id: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    endpoint: str
+    completion_window: str
+    metadata: (
+        Annotated[
+            dict[
+                Annotated[str, StringConstraints(max_length=64)],
+                Annotated[str, StringConstraints(max_length=512)],
+            ],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
+
+
+Handler = Callable[[HttpRequest, ApiKey], Awaitable[HttpResponse]]
+
+
+async def _api(request: HttpRequest, handlers: dict[str, Handler]) -> HttpResponse:
+    """Method check, key, then the method's handler; refusals in OpenAI's
+    error shape."""
+    handler = handlers.get(request.method or "")
+    if handler is None:
+        allowed = ", ".join(handlers)
+        response = errors.method_not_allowed(allowed, request.path).response()
+        response["Allow"] = allowed
+        return response
+    try:
+        key = await authenticate(
+            authorization=request.headers.get("Authorization"),
+            client=request.META.get("REMOTE_ADDR") or "unknown",
+        )
+        return await handler(request, key)
+    except errors.ApiError as error:
+        return error.response()
+    except db.Error as error:
+        return database_failed(error).response()
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return errors.engine_error("internal", "Internal error.").response()
+
+
+def _file_not_found(file_id: str) -> errors.ApiError:
+    return errors.from_mapping(
+        errors.NOT_FOUND, f"No such file: {file_id!r}.", code="file_not_found"
+    )
+
+
+def _batch_not_found(batch_id: str) -> errors.ApiError:
+    return errors.from_mapping(
+        errors.NOT_FOUND, f"No such batch: {batch_id!r}.", code="batch_not_found"
+    )
+
+
+# -- files -------------------------------------------------------------------------
+
+
+def _store_upload(request: HttpRequest, key: ApiKey) -> StoredFile:
+    """Parse the multipart body and store its file (in a thread: the parse and
+    the copy are blocking work)."""
+    upload = request.FILES.get("file")
+    if upload is None:
+        raise errors.invalid_request(
+            "Send the file as multipart/form-data, in a field named 'file'.",
+            param="file",
+        )
+    return services.file_store(
+        key=key,
+        chunks=upload.chunks(CHUNK_BYTES),
+        filename=upload.name or "",
+        purpose=request.POST.get("purpose", ""),
+    )
+
+
+async def _upload(request: HttpRequest, key: ApiKey) -> HttpResponse:
+    stored = await in_db_thread(_store_upload)(request, key)
+    return JsonResponse(selectors.file_as_openai(stored))
+
+
+async def _list_files(request: HttpRequest, key: ApiKey) -> HttpResponse:
+    found = await in_db_thread(selectors.file_list)(
+        key=key, purpose=request.GET.get("purpose")
+    )
+    data = [selectors.file_as_openai(stored) for stored in found]
+    return JsonResponse({"object": "list", "data": data, "has_more": False})
+
+
+@csrf_exempt
+async def files(request: HttpRequest) -> HttpResponse:
+    """POST /v1/files (multipart: file, purpose=batch); GET /v1/files."""
+    return await _api(request, {"POST": _upload, "GET": _list_files})
+
+
+async def _stored(key: ApiKey, file_id: str) -> StoredFile:
+    stored = await in_db_thread(selectors.file_get)(key=key, file_id=file_id)
+    if stored is None:
+        raise _file_not_found(file_id)
+    return stored
+
+
+@csrf_exempt
+async def file(request: HttpRequest, file_id: str) -> HttpResponse:
+    """GET and DELETE /v1/files/{file_id}."""
+
+    async def get(request, key):
+        return JsonResponse(selectors.file_as_openai(await _stored(key, file_id)))
+
+    async def delete(request, key):
+        stored = await _stored(key, file_id)
+        await in_db_thread(services.file_delete)(stored=stored)
+        return JsonResponse({"id": stored.id, "object": "file", "deleted": True})
+
+    return await _api(request, {"GET": get, "DELETE": delete})
+
+
+async def _chunks(path) -> AsyncIterator[bytes]:
+    """A file's bytes, read in a thread a chunk at a time."""
+    handle = await asyncio.to_thread(open, path, "rb")
+    try:
+        while chunk := await asyncio.to_thread(handle.read, CHUNK_BYTES):
+            yield chunk
+    finally:
+        handle.close()
+
+
+async def file_content(request: HttpRequest, file_id: str) -> HttpResponse:
+    """GET /v1/files/{file_id}/content."""
+
+    async def get(request, key):
+        stored = await _stored(key, file_id)
+        if not stored.path.exists():
+            raise _file_not_found(file_id)
+        response = StreamingHttpResponse(
+            _chunks(stored.path), content_type="application/octet-stream"
+        )
+        response["Content-Length"] = str(stored.bytes)
+        response["Content-Disposition"] = f'attachment; filename="{stored.id}.jsonl"'
+        return response
+
+    return await _api(request, {"GET": get})
+
+
+# -- batches -------------------------------------------------------------------------
+
+
+async def _create_batch(request: HttpRequest, key: ApiKey) -> HttpResponse:
+    payload = parse(BatchRequest, request.body)
+    batch = await in_db_thread(services.batch_create)(
+        key=key,
+        input_file_id=payload.input_file_id,
+        endpoint=payload.endpoint,
+        completion_window=payload.completion_window,
+        metadata=payload.metadata,
+    )
+    return JsonResponse(selectors.batch_as_openai(batch))
+
+
+async def _list_batches(request: HttpRequest, key: ApiKey) -> HttpResponse:
+    try:
+        limit = int(request.GET.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE:
+        raise errors.invalid_request(
+            f"limit must be a whole number from 1 to {MAX_PAGE}.", param="limit"
+        )
+    page, more = await in_db_thread(selectors.batch_page)(
+        key=key, after=request.GET.get("after"), limit=limit
+    )
+    data = [selectors.batch_as_openai(batch) for batch in page]
+    return JsonResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
+
+
+@csrf_exempt
+async def batches(request: HttpRequest) -> HttpResponse:
+    """POST /v1/batches; GET /v1/batches (?limit=&after=)."""
+    return await _api(request, {"POST": _create_batch, "GET": _list_batches})
+
+
+@csrf_exempt
+async def batch(request: HttpRequest, batch_id: str) -> HttpResponse:
+    """GET /v1/batches/{batch_id}."""
+
+    async def get(request, key):
+        found = await in_db_thread(selectors.batch_get)(key=key, batch_id=batch_id)
+        if found is None:
+            raise _batch_not_found(batch_id)
+        return JsonResponse(selectors.batch_as_openai(found))
+
+    return await _api(request, {"GET": get})
+
+
+@csrf_exempt
+async def batch_cancel(request: HttpRequest, batch_id: str) -> HttpResponse:
+    """POST /v1/batches/{batch_id}/cancel."""
+
+    async def post(request, key):
+        found = await in_db_thread(selectors.batch_get)(key=key, batch_id=batch_id)
+        if found is None:
+            raise _batch_not_found(batch_id)
+        cancelled = await in_db_thread(services.batch_cancel)(batch=found)
+        return JsonResponse(selectors.batch_as_openai(cancelled))
+
+    return await _api(request, {"POST": post})

@@ -1,0 +1,51 @@
+"""Helpers for tests of the Batch API: input files and waiting for a batch."""
+
+import json
+import time
+
+import openai
+
+ENDED = {"completed", "failed", "cancelled", "expired"}
+
+
+def jsonl(lines: list) -> bytes:
+    """A batch input file: dicts as JSON lines, bytes as they are."""
+    return b"".join(
+        (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
+        for line in lines
+    )
+
+
+def chat_line(custom_id: str, text: str, *, model: str, **body) -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 8,
+            "temperature": 0,
+            **body,
+        },
+    }
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, until=ENDED, timeout=300):
+    """The batch once its status is in `until` (or the predicate holds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        done = until(batch) if callable(until) else batch.status in until
+        if done:
+            return batch
+        assert time.monotonic() < deadline, f"batch stuck: {batch}"
+        time.sleep(0.2)
+
+
+def records(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    """The lines of an output or error file."""
+    if file_id is None:
+        return []
+    text = client.files.content(file_id).text
+    return [json.loads(line) for line in text.splitlines()]

@@ -1,0 +1,139 @@
+"""A worker's claim on a batch, recording lines once each, resuming a batch
+whose worker is gone, and reading input lines, without a worker (the
+end-to-end runs are in test_batch_api and tests/platform/test_production)."""
+
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from batches import services
+from batches.lines import MalformedLine, read_line
+from batches.models import Batch, BatchLine
+from tests.factories import ApiKeyFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def batch(settings, tmp_path):
+    settings.ROUNDHOUSE_FILES_DIR = tmp_path
+    key = ApiKeyFactory()
+    stored = services.file_store(
+        key=key,
+        chunks=[b'{"a": 1}\n', b'{"b": 2}'],
+        filename="in.jsonl",
+        purpose="batch",
+    )
+    assert stored.path.read_bytes() == b'{"a": 1}\n{"b": 2}'
+    return services.batch_create(
+        key=key,
+        input_file_id=stored.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=None,
+    )
+
+
+def a_dead_owner() -> str:
+    """The identity of a process of this host that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(30)
+    return f"{socket.gethostname()}:{child.pid}:0:run"
+
+
+def test_one_worker_holds_a_batch_until_its_lease_expires(batch):
+    assert services.batch_claim(batch_id=batch.id, owner="host:1:1:a")
+    assert not services.batch_claim(batch_id=batch.id, owner="host:2:2:b")
+    assert services.batch_claim(batch_id=batch.id, owner="host:1:1:a")  # renewal
+    Batch.objects.filter(pk=batch.id).update(
+        lease_until=timezone.now() - timedelta(seconds=1)
+    )
+    assert services.batch_claim(batch_id=batch.id, owner="host:2:2:b")
+
+
+def test_a_line_keeps_its_first_answer_and_a_fenced_worker_records_nothing(batch):
+    services.batch_claim(batch_id=batch.id, owner="w:1:1:a")
+    first = [(0, "a", True, {"n": 1})]
+    services.batch_record(batch_id=batch.id, owner="w:1:1:a", answers=first)
+    again = [(0, "a", True, {"n": 2}), (1, "b", False, {"n": 3})]
+    services.batch_record(batch_id=batch.id, owner="w:1:1:a", answers=again)
+    rows = dict(BatchLine.objects.values_list("index", "record"))
+    assert rows == {0: {"n": 1}, 1: {"n": 3}}
+    batch.refresh_from_db()
+    assert (batch.completed, batch.failed) == (1, 1)
+    with pytest.raises(services.LeaseLost):
+        services.batch_record(
+            batch_id=batch.id, owner="w:9:9:z", answers=[(1, "b", True, {"n": 4})]
+        )
+    assert BatchLine.objects.get(index=1).record == {"n": 3}
+
+
+def test_a_batch_whose_worker_died_is_resumed_and_a_live_ones_is_not(batch):
+    services.batch_claim(batch_id=batch.id, owner=services.worker_identity())
+    assert services.batches_resume() == []  # held by this live process
+    Batch.objects.filter(pk=batch.id).update(lease_owner=a_dead_owner())
+    assert services.batches_resume() == [batch.id]
+    batch.refresh_from_db()
+    assert batch.lease_owner == "" and batch.lease_until is None
+
+
+def test_finalizing_twice_writes_the_same_files(batch, settings):
+    owner = "w:1:1:a"
+    services.batch_claim(batch_id=batch.id, owner=owner)
+    services.batch_start(batch=batch, total=2)
+    services.batch_record(
+        batch_id=batch.id,
+        owner=owner,
+        answers=[(1, "b", False, {"e": 1}), (0, "a", True, {"o": 1})],
+    )
+    services.batch_finalize(batch_id=batch.id, owner=owner, final="completed")
+    batch.refresh_from_db()
+    assert batch.status == "completed" and batch.completed_at is not None
+    assert batch.output_file.path.read_text() == '{"o":1}\n'
+    assert batch.error_file.path.read_text() == '{"e":1}\n'
+
+
+@pytest.mark.parametrize(
+    ("raw", "custom_id", "needle"),
+    [
+        (b"{", "", "not valid JSON"),
+        (
+            b'{"custom_id": "x", "method": "GET", "url": "/v1/completions", '
+            b'"body": {}}',
+            "x",
+            "method",
+        ),
+        (
+            b'{"custom_id": "y", "method": "POST", "url": "/v1/completions", '
+            b'"body": {}, "extra": 1}',
+            "y",
+            "extra",
+        ),
+        (
+            b'{"custom_id": "z", "method": "POST", "url": "/v1/embeddings", '
+            b'"body": {}}',
+            "z",
+            "/v1/embeddings",
+        ),
+        (b"[" + b" " * 200 + b"]", "", "cap"),
+    ],
+)
+def test_malformed_lines_say_why(raw, custom_id, needle):
+    with pytest.raises(MalformedLine) as bad:
+        read_line(raw, endpoint="/v1/completions", max_bytes=128)
+    assert bad.value.custom_id == custom_id
+    assert needle in bad.value.message
+
+
+def test_a_good_line_is_read():
+    line = read_line(
+        b'{"custom_id": "q", "method": "POST", "url": "/v1/completions", '
+        b'"body": {"model": "m", "prompt": "hi"}}',
+        endpoint="/v1/completions",
+        max_bytes=1024,
+    )
+    assert (line.custom_id, line.body["prompt"]) == ("q", "hi")
