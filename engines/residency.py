@@ -83,8 +83,9 @@ class ResidentModel:
         return described
 
 
-def _load_backend(spec: ModelSpec, backend: str, limits: Limits):
-    """Construct a model backend (imports the ML library on first use)."""
+def load_backend(spec: ModelSpec, backend: str, limits: Limits):
+    """Construct a model backend with its slot plan, as a load does (imports
+    the ML library on first use); engines.probe measures a model through it."""
     if spec.format == "embedding":
         from .backends.embedding import EmbeddingBackend
 
@@ -366,7 +367,7 @@ class Residency:
         log.info("loading %s from %s", spec.name, spec.path)
         try:
             backend = await loop.run_in_executor(
-                executor, _load_backend, spec, self.config.backend, self.config.limits
+                executor, load_backend, spec, self.config.backend, self.config.limits
             )
         except ProtocolError:
             executor.shutdown(wait=False)

@@ -2,14 +2,56 @@
 engines (the pin input's suggestions, pin status and owner columns, pin
 warnings): the catalog does not depend on the fleet."""
 
+from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import ValidationError
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+
+from engines.tools import QUANTIZATIONS
 
 from .models import ModelConfig
 from .selectors import model_config_problems
-from .services import model_inspection_queue
+from .services import (
+    model_inspection_queue,
+    model_memory_measure_queue,
+    model_requantize_queue,
+)
 
 # Files that decide what an inspection finds: a change queues a new one.
 INSPECTED_FIELDS = ("format", "path")
+# Read-only rows of the change form: the memory measurement's, and a
+# requantized variant's.
+MEMORY_JOB_FIELDS = ("memory_job_status", "memory_report_summary")
+VARIANT_FIELDS = ("variant_of", "requantize_job_status", "comparison_table")
+
+
+class RequantizeForm(forms.Form):
+    quantization = forms.ChoiceField(
+        choices=[(name, name) for name in QUANTIZATIONS],
+        initial="Q4_0",
+        help_text="Q4_0 is the fastest on a CPU (llama.cpp repacks it for its "
+        "fast matrix kernels); Q8_0 stays closest to the original and is the "
+        "largest; the K types keep more quality per bit.",
+    )
+
+
+# The comparison's rows: label, key, how a figure is shown, and whether the
+# variant/original ratio means something.
+COMPARISON_ROWS = (
+    ("quantization", "quantization", "{}", False),
+    ("file size, MiB", "file_mib", "{:,.1f}", True),
+    ("prompt tokens/s", "prompt_tps", "{:,.1f}", True),
+    ("generation tokens/s", "generation_tps", "{:,.1f}", True),
+    ("perplexity (lower is better)", "perplexity", "{:.3f}", True),
+    ("greedy agreement, next token", "agreement", "{:.1%}", False),
+    ("greedy agreement, whole continuation", "identical_prefix", "{:.1%}", False),
+)
+
+# Rows where the original is the reference, not a figure.
+AGREEMENTS = ("agreement", "identical_prefix")
 
 
 @admin.register(ModelConfig)
@@ -22,6 +64,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
         "enabled",
         "measured_memory_mib",
         "measured_device_memory_mib",
+        "jobs",
     ]
     list_filter = ["format", "task", "enabled", "engine_pin"]
     search_fields = ["name", "path"]
@@ -30,7 +73,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
         "measured_device_memory_mib",
         "measured_at",
     ]
-    actions = ["inspect_again"]
+    actions = ["inspect_again", "measure_memory", "requantize"]
     fieldsets = [
         (None, {"fields": ["name", "format", "task", "path", "enabled"]}),
         ("Placement", {"fields": ["engine_pin"]}),
@@ -50,12 +93,174 @@ class ModelConfigAdmin(admin.ModelAdmin):
                 ]
             },
         ),
-        ("Measured", {"fields": readonly_fields}),
+        ("Measured", {"fields": [*readonly_fields, *MEMORY_JOB_FIELDS]}),
         ("Files", {"fields": ["inspection_summary", "inspected_at"]}),
+        ("Requantized", {"fields": [*VARIANT_FIELDS, "variants_compared"]}),
     ]
 
     def get_readonly_fields(self, request, obj=None):
-        return [*self.readonly_fields, "inspection_summary", "inspected_at"]
+        return [
+            *self.readonly_fields,
+            "inspection_summary",
+            "inspected_at",
+            *MEMORY_JOB_FIELDS,
+            *VARIANT_FIELDS,
+            "variants_compared",
+        ]
+
+    def get_fieldsets(self, request, obj=None):
+        """Variant rows only on a variant's page, its variants only on an
+        original's."""
+        hidden = set()
+        if obj is None or obj.derived_from_id is None:
+            hidden.update(VARIANT_FIELDS)
+        if obj is None or not obj.variants.exists():
+            hidden.add("variants_compared")
+        fieldsets = []
+        for name, options in super().get_fieldsets(request, obj):
+            shown = [field for field in options["fields"] if field not in hidden]
+            if shown:
+                fieldsets.append((name, {**options, "fields": shown}))
+        return fieldsets
+
+    @admin.display(description="jobs")
+    def jobs(self, model: ModelConfig) -> str:
+        """The model's background jobs that ran or are running."""
+        parts = [
+            f"{name}: {_job_text(state, progress)}"
+            for name, state, progress in (
+                ("memory", model.memory_job, model.memory_job_progress),
+                ("requantize", model.requantize_job, model.requantize_job_progress),
+            )
+            if state
+        ]
+        return "; ".join(parts) or "—"
+
+    @admin.display(description="memory measurement")
+    def memory_job_status(self, model: ModelConfig) -> str:
+        if not model.memory_job:
+            return "not measured (action: Measure memory of the selected models)"
+        return _job_text(model.memory_job, model.memory_job_progress)
+
+    @admin.display(description="last measurement")
+    def memory_report_summary(self, model: ModelConfig) -> str:
+        """What the last measurement found; the figures above are what the
+        engines use (a new one replaces them when it moved more than 10%)."""
+        report = model.memory_report or {}
+        if not report:
+            return "—"
+        if report.get("problem"):
+            return f"problem: {report['problem']}"
+        text = f"{report['host_mib']:,.0f} MiB of host memory"
+        if report.get("device_mib") is not None:
+            text += f", {report['device_mib']:,.0f} MiB of device memory"
+        if report.get("estimated_mib") is not None:
+            text += f" (estimated {report['estimated_mib']:,.0f} MiB)"
+        if report.get("slots"):
+            text += (
+                f", with {report['slots']} slot(s) sharing a "
+                f"{report['kv_pool_tokens']:,}-token KV pool "
+                f"({report['kv_mib']:,.0f} MiB), up to {report['context']:,} "
+                "tokens per conversation"
+            )
+        return f"{text}; loaded in {report['load_s']:.1f} s, at {report['at']}"
+
+    @admin.display(description="derived from")
+    def variant_of(self, model: ModelConfig) -> str:
+        original = model.derived_from
+        if original is None:
+            return "—"
+        url = reverse("admin:catalog_modelconfig_change", args=[original.pk])
+        return format_html(
+            '<a href="{}">{}</a>, requantized to {}',
+            url,
+            original.name,
+            model.quantized_to,
+        )
+
+    @admin.display(description="requantization")
+    def requantize_job_status(self, model: ModelConfig) -> str:
+        return _job_text(model.requantize_job, model.requantize_job_progress)
+
+    @admin.display(description="compared with its original")
+    def comparison_table(self, model: ModelConfig) -> str:
+        original = model.derived_from
+        name = original.name if original else "original"
+        return _comparison_html(model.comparison, name, model.name)
+
+    @admin.display(description="its variants")
+    def variants_compared(self, model: ModelConfig) -> str:
+        """Each variant made from this model: its job, and the two compared."""
+        if model.pk is None:
+            return "—"
+        return format_html_join(
+            "",
+            '<p><a href="{}">{}</a> ({}): {}</p>{}',
+            (
+                (
+                    reverse("admin:catalog_modelconfig_change", args=[variant.pk]),
+                    variant.name,
+                    variant.quantized_to,
+                    _job_text(variant.requantize_job, variant.requantize_job_progress),
+                    _comparison_html(variant.comparison, model.name, variant.name),
+                )
+                for variant in model.variants.order_by("name")
+            ),
+        )
+
+    @admin.action(description="Measure memory of the selected models")
+    def measure_memory(self, request, queryset) -> None:
+        for model in queryset:
+            model_memory_measure_queue(model=model)
+        self.message_user(
+            request,
+            f"{queryset.count()} memory measurement(s) queued: each model is loaded "
+            "in a child process with its context and slots",
+            messages.SUCCESS,
+        )
+
+    @admin.action(description="Requantize the selected GGUF models…")
+    def requantize(self, request, queryset):
+        """An intermediate page to choose the quantization, then a variant of
+        each GGUF model queued."""
+        form = RequantizeForm(request.POST if "apply" in request.POST else None)
+        if not form.is_valid():
+            context = {
+                **self.admin_site.each_context(request),
+                "title": "Requantize GGUF models",
+                "opts": self.model._meta,
+                "models": queryset,
+                "form": form,
+                "action": "requantize",
+                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            }
+            return TemplateResponse(
+                request, "admin/catalog/modelconfig/requantize.html", context
+            )
+        quantization = form.cleaned_data["quantization"]
+        queued = []
+        for model in queryset:
+            try:
+                variant = model_requantize_queue(model=model, quantization=quantization)
+            except ValueError as error:
+                self.message_user(request, f"Skipped: {error}.", messages.WARNING)
+                continue
+            except ValidationError as error:
+                self.message_user(
+                    request,
+                    f"Skipped {model.name}: {' '.join(error.messages)}",
+                    messages.ERROR,
+                )
+                continue
+            queued.append(variant.name)
+        if queued:
+            self.message_user(
+                request,
+                f"Requantizing to {quantization}: {', '.join(queued)} (progress and "
+                "the comparison on each variant's page)",
+                messages.SUCCESS,
+            )
+        return None
 
     @admin.display(description="What its files say")
     def inspection_summary(self, model: ModelConfig) -> str:
@@ -92,3 +297,52 @@ class ModelConfigAdmin(admin.ModelAdmin):
             model_inspection_queue(model=obj)
         for problem in model_config_problems(model=obj):
             self.message_user(request, problem, messages.WARNING)
+
+
+def _job_text(state: str, progress: str) -> str:
+    return f"{state} ({progress})" if progress else state or "—"
+
+
+def _shown(pattern: str, value) -> str:
+    return "—" if value is None else pattern.format(value)
+
+
+def _comparison_html(comparison: dict, original_name: str, variant_name: str) -> str:
+    """The original and the variant side by side, as measured on one host."""
+    if not comparison:
+        return "—"
+    original, variant = comparison["original"], comparison["variant"]
+    rows = []
+    for label, key, shown, ratio in COMPARISON_ROWS:
+        first, second = original.get(key), variant.get(key)
+        times = f"{second / first:.2f}x" if ratio and first and second else ""
+        rows.append(
+            (
+                label,
+                # The variant's agreement is with the original's choices.
+                "reference" if key in AGREEMENTS else _shown(shown, first),
+                _shown(shown, second),
+                times,
+            )
+        )
+    body = format_html_join(
+        "", "<tr><th>{}</th><td>{}</td><td>{}</td><td>{}</td></tr>", rows
+    )
+    return format_html(
+        '<table class="comparison"><thead><tr><th></th><th>{}</th><th>{}</th>'
+        "<th>variant / original</th></tr></thead><tbody>{}</tbody></table>"
+        "<p>Measured on {} with {} thread(s) at {}: perplexity over {} tokens of "
+        "{}; prompt speed over {} tokens; agreement over the original's greedy "
+        "continuations of {} prompts, up to {} tokens each.</p>",
+        original_name,
+        variant_name,
+        body,
+        comparison.get("host", "?"),
+        comparison.get("threads", "?"),
+        comparison.get("measured_at", "?"),
+        comparison.get("perplexity_tokens", "?"),
+        comparison.get("text", "?"),
+        comparison.get("prompt_tokens", "?"),
+        comparison.get("prompts", "?"),
+        comparison.get("max_tokens", "?"),
+    )

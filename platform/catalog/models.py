@@ -8,6 +8,7 @@ from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 
 from engines.protocol import ProtocolError, check_sampling
+from engines.tools import QUANTIZATIONS
 
 MODEL_NAME_VALIDATOR = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
@@ -62,6 +63,15 @@ class ContextOverflow(models.TextChoices):
     # The values engines know (engines.config.CONTEXT_OVERFLOW).
     REFUSE = "refuse", "Refuse with the counts"
     DROP_OLDEST = "drop_oldest", "Drop the oldest turns"
+
+
+class JobState(models.TextChoices):
+    """Where a background job on a model stands (empty: never asked for)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
 
 
 class ModelConfig(models.Model):
@@ -146,12 +156,53 @@ class ModelConfig(models.Model):
     # filled by the Celery task catalog.inspect_model.
     inspection = models.JSONField(default=dict, blank=True, editable=False)
     inspected_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Memory measurement (the Celery task catalog.measure_model): its state,
+    # what it is doing or what went wrong, and the probe's whole report
+    # (engines.tools.ProbeResult). The figures engines use are measured_*.
+    memory_job = models.CharField(
+        max_length=8, choices=JobState.choices, blank=True, editable=False
+    )
+    memory_job_progress = models.CharField(max_length=500, blank=True, editable=False)
+    memory_report = models.JSONField(default=dict, blank=True, editable=False)
+    # A variant made by requantizing another model (the Celery task
+    # catalog.requantize_model): the model it was made from, in which
+    # quantization, the job's state and progress, and how the two compare on
+    # this host (catalog.requantize.comparison).
+    derived_from = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="variants",
+        editable=False,
+    )
+    quantized_to = models.CharField(
+        max_length=8,
+        choices=[(name, name) for name in QUANTIZATIONS],
+        blank=True,
+        editable=False,
+    )
+    requantize_job = models.CharField(
+        max_length=8, choices=JobState.choices, blank=True, editable=False
+    )
+    requantize_job_progress = models.CharField(
+        max_length=500, blank=True, editable=False
+    )
+    comparison = models.JSONField(default=dict, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
         verbose_name = "model"
+        constraints = [
+            # Requantizing a model again to the same type refreshes its variant.
+            models.UniqueConstraint(
+                fields=["derived_from", "quantized_to"],
+                condition=models.Q(derived_from__isnull=False),
+                name="catalog_one_variant_per_quantization",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.name

@@ -5,7 +5,9 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
-from .models import ModelConfig
+from engines.tools import QUANTIZATIONS
+
+from .models import JobState, ModelConfig, ModelFormat
 
 log = logging.getLogger("roundhouse.catalog")
 
@@ -69,3 +71,180 @@ def model_inspection_queue(*, model: ModelConfig) -> None:
             log.exception("could not queue the inspection of model %s", model_id)
 
     transaction.on_commit(send)
+
+
+# -- background jobs on a model: memory measurement, requantization ------------
+
+# Room for a job's progress text (ModelConfig.*_job_progress).
+PROGRESS_LENGTH = 500
+# Serving settings a requantized variant starts with, copied from its original
+# (not its pin: an operator places the variant, if at all).
+VARIANT_COPIED_FIELDS = (
+    "task",
+    "context_length",
+    "slots",
+    "batch_window_ms",
+    "max_batch_size",
+    "keep_alive_s",
+    "sampling",
+    "chat_template",
+    "prompt_cache",
+    "context_overflow",
+)
+
+
+def _job_write(model_id: int, **fields) -> None:
+    """Write a job's fields alone: the rest of the row may be under edit in
+    the admin meanwhile, and a job must not undo that edit."""
+    fields = {
+        name: value[:PROGRESS_LENGTH] if name.endswith("_progress") else value
+        for name, value in fields.items()
+    }
+    ModelConfig.objects.filter(pk=model_id).update(**fields)
+
+
+def _queue_on_commit(task, model_id: int, *, job: str, what: str) -> None:
+    """Send `task(model_id)` once the current transaction commits (at once
+    outside one). A broker that is down fails the job, with the reason, and
+    is logged: the request that asked for it stands."""
+
+    def send() -> None:
+        try:
+            task.delay(model_id)
+        except Exception as error:  # the broker is down
+            log.exception("could not queue the %s of model %s", what, model_id)
+            _job_write(
+                model_id,
+                **{job: JobState.FAILED, f"{job}_progress": f"not queued: {error}"},
+            )
+
+    transaction.on_commit(send)
+
+
+def model_memory_measure_queue(*, model: ModelConfig) -> None:
+    """Mark the model's memory measurement queued, and queue it."""
+    from .tasks import measure_model
+
+    _job_write(model.pk, memory_job=JobState.QUEUED, memory_job_progress="queued")
+    _queue_on_commit(
+        measure_model, model.pk, job="memory_job", what="memory measurement"
+    )
+
+
+def model_memory_measure_run(*, model_id: int) -> bool:
+    """Measure the model's memory now (a child process loads it with its
+    context and slots) and record it where the engines read it (False: no
+    such model). Running it again measures again."""
+    from .measurement import measure_memory
+
+    model = ModelConfig.objects.filter(pk=model_id).first()
+    if model is None:
+        return False
+    _job_write(
+        model_id,
+        memory_job=JobState.RUNNING,
+        memory_job_progress="loading it with its context and slots",
+    )
+    result = measure_memory(model)
+    report = {**result.model_dump(), "at": timezone.now().isoformat()}
+    if result.problem:
+        _job_write(
+            model_id,
+            memory_job=JobState.FAILED,
+            memory_job_progress=result.problem,
+            memory_report=report,
+        )
+        return True
+    model_memory_record(
+        name=model.name,
+        memory_mib=result.host_mib,
+        device_memory_mib=result.device_mib or 0.0,
+    )
+    _job_write(
+        model_id, memory_job=JobState.DONE, memory_job_progress="", memory_report=report
+    )
+    return True
+
+
+def model_requantize_queue(*, model: ModelConfig, quantization: str) -> ModelConfig:
+    """The model's variant in `quantization`, marked queued, its job queued.
+    The variant made by an earlier request is reused (and refreshed by the
+    job); a new one starts disabled, until its file exists. ValueError: not a
+    GGUF model or not a known quantization; ValidationError: the variant's
+    name is taken by another model."""
+    from .requantize import variant_name, variant_path
+    from .tasks import requantize_model
+
+    if model.format != ModelFormat.GGUF:
+        raise ValueError(f"{model.name} is not a GGUF model")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}")
+    with transaction.atomic():
+        variant = model.variants.filter(quantized_to=quantization).first()
+        if variant is None:
+            name = variant_name(model.name, quantization)
+            variant = ModelConfig(
+                name=name,
+                format=model.format,
+                path=variant_path(name),
+                enabled=False,
+                derived_from=model,
+                quantized_to=quantization,
+                **{field: getattr(model, field) for field in VARIANT_COPIED_FIELDS},
+            )
+            variant.full_clean()
+            variant.save()
+        _job_write(
+            variant.pk, requantize_job=JobState.QUEUED, requantize_job_progress="queued"
+        )
+        _queue_on_commit(
+            requantize_model, variant.pk, job="requantize_job", what="requantization"
+        )
+    return variant
+
+
+def model_requantize_run(*, variant_id: int) -> bool:
+    """Write the variant's file from its original and compare the two here
+    (False: no such variant). Running it again rewrites the file and the
+    comparison. The first success enables the variant: then it is the
+    operator's to disable."""
+    from .requantize import requantize
+
+    variant = ModelConfig.objects.filter(pk=variant_id).first()
+    if variant is None:
+        return False
+    original = variant.derived_from
+    if original is None or not variant.quantized_to:
+        _job_write(
+            variant_id,
+            requantize_job=JobState.FAILED,
+            requantize_job_progress="not a variant of a model in the catalog",
+        )
+        return True
+    first = not variant.comparison
+    _job_write(variant_id, requantize_job=JobState.RUNNING)
+
+    def progress(text: str) -> None:
+        _job_write(variant_id, requantize_job_progress=text)
+
+    comparison, problem = requantize(
+        source=original.resolved_path,
+        target=variant.resolved_path,
+        quantization=variant.quantized_to,
+        progress=progress,
+    )
+    if problem:
+        _job_write(
+            variant_id, requantize_job=JobState.FAILED, requantize_job_progress=problem
+        )
+        return True
+    model_inspection_run(model_id=variant_id)  # its file is new: what it says
+    fields = {
+        "comparison": {**comparison, "measured_at": timezone.now().isoformat()},
+        "requantize_job": JobState.DONE,
+        "requantize_job_progress": "",
+    }
+    if first:
+        fields["enabled"] = True
+    _job_write(variant_id, **fields)
+    return True

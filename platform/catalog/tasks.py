@@ -1,5 +1,5 @@
 """Celery tasks of the catalog: thin, by id, idempotent; queued after the
-transaction that asks for them commits (services.model_inspection_queue)."""
+transaction that asks for them commits (services.model_*_queue)."""
 
 from celery import shared_task
 
@@ -10,3 +10,15 @@ from . import services
 def inspect_model(model_id: int) -> None:
     """Read what the model's files say and store it on the model."""
     services.model_inspection_run(model_id=model_id)
+
+
+@shared_task(name="catalog.measure_model")
+def measure_model(model_id: int) -> None:
+    """Load the model in a child process and record the memory it took."""
+    services.model_memory_measure_run(model_id=model_id)
+
+
+@shared_task(name="catalog.requantize_model")
+def requantize_model(variant_id: int) -> None:
+    """Write a requantized variant's file and compare it with its original."""
+    services.model_requantize_run(variant_id=variant_id)

@@ -3,50 +3,15 @@ settings choose (kombu's filesystem transport in the run dir by default,
 Redis when REDIS_URL is set), against the test database: a model added in the
 admin is inspected once the add commits, and again when its path changes."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-from django.conf import settings
 from django.urls import reverse
 
 from catalog.models import ModelConfig
 from tests.platform.catalog.test_admin import model_post
-from tests.platform.live import database_url, wait_for
+from tests.platform.live import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture
-def worker(transactional_db, tmp_path):
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url(),
-        # The same run dir: the filesystem broker's queue is a folder in it.
-        "ROUNDHOUSE_RUN_DIR": str(settings.RUN_DIR),
-        "ROUNDHOUSE_MODELS_DIR": str(settings.MODELS_DIR),
-        "SECRET_KEY": "worker-tests-not-secret",
-        "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
-    }
-    log = tmp_path / "worker.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "roundhouse", "worker"]
-            + ["--pool", "solo", "--loglevel", "INFO"],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    yield process, log
-    process.terminate()
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(10)
 
 
 def inspected(name: str, after=None):
