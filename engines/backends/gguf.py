@@ -304,8 +304,8 @@ class LlamaBackend(SlotBackend):
         token."""
         self.settle_awaiting()
         # Slots waiting for a prefix another slot is reading read nothing yet;
-        # batch requests sit out while an interactive prompt is read.
-        active = self.stepping()
+        # batch requests yield to interactive ones (SlotBackend.stepping).
+        active, caps = self.stepping()
         going = [s for s in active if s.next_token is not None]
         for group in self.groups:
             group.batch.n_tokens = 0
@@ -316,7 +316,11 @@ class LlamaBackend(SlotBackend):
         room = []
         for number in range(self.kv_groups):
             mine = [s for s in going if self.group_of(s) == number]
-            wanted = sum(len(s.todo) for s in active if self.group_of(s) == number)
+            wanted = sum(
+                min(len(s.todo), caps.get(s.index, BATCH_TOKENS))
+                for s in active
+                if self.group_of(s) == number
+            )
             room.append(self.pass_room(mine, min(wanted, budget), number))
         for slot in going:
             if slot.request is None:  # failed for lack of room
@@ -332,7 +336,12 @@ class LlamaBackend(SlotBackend):
         for slot in sorted(self.slots, key=lambda s: s.used_at):
             number = self.group_of(slot)
             group = self.groups[number]
-            take = min(BATCH_TOKENS - group.batch.n_tokens, room[number], budget)
+            take = min(
+                BATCH_TOKENS - group.batch.n_tokens,
+                room[number],
+                budget,
+                caps.get(slot.index, BATCH_TOKENS),
+            )
             if slot not in active or slot.request is None or not slot.todo:
                 continue  # no request, waiting for a prefix, or prompt read
             if take <= 0:

@@ -127,8 +127,8 @@ class TransformersBackend(SlotBackend):
     def step(self) -> None:
         """Prefill one chunk of one waiting prompt, then one batched decode step
         over every slot that has a token to feed."""
-        # Batch requests sit out while an interactive prompt is read.
-        active = self.stepping()
+        # Batch requests yield to interactive ones (SlotBackend.stepping).
+        active, caps = self.stepping()
         running = [s for s in active if s.next_token is not None]
         # The oldest admitted prompt first (FIFO), interactive ones before batch.
         prefilling = min(
@@ -136,7 +136,10 @@ class TransformersBackend(SlotBackend):
             key=lambda s: (s.request.background, s.used_at),
             default=None,
         )
-        wanted = min(len(prefilling.todo), PREFILL_CHUNK) if prefilling else 0
+        wanted = 0
+        if prefilling is not None:
+            cap = caps.get(prefilling.index, PREFILL_CHUNK)
+            wanted = min(len(prefilling.todo), PREFILL_CHUNK, cap)
         # The KV pool's room: the running slots' tokens, then a prompt chunk.
         room = self.pass_room(running, wanted)
         if prefilling is not None and prefilling.request is not None and room:

@@ -115,11 +115,12 @@ def test_priority_is_checked(engine):
 YIELD = """
 import json
 import engines.backends.gguf as gguf
+import engines.slots as slots
 from engines.generation import GenerationRequest
 from engines.textgen import SamplingParams
 
 gguf.BATCH_TOKENS = 64  # a long prompt then takes several passes
-backend = gguf.LlamaBackend(MODEL, n_slots=4, context_length=512, n_threads=2)
+backend = gguf.LlamaBackend(MODEL, n_slots=6, context_length=512, n_threads=2)
 
 
 def admit(prompt, background):
@@ -144,14 +145,36 @@ during = batch.generated - before
 for _ in range(3):
     backend.step()
 after = batch.generated - before - during
-print(json.dumps({"before": before, "steps": steps, "during": during, "after": after}))
+
+# Beside a decoding interactive request, batch slots share
+# BATCH_TOKENS_BESIDE_LIVE tokens a pass, in turns; without one about, all go.
+slots.BATCH_TOKENS_BESIDE_LIVE = 2
+others = [admit(f"Chapter {n} begins", True) for n in range(3)]
+while any(s.todo for s in [live, *others]):
+    backend.step()
+batch_slots = [batch, *others]
+counts = [s.generated for s in batch_slots]
+for _ in range(4):
+    backend.step()
+beside = [s.generated - c for s, c in zip(batch_slots, counts)]
+backend.cancel(live.request.id)
+slots.INTERACTIVE_WINDOW_S = 0
+counts = [s.generated for s in batch_slots]
+backend.step()
+alone = [s.generated - c for s, c in zip(batch_slots, counts)]
+print(json.dumps({
+    "before": before, "steps": steps, "during": during, "after": after,
+    "beside": beside, "alone": alone,
+}))
 """
 
 
-def test_batch_slots_sit_out_while_an_interactive_prompt_is_read(models_dir):
+def test_batch_slots_yield_to_interactive_ones_in_each_pass(models_dir):
     """While the interactive prompt is read (over several passes: its chunk
     is capped by the pass), the batch request makes no token; it goes on
-    after. Control: it made tokens before, and makes them again after."""
+    after (control: it made tokens before). Beside a decoding interactive
+    request, the batch requests share a small budget of tokens a pass, in
+    turns; with none about, every batch request takes part in every pass."""
     model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
     result = run_python(f"MODEL = {str(model)!r}\n{YIELD}", timeout=300)
     assert result.returncode == 0, result.stderr
@@ -160,3 +183,7 @@ def test_batch_slots_sit_out_while_an_interactive_prompt_is_read(models_dir):
     assert report["steps"] >= 2, report  # the prompt took several passes
     assert report["during"] == 0, report
     assert report["after"] == 3, report
+    # Two batch tokens a pass beside the live request: four passes give each
+    # of the four batch requests two tokens; alone, each gets one a pass.
+    assert report["beside"] == [2, 2, 2, 2], report
+    assert report["alone"] == [1, 1, 1, 1], report
