@@ -19,7 +19,7 @@ from api.schemas import Strict, parse
 from api.selectors import in_db_thread
 
 from . import selectors, services
-from .models import StoredFile
+from .models import Batch, StoredFile
 
 log = logging.getLogger("roundhouse.batches")
 
@@ -217,14 +217,19 @@ async def batches(request: HttpRequest) -> HttpResponse:
     return await _api(request, {"POST": _create_batch, "GET": _list_batches})
 
 
+async def _batch(key: ApiKey, batch_id: str) -> Batch:
+    found = await in_db_thread(selectors.batch_get)(key=key, batch_id=batch_id)
+    if found is None:
+        raise _batch_not_found(batch_id)
+    return found
+
+
 @csrf_exempt
 async def batch(request: HttpRequest, batch_id: str) -> HttpResponse:
     """GET /v1/batches/{batch_id}."""
 
     async def get(request, key):
-        found = await in_db_thread(selectors.batch_get)(key=key, batch_id=batch_id)
-        if found is None:
-            raise _batch_not_found(batch_id)
+        found = await _batch(key, batch_id)
         return JsonResponse(selectors.batch_as_openai(found))
 
     return await _api(request, {"GET": get})
@@ -235,9 +240,7 @@ async def batch_cancel(request: HttpRequest, batch_id: str) -> HttpResponse:
     """POST /v1/batches/{batch_id}/cancel."""
 
     async def post(request, key):
-        found = await in_db_thread(selectors.batch_get)(key=key, batch_id=batch_id)
-        if found is None:
-            raise _batch_not_found(batch_id)
+        found = await _batch(key, batch_id)
         cancelled = await in_db_thread(services.batch_cancel)(batch=found)
         return JsonResponse(selectors.batch_as_openai(cancelled))
 

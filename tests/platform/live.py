@@ -4,6 +4,7 @@ front) against the test database."""
 import contextlib
 import socket
 import time
+import urllib.request
 
 from django.db import connection
 
@@ -37,6 +38,17 @@ def free_port_block(size: int = 4) -> int:
             continue
         return base
     raise RuntimeError("no free port block")
+
+
+def front_answers(port: int) -> bool:
+    """Whether a front on this port answers /healthz with 200."""
+    try:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/healthz", timeout=5
+        ) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 def wait_for(predicate, *, timeout: float = 120, what: str = "condition"):

@@ -27,7 +27,7 @@ from batches.models import BatchLine
 from tests.conftest import ROOT
 from tests.platform import live_platform
 from tests.platform.batches.jobs import chat_line, jsonl, records, wait_batch
-from tests.platform.live import free_port_block, wait_for
+from tests.platform.live import free_port_block, front_answers, wait_for
 from tests.platform.live_platform import CHAT, ENGINE
 
 database = live_platform.database
@@ -136,16 +136,7 @@ def start_front(live, name: str) -> int:
             )
         )
 
-    def answering():
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{port}/healthz", timeout=5
-            ) as reply:
-                return reply.status == 200
-        except OSError:
-            return False
-
-    wait_for(answering, timeout=60, what=f"the front {name}")
+    wait_for(lambda: front_answers(port), timeout=60, what=f"the front {name}")
     return port
 
 

@@ -17,7 +17,13 @@ from api.models import ApiKey, Usage
 from tests.conftest import ROOT
 from tests.factories import ApiKeyFactory
 from tests.platform.api.test_usage import usage_table_locked
-from tests.platform.live import database_url, free_port_block, live_database, wait_for
+from tests.platform.live import (
+    database_url,
+    free_port_block,
+    front_answers,
+    live_database,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +44,6 @@ def post(port: int, key: str) -> int:
             return reply.status
     except urllib.error.HTTPError as error:
         return error.code
-
-
-def answers(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/healthz", timeout=5
-        ) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
 
 
 def test_a_front_stopped_with_sigterm_writes_its_queued_usage(
@@ -81,7 +77,7 @@ def test_a_front_stopped_with_sigterm_writes_its_queued_usage(
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(lambda: answers(port), timeout=120, what="the front")
+        wait_for(lambda: front_answers(port), timeout=120, what="the front")
         with django_db_blocker.unblock():
             with usage_table_locked():
                 assert [post(port, key.plaintext) for _ in range(5)] == [404] * 5
