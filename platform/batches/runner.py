@@ -107,7 +107,7 @@ def run_batch(batch_id: str) -> None:
             log.warning("batch %s: another worker took it over", batch_id)
             return
         finally:
-            db.connections.close_all()  # the loop's threads opened their own
+            db.connections.close_all()  # this task thread's (the pool reuses it)
     elif batch.status == BatchStatus.CANCELLING:
         final = BatchStatus.CANCELLED
     services.batch_finalize(batch_id=batch_id, owner=owner, final=final)
