@@ -18,6 +18,7 @@ from .services import (
     model_inspection_queue,
     model_memory_measure_queue,
     model_requantize_queue,
+    model_variant_files_remove,
 )
 
 # Files that decide what an inspection finds: a change queues a new one.
@@ -107,6 +108,16 @@ class ModelConfigAdmin(admin.ModelAdmin):
             *VARIANT_FIELDS,
             "variants_compared",
         ]
+
+    def delete_model(self, request, obj: ModelConfig) -> None:
+        """A requantized variant goes with the file its job wrote."""
+        super().delete_model(request, obj)
+        model_variant_files_remove(models=[obj])
+
+    def delete_queryset(self, request, queryset) -> None:
+        models = list(queryset)
+        super().delete_queryset(request, queryset)
+        model_variant_files_remove(models=models)
 
     def get_fieldsets(self, request, obj=None):
         """Variant rows only on a variant's page, its variants only on an

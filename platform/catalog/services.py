@@ -1,7 +1,10 @@
 """Writes of catalog data."""
 
 import logging
+from collections.abc import Iterable
+from pathlib import Path
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -201,6 +204,32 @@ def model_requantize_queue(*, model: ModelConfig, quantization: str) -> ModelCon
             requantize_model, variant.pk, job="requantize_job", what="requantization"
         )
     return variant
+
+
+def model_variant_files_remove(*, models: Iterable[ModelConfig]) -> list[Path]:
+    """Remove the files the requantize job wrote for these deleted variants
+    (only in the models directory's requantized/ folder, which the job owns;
+    one another model still points at stays); the files removed."""
+    from .requantize import VARIANTS_DIR
+
+    folder = (Path(settings.MODELS_DIR) / VARIANTS_DIR).resolve()
+    removed = []
+    for model in models:
+        if model.derived_from_id is None and not model.quantized_to:
+            continue
+        path = model.resolved_path.resolve()
+        shared = ModelConfig.objects.filter(path=model.path).exists()
+        if path.parent != folder or shared:
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            log.warning("could not remove %s's file %s: %s", model.name, path, error)
+            continue
+        removed.append(path)
+    return removed
 
 
 def model_requantize_run(*, variant_id: int) -> bool:

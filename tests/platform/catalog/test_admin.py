@@ -96,3 +96,48 @@ def test_sampling_is_validated(admin_client):
     body = response.content.decode()
     assert "unknown parameter &#x27;temprature&#x27;" in body
     assert "top_k must be a whole number" in body
+
+
+def test_deleting_a_variant_removes_the_file_its_job_wrote(
+    admin_client, settings, tmp_path
+):
+    """A requantized variant's file goes with it, from the list's delete
+    action and from its own page; an ordinary model's file stays (control),
+    and so does a variant file another model still points at."""
+    settings.MODELS_DIR = tmp_path
+    (tmp_path / "requantized").mkdir()
+    original = ModelConfig.objects.create(
+        name="orig", format="gguf", task="chat", path="orig.gguf"
+    )
+    files = {}
+    for name in ("orig", "v-q4_0", "v-q8_0", "v-q5_0"):
+        files[name] = tmp_path / (
+            "orig.gguf" if name == "orig" else f"requantized/{name}.gguf"
+        )
+        files[name].write_bytes(b"GGUF")
+    variants = {
+        name: ModelConfig.objects.create(
+            name=name,
+            format="gguf",
+            task="chat",
+            path=f"requantized/{name}.gguf",
+            derived_from=original,
+            quantized_to=name.split("-")[1].upper(),
+        )
+        for name in ("v-q4_0", "v-q8_0", "v-q5_0")
+    }
+    ModelConfig.objects.create(
+        name="same-file", format="gguf", task="chat", path="requantized/v-q5_0.gguf"
+    )
+    changelist = reverse("admin:catalog_modelconfig_changelist")
+    chosen = [variants["v-q4_0"].pk, original.pk, variants["v-q5_0"].pk]
+    admin_client.post(
+        changelist,
+        {"action": "delete_selected", "_selected_action": chosen, "post": "yes"},
+    )
+    page = reverse("admin:catalog_modelconfig_delete", args=[variants["v-q8_0"].pk])
+    admin_client.post(page, {"post": "yes"})
+    assert not ModelConfig.objects.filter(name__startswith="v-").exists()
+    assert not files["v-q4_0"].exists() and not files["v-q8_0"].exists()
+    assert files["orig"].exists()  # not a variant: the operator's file
+    assert files["v-q5_0"].exists()  # "same-file" still serves it
