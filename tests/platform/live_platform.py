@@ -41,6 +41,19 @@ UNSERVED = "tiny-transformer"  # configured, but no engine serves transformers
 ENGINE = "api0"
 
 
+def usage_rows(**filters) -> list[Usage]:
+    return list(Usage.objects.filter(**filters).order_by("pk"))
+
+
+def wait_for_usage(**filters) -> Usage:
+    """The newest usage row matching, once the front has written it."""
+    return wait_for(
+        lambda: Usage.objects.filter(**filters).order_by("-pk").first(),
+        timeout=30,
+        what=f"a usage row {filters}",
+    )
+
+
 @dataclass
 class Live:
     run_dir: Path
