@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
     "MalformedLine",
+    "custom_id_of",
     "RequestLine",
     "error_record",
     "failure_record",
@@ -50,8 +51,7 @@ def read_line(raw: bytes, *, endpoint: str, max_bytes: int) -> RequestLine:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise MalformedLine("", f"The line is not valid JSON: {error}.") from None
-    custom_id = data.get("custom_id") if isinstance(data, dict) else None
-    custom_id = custom_id if isinstance(custom_id, str) else ""
+    custom_id = _custom_id_in(data)
     try:
         line = RequestLine.model_validate(data)
     except ValidationError as error:
@@ -64,6 +64,20 @@ def read_line(raw: bytes, *, endpoint: str, max_bytes: int) -> RequestLine:
             f"The line's url is {line.url}; this batch's endpoint is {endpoint}.",
         )
     return line
+
+
+def custom_id_of(raw: bytes) -> str:
+    """A line's custom_id where it has one ("" otherwise), whatever else is
+    wrong with it."""
+    try:
+        return _custom_id_in(json.loads(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return ""
+
+
+def _custom_id_in(data: object) -> str:
+    custom_id = data.get("custom_id") if isinstance(data, dict) else None
+    return custom_id if isinstance(custom_id, str) else ""
 
 
 def _record_id() -> str:

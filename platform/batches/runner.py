@@ -12,6 +12,7 @@ the error file as the API would have answered them."""
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,14 @@ from api.schemas import (
 from api.selectors import in_db_thread
 
 from . import services
-from .lines import MalformedLine, error_record, failure_record, output_record, read_line
+from .lines import (
+    MalformedLine,
+    custom_id_of,
+    error_record,
+    failure_record,
+    output_record,
+    read_line,
+)
 from .models import Batch, BatchEndpoint, BatchLine, BatchStatus
 
 log = logging.getLogger("roundhouse.batches")
@@ -125,6 +133,9 @@ class BatchRun:
     answered: list[Answer] = field(default_factory=list)
     stopping: str = ""  # the final status once a cancel or the expiry stops it
     lost: bool = False  # another worker took the batch over
+    # Set when RECORD_MAX answers wait: they are recorded without waiting
+    # for the next RECORD_EVERY_S.
+    many: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def answer(self) -> str:
         """Answer every line, ROUNDHOUSE_BATCH_CONCURRENCY at once; the
@@ -159,14 +170,17 @@ class BatchRun:
             # Appended once answered: `self.answered` is swapped for a new list
             # each time answers are recorded.
             self.answered.append(answer)
+            if len(self.answered) >= RECORD_MAX:
+                self.many.set()
 
     async def _record_until(self, workers: list[asyncio.Task]) -> None:
         """Record answers every RECORD_EVERY_S (or RECORD_MAX answers); stop
         the workers on a cancel, the expiry, or a lost lease."""
         while True:
-            deadline = time.monotonic() + RECORD_EVERY_S
-            while time.monotonic() < deadline and len(self.answered) < RECORD_MAX:
-                await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RECORD_EVERY_S):
+                    await self.many.wait()
+            self.many.clear()
             try:
                 status = await self._record()
             except services.LeaseLost:
@@ -189,8 +203,6 @@ class BatchRun:
             return await in_db_thread(services.batch_record)(
                 batch_id=self.batch.id, owner=self.owner, answers=answers
             )
-        except services.LeaseLost:
-            raise
         except db.Error:
             self.answered[:0] = answers  # kept for the next try
             log.exception("batch %s: recording answers failed", self.batch.id)
@@ -198,7 +210,7 @@ class BatchRun:
 
     async def _record_expired(self, left: collections.deque) -> None:
         for index, raw in left:
-            custom_id = _custom_id(raw)
+            custom_id = custom_id_of(raw)
             self.answered.append(
                 (
                     index,
@@ -271,10 +283,3 @@ class BatchRun:
             call, payload, route, snapshot, chat=chat, priority="batch"
         )
         return body
-
-
-def _custom_id(raw: bytes) -> str:
-    try:
-        return read_line(raw, endpoint="", max_bytes=len(raw)).custom_id
-    except MalformedLine as bad:
-        return bad.custom_id

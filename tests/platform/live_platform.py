@@ -31,6 +31,7 @@ from tests.factories import ApiKeyFactory
 from tests.platform.live import (
     database_url,
     free_port_block,
+    front_answers,
     live_database,
     wait_for,
 )
@@ -77,22 +78,35 @@ class Live:
             timeout=120,
         )
 
-    def start_worker(self, name: str = "worker") -> subprocess.Popen:
-        """A Celery worker as the Procfile starts one, on this platform's
-        broker, database and run dir (its log: <run dir>/../<name>.log);
-        stopped with the platform unless the test stops it first."""
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """A process of this platform (its environment, its log:
+        <run dir>/../<name>.log), stopped with it unless the test stops it
+        first."""
         with open(self.run_dir.parent / f"{name}.log", "ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "roundhouse", "worker"]
-                + ["--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"]
-                + ["--hostname", f"{name}@%h"],
-                cwd=ROOT,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
         self.processes.append(process)
         return process
+
+    def start_worker(self, name: str = "worker") -> subprocess.Popen:
+        """A Celery worker as the Procfile starts one, on this platform's
+        broker, database and run dir."""
+        return self.spawn(
+            name,
+            [sys.executable, "-m", "celery", "-A", "roundhouse", "worker"]
+            + ["--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"]
+            + ["--hostname", f"{name}@%h"],
+        )
+
+    def start_front(self, name: str) -> int:
+        """Another front process serving this platform; its port, once it
+        answers."""
+        port = free_port_block(1)
+        front = [sys.executable, "-m", "roundhouse.serve", "--port", str(port)]
+        self.spawn(name, front)
+        wait_for(lambda: front_answers(port), timeout=60, what=f"the front {name}")
+        return port
 
     def engine(self) -> EngineClient:
         return EngineClient.for_engine(self.run_dir, ENGINE)

@@ -11,8 +11,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -24,10 +22,8 @@ from django.contrib.auth import get_user_model
 from websockets.sync.client import connect
 
 from batches.models import BatchLine
-from tests.conftest import ROOT
 from tests.platform import live_platform
 from tests.platform.batches.jobs import chat_line, jsonl, records, wait_batch
-from tests.platform.live import free_port_block, front_answers, wait_for
 from tests.platform.live_platform import CHAT, ENGINE
 
 database = live_platform.database
@@ -123,23 +119,6 @@ def test_a_worker_killed_mid_batch_is_replaced_and_every_line_is_answered_once(
 # -- two fronts -----------------------------------------------------------------
 
 
-def start_front(live, name: str) -> int:
-    port = free_port_block(1)
-    with open(live.run_dir.parent / f"{name}.log", "ab") as log:
-        live.processes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "roundhouse.serve", "--port", str(port)],
-                cwd=ROOT,
-                env=live.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-
-    wait_for(lambda: front_answers(port), timeout=60, what=f"the front {name}")
-    return port
-
-
 def log_in(port: int, username: str, password: str) -> http.cookiejar.CookieJar:
     """Log in through the login form, as a browser does; the cookies."""
     jar = http.cookiejar.CookieJar()
@@ -158,7 +137,7 @@ def test_a_group_message_from_one_front_reaches_a_socket_of_another(live, orm):
     its notice (a group message A sends) arrives on B's socket."""
     username, password = f"ops-{os.urandom(3).hex()}", os.urandom(12).hex()
     get_user_model().objects.create_user(username, password=password, is_staff=True)
-    port_a, port_b = live.port, start_front(live, "front-b")
+    port_a, port_b = live.port, live.start_front("front-b")
     jar = log_in(port_a, username, password)  # one session, both fronts
     cookies = "; ".join(f"{c.name}={c.value}" for c in jar)
     with connect(

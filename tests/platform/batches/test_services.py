@@ -11,7 +11,7 @@ import pytest
 from django.utils import timezone
 
 from batches import services
-from batches.lines import MalformedLine, read_line
+from batches.lines import MalformedLine, custom_id_of, read_line
 from batches.models import Batch, BatchLine
 from tests.factories import ApiKeyFactory
 
@@ -137,3 +137,10 @@ def test_a_good_line_is_read():
         max_bytes=1024,
     )
     assert (line.custom_id, line.body["prompt"]) == ("q", "hi")
+
+
+def test_a_lines_custom_id_is_found_whatever_else_is_wrong():
+    """What an expired line's error record is filed under."""
+    assert custom_id_of(b'{"custom_id": "a", "method": "GET"}') == "a"
+    assert custom_id_of(b'{"custom_id": 7}') == ""
+    assert custom_id_of(b"{not json") == ""
