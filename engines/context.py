@@ -37,7 +37,16 @@ def fit_prompt(
 ) -> Prompt:
     """The request's prompt tokens, fitted to the backend's context."""
     context = backend.ctx_per_slot
-    tokens = backend.tokenize(backend.render_prompt(message))
+    if message.get("prompt_tokens") is not None:
+        tokens = list(message["prompt_tokens"])
+        vocabulary = backend.vocabulary_size()
+        if any(token >= vocabulary for token in tokens):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"prompt_tokens: this model's token ids are below {vocabulary}",
+            )
+    else:
+        tokens = backend.tokenize(backend.render_prompt(message))
     # At least one token of answer must fit after the prompt.
     if len(tokens) < context - 1 and (
         policy != DROP_OLDEST or len(tokens) + _room(params, context) <= context

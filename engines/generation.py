@@ -38,6 +38,10 @@ class GenerationRequest:
     finished: bool = False
     # A batch line (priority "batch"): it yields to interactive requests.
     background: bool = False
+    # The grammar the answer is held to (an llguidance matcher,
+    # engines/constraint.py), and whether tool calls are read out of it.
+    matcher: Any = None
+    tool_calls: bool = False
 
     def finish(self, event: dict[str, Any]) -> None:
         """Deliver the final event once (later calls are ignored)."""

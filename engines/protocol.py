@@ -397,27 +397,18 @@ def _require(message: dict, key: str, kind: type | tuple, *, optional: bool = Fa
 
 
 def validate_request(message: dict[str, Any]) -> str:
-    """Check a request's shape after authentication; returns its kind."""
+    """Check a request's shape after authentication; returns its kind (a
+    generate request's fields are checked by engines.generate_request)."""
     kind = _require(message, "kind", str)
     if kind not in KINDS:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown kind {kind!r}")
     if kind in ("load", "unload", "embed", "generate", "generate_stream"):
         _require(message, "model", str)
     if kind in ("generate", "generate_stream"):
-        if ("prompt" in message) == ("messages" in message):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "send exactly one of `prompt` and `messages`"
-            )
+        # The rest of a generate request's shape: engines.generate_request.
         prompt = _require(message, "prompt", str, optional=True)
         if prompt is not None:
             check_text(prompt, "prompt")
-        _require(message, "messages", list, optional=True)
-        _require(message, "request_id", str, optional=True)
-        priority = _require(message, "priority", str, optional=True)
-        if priority not in (None, *PRIORITIES):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"priority is one of {', '.join(PRIORITIES)}"
-            )
     if kind == "cancel":
         _require(message, "request_id", str)
     if kind == "embed":

@@ -22,6 +22,7 @@ from .config import (
     ModelSpec,
 )
 from .devices import DeviceMemory, default_memory_probes
+from .generate_request import check_generate
 from .generation import GenerationRunner
 from .protocol import (
     MAX_FRAME_BYTES,
@@ -194,11 +195,13 @@ class EngineServer:
                 self._authenticate(message)
                 kind = validate_request(message)
                 if kind in ("generate", "generate_stream"):
+                    typed = check_generate(message)
                     received = time.perf_counter()
                     async with self.residency.using(message["model"]) as model:
                         await serve_generation(
                             model,
                             message,
+                            typed,
                             reader,
                             writer,
                             received=received,

@@ -23,14 +23,24 @@ import abc
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .constraint import Grammars
+from .generate_request import Function
 from .generation import GenerationBackend, GenerationRequest, describe_error
 from .protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
 from .textgen import TextStream, render_chat, validate_messages
+from .toolcalls import (
+    ToolCallStream,
+    template_knows_tools,
+    template_messages,
+    tool_schema,
+    tools_instructions,
+)
 
 log = logging.getLogger("roundhouse.engine.generation")
 
@@ -81,6 +91,10 @@ class Slot:
     # The last pass it took part in (batch slots beside interactive ones take
     # turns: the one left out longest goes first).
     stepped: int = 0
+    # The request's grammar (its matcher) and the tool calls read from its
+    # answer, when it has them.
+    matcher: Any = None
+    calls: ToolCallStream | None = None
 
 
 class SlotBackend(GenerationBackend):
@@ -169,11 +183,26 @@ class SlotBackend(GenerationBackend):
                     "set a chat template for it in the admin",
                 )
             messages = validate_messages(message["messages"])
+            knows_tools = template_knows_tools(self.chat_template)
+            messages = template_messages(messages, knows_tools=knows_tools)
+            tools = _functions(message)
+            offered = [tool_schema(tool) for tool in tools]
+            if offered and not knows_tools:
+                text = tools_instructions(
+                    tools, parallel=message.get("parallel_tool_calls", True)
+                )
+                if messages[0]["role"] == "system":
+                    first = messages[0]["content"]
+                    messages[0] = {"role": "system", "content": f"{first}\n\n{text}"}
+                else:
+                    messages.insert(0, {"role": "system", "content": text})
+                offered = []
             return render_chat(
                 self.chat_template,
                 messages,
                 bos_token=self.bos_text,
                 eos_token=self.eos_text,
+                tools=offered or None,
             )
         prompt = message.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -206,6 +235,67 @@ class SlotBackend(GenerationBackend):
     @abc.abstractmethod
     def _text_of(self, slot: Slot, token: int) -> str:
         """The new text this token adds to the slot's output."""
+
+    @abc.abstractmethod
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes as the model writes it (a special token: its name);
+        what log-probabilities report for it."""
+
+    @abc.abstractmethod
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of these tokens (special ones left out)."""
+
+    @abc.abstractmethod
+    def vocabulary_size(self) -> int:
+        """The token ids this model knows: 0 up to this."""
+
+    @abc.abstractmethod
+    def _make_grammar_tokenizer(self) -> Any:
+        """The model's vocabulary as llguidance reads it (engines/constraint.py)."""
+
+    # -- constraints -------------------------------------------------------------------
+
+    _grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The model's grammar machinery (made on first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self._make_grammar_tokenizer,
+                n_slots=self.n_slots,
+                n_vocab=self.vocabulary_size(),
+            )
+        return self._grammars
+
+    def start_masks(self, sampling: list[Slot]) -> Future | None:
+        """Start computing the allowed tokens of the constrained slots among
+        those that sample after this pass (run while the pass runs)."""
+        rows = [(s.matcher, s.index) for s in sampling if s.matcher is not None]
+        return self.grammars.start_masks(rows) if rows else None
+
+    def logprob_entry(self, logprobs: np.ndarray, token: int, top: int) -> dict:
+        """The chosen token's log-probability (of the raw logits, before any
+        sampling transform or grammar) and the `top` likeliest tokens', in
+        OpenAI's shape: token text, its UTF-8 bytes, log-probability.
+        `logprobs`: a 1-D array of log-softmaxed logits."""
+        entry = self._token_entry(token, float(logprobs[token]))
+        entry["top_logprobs"] = []
+        if top:
+            best = np.argpartition(-logprobs, top)[:top]
+            best = best[np.argsort(-logprobs[best], kind="stable")]
+            entry["top_logprobs"] = [
+                self._token_entry(int(t), float(logprobs[t])) for t in best
+            ]
+        return entry
+
+    def _token_entry(self, token: int, logprob: float) -> dict:
+        data = self.token_bytes(token)
+        return {
+            "token": data.decode("utf-8", "replace"),
+            "logprob": max(logprob, -9999.0),
+            "bytes": list(data),
+        }
 
     # -- shared ------------------------------------------------------------------------
 
@@ -263,6 +353,8 @@ class SlotBackend(GenerationBackend):
         slot.next_token = None
         slot.unsent_logprobs = []
         slot.stream = TextStream(stop=request.params.stop)
+        slot.matcher = request.matcher
+        slot.calls = ToolCallStream() if request.tool_calls else None
         try:
             self._open(slot)
         except BaseException:
@@ -426,9 +518,15 @@ class SlotBackend(GenerationBackend):
                 self.fail(slot, f"sampling failed: {describe_error(error)}")
 
     def accept(self, slot: Slot, token: int, logprob: dict | None = None) -> None:
-        """Take a sampled token: end the request, or queue it for the next step."""
+        """Take a sampled token: end the request, or queue it for the next step.
+        A grammar's matcher takes it first; an answer its grammar completes
+        ends there (nothing else could follow)."""
         params = slot.request.params
-        if not params.ignore_eos and self._is_end(token):
+        matcher = slot.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            self.fail(slot, f"the answer left its grammar: {matcher.get_error()}")
+            return
+        if (not params.ignore_eos or matcher is not None) and self._is_end(token):
             self.finish(slot, "stop")
             return
         slot.generated += 1
@@ -438,7 +536,7 @@ class SlotBackend(GenerationBackend):
         text = slot.stream.feed_text(self._text_of(slot, token))
         if text:
             self._emit_text(slot, text)
-        if slot.stream.stopped:
+        if slot.stream.stopped or (matcher is not None and matcher.is_stopped()):
             self.finish(slot, "stop")
         elif (
             slot.generated >= params.max_tokens or slot.n_past + 1 >= self.ctx_per_slot
@@ -447,9 +545,20 @@ class SlotBackend(GenerationBackend):
         else:
             slot.next_token = token
 
-    def _emit_text(self, slot: Slot, text: str) -> None:
-        """Send a text chunk with the count (and log-probs) of its tokens."""
+    def _emit_text(self, slot: Slot, text: str, *, last: bool = False) -> None:
+        """Send a text chunk with the count (and log-probs) of its tokens, and
+        the tool-call deltas read from it."""
+        calls: list[dict] = []
+        if slot.calls is not None:
+            text, calls = slot.calls.feed(text)
+            if last:
+                tail, more = slot.calls.finish()
+                text, calls = text + tail, calls + more
+        if not (text or calls or slot.unsent_tokens):
+            return
         event = {"event": "token", "text": text, "tokens": slot.unsent_tokens}
+        if calls:
+            event["tool_calls"] = calls
         if slot.unsent_logprobs:
             event["logprobs"] = slot.unsent_logprobs
         slot.request.emit(event)
@@ -457,22 +566,27 @@ class SlotBackend(GenerationBackend):
         slot.unsent_logprobs = []
 
     def finish(self, slot: Slot, reason: str) -> None:
-        """End the slot's request with a finish reason and free the slot."""
+        """End the slot's request with a finish reason and free the slot; an
+        answer that called tools ends with `tool_calls`."""
         request = slot.request
-        tail = "" if reason == "cancelled" else slot.stream.finish()
-        if tail or slot.unsent_tokens:
-            self._emit_text(slot, tail)
-        request.finish(
-            {
-                "event": "done",
-                "finish_reason": reason,
-                "usage": {
-                    "prompt_tokens": len(request.prompt_tokens),
-                    "completion_tokens": slot.generated,
-                    "cached_tokens": slot.cached,
-                },
-            }
-        )
+        if reason == "cancelled":
+            self._emit_text(slot, "")  # the tokens made but not yet sent
+        else:
+            self._emit_text(slot, slot.stream.finish(), last=True)
+        done = {
+            "event": "done",
+            "finish_reason": reason,
+            "usage": {
+                "prompt_tokens": len(request.prompt_tokens),
+                "completion_tokens": slot.generated,
+                "cached_tokens": slot.cached,
+            },
+        }
+        if slot.calls is not None and slot.calls.calls:
+            done["tool_calls"] = slot.calls.calls
+            if reason == "stop":
+                done["finish_reason"] = "tool_calls"
+        request.finish(done)
         self.release(slot)
 
     def fail(self, slot: Slot, message: str, code: str = "internal") -> None:
@@ -494,6 +608,7 @@ class SlotBackend(GenerationBackend):
         except Exception:  # the slot is reused all the same; its state is reset
             log.exception("clearing slot %d failed", slot.index)
         slot.request = slot.next_token = slot.state = slot.awaiting = None
+        slot.matcher = slot.calls = None
         slot.todo = []
 
     def cancel(self, request_id: str) -> bool:
@@ -509,6 +624,16 @@ class SlotBackend(GenerationBackend):
                 self.finish(slot, "cancelled")
 
 
+def _functions(message: dict[str, Any]) -> list[Function]:
+    """The tools a request offers the model (none when its choice is none)."""
+    if message.get("tool_choice") == "none":
+        return []
+    return [
+        tool if isinstance(tool, Function) else Function.model_validate(tool)
+        for tool in message.get("tools") or ()
+    ]
+
+
 def _common_prefix(cached: list[int], prompt: list[int]) -> int:
     """How many leading tokens the two lists share."""
     shared = 0
@@ -517,15 +642,3 @@ def _common_prefix(cached: list[int], prompt: list[int]) -> int:
             break
         shared += 1
     return shared
-
-
-def logprob_entry(logprobs, token: int, top: int) -> dict:
-    """The chosen token's log-probability (of the raw logits, before sampling
-    transforms) with the `top` most likely alternatives; `logprobs` is a 1-D
-    numpy array of log-softmaxed logits."""
-    entry = {"token": token, "logprob": float(logprobs[token])}
-    if top:
-        best = np.argpartition(-logprobs, top)[:top]
-        best = best[np.argsort(-logprobs[best])]
-        entry["top"] = [[int(t), float(logprobs[t])] for t in best]
-    return entry

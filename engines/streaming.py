@@ -9,8 +9,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from .context import Prompt, fit_prompt
+from .generate_request import GenerateRequest
 from .generation import GenerationRequest, GenerationRunner
 from .protocol import ErrorCode, ProtocolError, encode_message, error_frame
 from .residency import ResidentModel
@@ -40,19 +42,39 @@ def _prompt_chars(message: dict) -> int:
     return 0
 
 
+def constrained(typed: GenerateRequest) -> bool:
+    """Whether the answer is held to a grammar (JSON, or the offered tools)."""
+    fmt = typed.response_format
+    return (fmt is not None and fmt.type != "text") or bool(
+        typed.tools and typed.tool_choice != "none"
+    )
+
+
 async def _prompt(
-    model: ResidentModel, message: dict, params: SamplingParams
-) -> Prompt:
-    def render() -> Prompt:
-        return fit_prompt(
-            model.runner.backend,
+    model: ResidentModel,
+    message: dict,
+    typed: GenerateRequest,
+    params: SamplingParams,
+) -> tuple[Prompt, Any]:
+    """The request's prompt and, for a constrained answer, its grammar's
+    matcher (compiled on first use: always off the event loop)."""
+    backend = model.runner.backend
+    grammar = constrained(typed)
+
+    def render() -> tuple[Prompt, Any]:
+        prompt = fit_prompt(
+            backend,
             message,
             params,
             policy=model.spec.context_overflow,
             model=model.spec.name,
         )
+        matcher = None
+        if grammar:
+            matcher = backend.grammars.matcher_for(typed, backend.chat_template)
+        return prompt, matcher
 
-    if _prompt_chars(message) <= INLINE_PROMPT_CHARS:
+    if not grammar and _prompt_chars(message) <= INLINE_PROMPT_CHARS:
         return render()
     return await asyncio.get_running_loop().run_in_executor(model.executor, render)
 
@@ -60,6 +82,7 @@ async def _prompt(
 async def serve_generation(
     model: ResidentModel,
     message: dict,
+    typed: GenerateRequest,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     *,
@@ -81,7 +104,7 @@ async def serve_generation(
         )
     first_token_ms: float | None = None
     params = SamplingParams.from_request(message, model.spec.sampling)
-    prompt = await _prompt(model, message, params)
+    prompt, matcher = await _prompt(model, message, typed, params)
     prompt_tokens = prompt.tokens
     loop = asyncio.get_running_loop()
     # The decode thread's events land here; `ready` wakes this coroutine for
@@ -104,6 +127,8 @@ async def serve_generation(
         params=params,
         emit=emit,
         background=message.get("priority") == "batch",
+        matcher=matcher,
+        tool_calls=bool(typed.tools and typed.tool_choice != "none"),
     )
     if message.get("request_id"):
         request.id = message["request_id"]
@@ -116,12 +141,17 @@ async def serve_generation(
     hangup = asyncio.ensure_future(reader.read(1))
     hangup.add_done_callback(lambda _: ready.set())
     parts: list[str] = []
+    logprobs: list[dict] = []
     final = False
     # A stream's start frame leaves once the request has a slot (the front
     # answers its HTTP status then): a request refused in the queue (full,
     # timed out, unloading) gets its error frame instead, before any start.
     started = not stream
     start = b""
+    # `echo`: the prompt's text goes back with the answer.
+    echoed = (
+        {"prompt_text": runner.backend.detokenize(prompt_tokens)} if typed.echo else {}
+    )
     if stream:
         start = encode_message(
             {
@@ -130,6 +160,7 @@ async def serve_generation(
                 "request_id": request.id,
                 "prompt_tokens": len(prompt_tokens),
                 "dropped_messages": prompt.dropped_messages,
+                **echoed,
             }
         )
     try:
@@ -152,6 +183,7 @@ async def serve_generation(
                         frames.append(encode_message({"status": "ok", **event}))
                     else:
                         parts.append(event["text"])
+                        logprobs.extend(event.get("logprobs", ()))
                     continue
                 final = True
                 if event["event"] == "error":
@@ -161,6 +193,7 @@ async def serve_generation(
                         frames.append(start)
                         started = True
                     reply = {"status": "ok", **event, "request_id": request.id}
+                    reply.update(echoed)
                     reply["dropped_messages"] = prompt.dropped_messages
                     reply["timings"] = {
                         "first_token_ms": first_token_ms,
@@ -168,6 +201,8 @@ async def serve_generation(
                     }
                     if not stream:
                         reply["text"] = "".join(parts)
+                        if params.logprobs:
+                            reply["logprobs"] = logprobs
                 frames.append(encode_message(reply))
             if frames:
                 writer.write(b"".join(frames))

@@ -19,10 +19,11 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
+from llguidance.llamacpp import lltokenizer_from_vocab
 
 from ..config import usable_cores
 from ..protocol import ErrorCode, ProtocolError
-from ..slots import Slot, SlotBackend, logprob_entry
+from ..slots import Slot, SlotBackend
 from ..textgen import SamplingParams
 
 log = logging.getLogger("roundhouse.engine.gguf")
@@ -184,15 +185,40 @@ class LlamaBackend(SlotBackend):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "prompt cannot be tokenized")
         return list(tokens[:count])
 
-    def _piece(self, token: int) -> bytes:
+    def _piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes (a special token's name only with `special`)."""
         buffer = ctypes.create_string_buffer(64)
-        size = llama_cpp.llama_token_to_piece(self.vocab, token, buffer, 64, 0, False)
+        size = llama_cpp.llama_token_to_piece(self.vocab, token, buffer, 64, 0, special)
         if size < 0:
             buffer = ctypes.create_string_buffer(-size)
             size = llama_cpp.llama_token_to_piece(
-                self.vocab, token, buffer, -size, 0, False
+                self.vocab, token, buffer, -size, 0, special
             )
         return buffer.raw[:size]
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._piece(token, special=True)
+
+    def vocabulary_size(self) -> int:
+        return self.n_vocab
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self._piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def _make_grammar_tokenizer(self):
+        """llguidance's reading of this vocabulary; the end-of-generation
+        tokens (end of text, end of turn) end a constrained answer."""
+        ends = [
+            token
+            for token in (
+                llama_cpp.llama_vocab_eos(self.vocab),
+                llama_cpp.llama_vocab_eot(self.vocab),
+            )
+            if token >= 0
+        ]
+        return lltokenizer_from_vocab(
+            self.vocab, n_vocab=self.n_vocab, eos_token=list(dict.fromkeys(ends))
+        )
 
     # -- slots ---------------------------------------------------------------------
 
@@ -363,6 +389,15 @@ class LlamaBackend(SlotBackend):
         # tokens, here and in every hop that relays them one by one (a stream's
         # user is waiting on its first token; a running stream's next token is
         # due no sooner than the next pass).
+        # The constrained slots' allowed tokens are computed while the
+        # model's passes run (engines/constraint.py).
+        masks = self.start_masks(
+            [
+                slot
+                for group in self.groups
+                for slot, _ in [*group.firsts, *group.running]
+            ]
+        )
         firsts, running = [], []
         for group in self.groups:
             if group.batch.n_tokens == 0:
@@ -379,6 +414,8 @@ class LlamaBackend(SlotBackend):
                 continue
             firsts += outputs
             running += later
+        if masks is not None:
+            masks.result()
         self.sample_each(firsts + running, self._sample_at)
 
     def _sample_at(self, slot: Slot, where: tuple[_Group, int]) -> None:
@@ -386,6 +423,12 @@ class LlamaBackend(SlotBackend):
         group, index = where
         params = slot.request.params
         logprobs = self._logprobs(group.ctx, index) if params.logprobs else None
+        if slot.matcher is not None:
+            # Only the tokens the grammar allows next (in place: the sampler
+            # reads these logits).
+            pointer = llama_cpp.llama_get_logits_ith(group.ctx, index)
+            logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+            np.putmask(logits, ~self.grammars.allowed(slot.index), -np.inf)
         token = llama_cpp.llama_sampler_sample(slot.state, group.ctx, index)
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"the sampler returned token {token}")
@@ -397,7 +440,7 @@ class LlamaBackend(SlotBackend):
             raise ValueError("the model produced non-finite logits (NaN or inf)")
         entry = None
         if logprobs is not None:
-            entry = logprob_entry(logprobs, token, params.top_logprobs)
+            entry = self.logprob_entry(logprobs, token, params.top_logprobs)
         self.accept(slot, token, entry)
 
     def _logprobs(self, ctx, index: int) -> np.ndarray:
@@ -410,6 +453,8 @@ class LlamaBackend(SlotBackend):
     def close(self) -> None:
         self.cancel_all()
         self.slots = []
+        if self._grammars is not None:
+            self._grammars.close()
         for group in self.groups:
             llama_cpp.llama_batch_free(group.batch)
             llama_cpp.llama_free(group.ctx)

@@ -7,9 +7,10 @@ entries back. Prompts are prefilled alone, in chunks, between decode steps."""
 from pathlib import Path
 
 import torch
+from llguidance.hf import from_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..slots import Slot, SlotBackend, logprob_entry
+from ..slots import Slot, SlotBackend
 from ..textgen import SamplingParams
 
 # Prompt tokens prefilled per step: bounds how long running streams wait.
@@ -41,6 +42,8 @@ class _SlotState:
 
 class TransformersBackend(SlotBackend):
     """A transformers causal LM with `n_slots` sessions sharing its weights."""
+
+    _masks = None  # this step's grammar masks being computed
 
     def __init__(
         self,
@@ -112,6 +115,27 @@ class TransformersBackend(SlotBackend):
     def _is_end(self, token: int) -> bool:
         return token in self.end_tokens
 
+    def token_bytes(self, token: int) -> bytes:
+        """From llguidance's reading of the tokenizer (byte-level and
+        sentencepiece vocabularies alike); a special token: its name."""
+        data = self.grammars.tokenizer.decode_bytes([token])
+        if not data or data.startswith(b"\xff"):
+            return self.tokenizer.convert_ids_to_tokens(token).encode("utf-8")
+        return data
+
+    def vocabulary_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _make_grammar_tokenizer(self):
+        return from_tokenizer(
+            self.tokenizer,
+            n_vocab=self.vocabulary_size(),
+            eos_token=sorted(self.end_tokens),
+        )
+
     def _text_of(self, slot: Slot, token: int) -> str:
         state: _SlotState = slot.state
         state.ids.append(token)
@@ -142,6 +166,12 @@ class TransformersBackend(SlotBackend):
             wanted = min(len(prefilling.todo), PREFILL_CHUNK, cap)
         # The KV pool's room: the running slots' tokens, then a prompt chunk.
         room = self.pass_room(running, wanted)
+        # The constrained slots' allowed tokens are computed while the
+        # forward passes run (engines/constraint.py).
+        sampling = list(running)
+        if prefilling is not None and 0 < len(prefilling.todo) <= room:
+            sampling.append(prefilling)
+        self._masks = self.start_masks(sampling)
         if prefilling is not None and prefilling.request is not None and room:
             try:
                 self._prefill(prefilling, room)
@@ -212,6 +242,9 @@ class TransformersBackend(SlotBackend):
         self._sample(running, logits)
 
     def _sample(self, slots: list[Slot], logits: torch.Tensor) -> None:
+        if self._masks is not None:
+            self._masks.result()
+            self._masks = None
         self.sample_each(
             [(slot, logits[row]) for row, slot in enumerate(slots)], self._sample_row
         )
@@ -221,11 +254,16 @@ class TransformersBackend(SlotBackend):
         raw = row.float()
         if not bool(torch.isfinite(raw).all()):
             raise ValueError("the model produced non-finite logits (NaN or inf)")
+        entry_logprobs = None
+        if params.logprobs:  # of the raw logits, before the grammar's mask
+            entry_logprobs = torch.log_softmax(raw.double(), dim=-1).cpu().numpy()
+        if slot.matcher is not None:
+            allowed = torch.from_numpy(self.grammars.allowed(slot.index))
+            raw = raw.masked_fill(~allowed.to(raw.device), -float("inf"))
         token = self._choose(slot, raw, params)
         entry = None
-        if params.logprobs:
-            logprobs = torch.log_softmax(raw.double(), dim=-1).cpu().numpy()
-            entry = logprob_entry(logprobs, token, params.top_logprobs)
+        if entry_logprobs is not None:
+            entry = self.logprob_entry(entry_logprobs, token, params.top_logprobs)
         self.accept(slot, token, entry)
 
     def _choose(self, slot: Slot, logits: torch.Tensor, params: SamplingParams) -> int:
@@ -268,4 +306,6 @@ class TransformersBackend(SlotBackend):
     def close(self) -> None:
         self.cancel_all()
         self.slots = []
+        if self._grammars is not None:
+            self._grammars.close()
         self.model = None

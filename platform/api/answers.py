@@ -2,10 +2,10 @@
 OpenAI's JSON bodies: what a REST request answers and what a Batch API line
 records (batches.runner), built by one function each."""
 
+import asyncio
 import base64
 import time
-import uuid
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -13,30 +13,19 @@ from routing.select import ModelRoute, Snapshot
 
 from . import errors
 from .calls import Call
+from .choices import (
+    Priority,
+    Tally,
+    chat_logprobs,
+    chat_message,
+    completion_logprobs,
+    engine_requests,
+    finish_reason,
+)
 from .pipeline import with_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
-__all__ = ["embedding_answer", "finish_reason", "generation_answer"]
-
-Priority = Literal["interactive", "batch"]
-
-
-def finish_reason(reason: str) -> str:
-    """OpenAI's finish reason for the engine's."""
-    return "length" if reason == "length" else "stop"
-
-
-def generation_fields(
-    payload: ChatCompletionRequest | CompletionRequest, priority: Priority
-) -> dict[str, Any]:
-    """The engine request's fields: the body's, our own request id (unique
-    across engines and their restarts, which engine ids are not) and the
-    priority (a batch line yields to interactive requests in the engine)."""
-    fields = payload.engine_fields()
-    fields["request_id"] = uuid.uuid4().hex
-    if priority != "interactive":
-        fields["priority"] = priority
-    return fields
+__all__ = ["embedding_answer", "generation_answer"]
 
 
 async def generation_answer(
@@ -48,36 +37,69 @@ async def generation_answer(
     chat: bool,
     priority: Priority = "interactive",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Generate on the routed engine; the answer's body and the engine's reply
-    (ApiError when it fails)."""
-    fields = generation_fields(payload, priority)
+    """Generate every choice on the routed engine (each in a slot of its
+    batch); the answer's body and the first choice's engine reply (ApiError
+    when any fails: the others are cancelled)."""
+    requests = engine_requests(payload, priority)
     created = int(time.time())
-    reply = await with_engine(
-        call, route, snapshot, lambda client: client.generate(route.name, **fields)
-    )
-    call.counted(reply.get("usage", {}))
-    reason = finish_reason(reply.get("finish_reason", "stop"))
-    text = reply.get("text", "")
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": reason,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+    async def one(fields: dict[str, Any]) -> dict[str, Any]:
+        return await with_engine(
+            call, route, snapshot, lambda client: client.generate(route.name, **fields)
+        )
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(fields)) for fields in requests]
+    except ExceptionGroup as failed:  # the first failure is the answer's
+        raise failed.exceptions[0] from None
+    replies = [task.result() for task in tasks]
+    tally = Tally(per_prompt=payload.choices_per_prompt)
+    for index, reply in enumerate(replies):
+        tally.ended(index, reply.get("usage", {}))
+    call.counted(tally.usage())
+    choices = []
+    for index, (fields, reply) in enumerate(zip(requests, replies, strict=True)):
+        reason = finish_reason(reply.get("finish_reason", "stop"))
+        entries = reply.get("logprobs")
+        if chat:
+            choice = {
+                "index": index,
+                "message": chat_message(reply),
+                "logprobs": chat_logprobs(entries) if entries is not None else None,
+                "finish_reason": reason,
+            }
+        else:
+            echoed = _echoed(fields, reply) if payload.echo else ""
+            logprobs = None
+            if entries is not None:
+                logprobs, _ = completion_logprobs(entries, len(echoed))
+            choice = {
+                "index": index,
+                "text": echoed + reply.get("text", ""),
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
+        choices.append(choice)
     body = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + reply["request_id"],
+        "id": ("chatcmpl-" if chat else "cmpl-") + replies[0]["request_id"],
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": route.name,
         "system_fingerprint": None,
-        "choices": [choice],
+        "choices": choices,
         "usage": call.usage(),
-        "timings": call.timings(reply),
+        "timings": call.timings(replies[0]),
     }
-    return body, reply
+    return body, replies[0]
+
+
+def _echoed(fields: dict[str, Any], frame: dict[str, Any]) -> str:
+    """A completion's prompt as echoed: its text as sent, or the text of the
+    tokens it was sent as (the engine's)."""
+    if isinstance(fields.get("prompt"), str):
+        return fields["prompt"]
+    return frame.get("prompt_text", "")
 
 
 async def embedding_answer(

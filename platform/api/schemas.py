@@ -14,13 +14,16 @@ from pydantic import (
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
+    JsonValue,
     ValidationError,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 
+from engines.generate_request import FUNCTION_NAME, MAX_PROMPT_TOKENS, MAX_TOOLS
 from engines.protocol import (
     MAX_MESSAGES,
     MAX_PENALTY,
@@ -31,6 +34,7 @@ from engines.protocol import (
     MAX_TEMPERATURE,
     MAX_TEXTS_PER_REQUEST,
     MAX_TOKENS_CAP,
+    MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     TEMPERATURE_RANGE,
     ProtocolError,
@@ -54,6 +58,13 @@ class NoNul:
     ) -> JsonSchemaValue:
         return {**handler(schema), "pattern": self.PATTERN}
 
+
+# Choices one answer may hold (prompts times n), and texts or token arrays
+# one completions request may send.
+MAX_CHOICES = 8
+MAX_PROMPTS = 8
+# Completions' `logprobs`: the likeliest tokens reported beside each (OpenAI's cap).
+MAX_COMPLETION_LOGPROBS = 5
 
 # The bounds are the engines' own (engines.protocol), checked here first so that
 # a bad value is a 400 naming its field before any engine is asked.
@@ -110,15 +121,101 @@ class TextPart(Strict):
     text: Text
 
 
+FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME)]
+# A JSON schema (a response format's, a tool's parameters): its size is
+# bounded by the engines (generate_request.MAX_SCHEMA_CHARS) and its features
+# by the grammar library, which names what it does not support.
+JsonSchema = dict[str, JsonValue]
+
+
+class FunctionCallIn(Strict):
+    name: FunctionName
+    arguments: Text
+
+
+class ToolCallIn(Strict):
+    """A call an earlier assistant turn made."""
+
+    id: Annotated[str, Field(min_length=1, max_length=200), NoNul()]
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Name | None = None
+    # An assistant turn's calls, and the call a tool turn answers.
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Annotated[str, Field(max_length=200), NoNul()] | None = None
+    # Sent back as the API answered it (the official client returns an
+    # assistant message with these set): an empty refusal only.
+    refusal: None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def engine_message(self) -> dict[str, Any]:
+        """The message as the engine takes it."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDefinition(Strict):
+    name: FunctionName
+    description: Text | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: Text | None = None
+    # OpenAI's field name; `schema` would shadow pydantic's own attribute.
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat,
+    Field(discriminator="type"),
+]
 
 
 class StreamOptions(Strict):
@@ -139,7 +236,8 @@ class Sampling(Strict):
     frequency_penalty: Penalty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] | None = None
+    # Choices per prompt: each runs in its own slot of the same engine batch.
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     user: Name | None = None
 
     @field_validator("temperature")
@@ -162,6 +260,31 @@ class Sampling(Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    def engine_requests(self) -> list[dict[str, Any]]:
+        """The engine requests that make the answer's choices, in choice
+        order: each prompt's `n` choices (a seed moves on by one per choice,
+        so that seeded choices differ)."""
+        out = []
+        for prompt in self.engine_prompts():
+            for number in range(self.choices_per_prompt):
+                fields = {**self.engine_fields(), **prompt}
+                if self.seed is not None and number:
+                    fields["seed"] = (self.seed + number) % (MAX_SEED + 1)
+                out.append(fields)
+        return out
+
+    def engine_prompts(self) -> list[dict[str, Any]]:
+        """Each prompt's own engine fields."""
+        raise NotImplementedError
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The engine fields every prompt's requests share."""
+        raise NotImplementedError
+
 
 class ChatCompletionRequest(Sampling):
     """POST /v1/chat/completions."""
@@ -169,9 +292,12 @@ class ChatCompletionRequest(Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
-    # Log-probabilities are computed by the engines but not yet mapped to
-    # OpenAI's token-string shape: only "off" is accepted.
-    logprobs: Literal[False] = False
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("messages")
     @classmethod
@@ -182,33 +308,132 @@ class ChatCompletionRequest(Sampling):
             )
         return value
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _field_error("top_logprobs", "needs `logprobs` set to true")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            if not self.tools:
+                raise _field_error("tool_choice", "needs `tools`")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or ()}
+            if self.tool_choice.function.name not in names:
+                raise _field_error(
+                    "tool_choice", "names a function that is not among the tools"
+                )
+        if self.tools and self.response_format and self.response_format.type != "text":
+            raise _field_error(
+                "response_format", "a JSON answer cannot be asked for with tools"
+            )
+        return self
+
+    def engine_prompts(self) -> list[dict[str, Any]]:
+        return [{"messages": [m.engine_message() for m in self.messages]}]
+
     def engine_fields(self) -> dict[str, Any]:
         fields = self.sampling()
-        fields["messages"] = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
         limit = self.max_completion_tokens or self.max_tokens
         if limit is not None:
             fields["max_tokens"] = limit
+        if self.logprobs:
+            fields["logprobs"] = True
+            fields["top_logprobs"] = self.top_logprobs or 0
+        if self.response_format is not None:
+            fields["response_format"] = _engine_format(self.response_format)
+        if self.tools:
+            fields["tools"] = [
+                {
+                    "name": tool.function.name,
+                    "description": tool.function.description or "",
+                    "parameters": tool.function.parameters
+                    or {"type": "object", "properties": {}},
+                }
+                for tool in self.tools
+            ]
+            choice = self.tool_choice
+            if isinstance(choice, NamedToolChoice):
+                fields["tool_choice"] = {"name": choice.function.name}
+            elif choice is not None:
+                fields["tool_choice"] = choice
+            if self.parallel_tool_calls is not None:
+                fields["parallel_tool_calls"] = self.parallel_tool_calls
         return fields
+
+
+def _engine_format(fmt: TextFormat | JsonObjectFormat | JsonSchemaResponseFormat):
+    if isinstance(fmt, JsonSchemaResponseFormat):
+        schema = fmt.json_schema.schema_ or {"type": "object"}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": fmt.type}
+
+
+def _field_error(field: str, message: str) -> PydanticCustomError:
+    """A body whose fields disagree: named by the field at fault."""
+    return PydanticCustomError(
+        "consistency", "{message}", {"field": field, "message": message}
+    )
+
+
+TokenIds = Annotated[
+    list[Annotated[int, Field(ge=0)]],
+    Field(min_length=1, max_length=MAX_PROMPT_TOKENS),
+]
 
 
 class CompletionRequest(Sampling):
     """POST /v1/completions."""
 
-    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)]
+    # A text, several texts, a token array or several: one answer each (times
+    # `n`), in order.
+    prompt: (
+        Prompt
+        | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     max_tokens: MaxTokens | None = 16
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: bool = False
+    # The number of likeliest tokens to report beside each chosen one.
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _within_choices(self) -> "CompletionRequest":
+        if self.echo and self.logprobs is not None:
+            raise _field_error(
+                "logprobs",
+                "the prompt's log-probabilities (echo with logprobs) are not "
+                "supported: ask for one or the other",
+            )
+        if len(self.prompts()) * self.choices_per_prompt > MAX_CHOICES:
+            raise _field_error(
+                "n", f"prompts times n must be at most {MAX_CHOICES} choices"
+            )
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a token array."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    def engine_prompts(self) -> list[dict[str, Any]]:
+        return [
+            {"prompt": p} if isinstance(p, str) else {"prompt_tokens": p}
+            for p in self.prompts()
+        ]
 
     def engine_fields(self) -> dict[str, Any]:
         fields = self.sampling()
-        fields["prompt"] = (
-            self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-        )
         if self.max_tokens is not None:
             fields["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            fields["logprobs"] = True
+            fields["top_logprobs"] = self.logprobs
+        if self.echo:
+            fields["echo"] = True
         return fields
 
 
@@ -284,6 +509,8 @@ def _refusal(error: ValidationError, raw: bytes | None) -> ApiError:
     # plain type mismatch is about the member the caller meant.
     first = next((e for e in found if e["type"] not in _MISMATCHES), found[0])
     location = ".".join(str(part) for part in first["loc"] if _is_field(part))
+    if first["type"] == "consistency":
+        location = first["ctx"]["field"]
     if first["type"] == "json_invalid" and raw is not None:
         return _invalid_json(raw, first["msg"])
     if first["type"] == "extra_forbidden":

@@ -17,10 +17,8 @@ never a 500.
 """
 
 import asyncio
-import json
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from django import db
@@ -28,16 +26,10 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
-from engines.client import EngineError
 from routing.select import ModelRoute, Snapshot
 
 from . import errors
-from .answers import (
-    embedding_answer,
-    finish_reason,
-    generation_answer,
-    generation_fields,
-)
+from .answers import embedding_answer, generation_answer
 from .calls import Call, Relay, after_answer
 from .gateway import GATEWAY
 from .models import ApiKey
@@ -46,8 +38,6 @@ from .pipeline import (
     admit,
     authenticate,
     database_failed,
-    engine_failure,
-    generation_open,
     model_route,
 )
 from .schemas import (
@@ -57,10 +47,7 @@ from .schemas import (
     parse,
 )
 from .services import api_key_allows
-
-# The answer's header naming how many of the oldest messages were dropped to fit
-# the model's context.
-DROPPED_HEADER = "X-Roundhouse-Dropped-Messages"
+from .sse import dropped_header, generation_stream
 
 log = logging.getLogger("roundhouse.api")
 
@@ -120,11 +107,6 @@ async def _serve(
     return response
 
 
-def _sse(data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
-
-
 # -- generation ---------------------------------------------------------------
 
 
@@ -136,86 +118,12 @@ async def _generate(
     *,
     chat: bool,
 ) -> HttpResponse:
-    if not payload.stream:
-        body, reply = await generation_answer(call, payload, route, snapshot, chat=chat)
-        response = JsonResponse(body)
-        _dropped_header(response, reply)
-        return response
-
-    fields = generation_fields(payload, "interactive")
-    created = int(time.time())
-    frames, start = await generation_open(call, route, snapshot, fields)
-    base = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + start.get("request_id", ""),
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": route.name,
-        "system_fingerprint": None,
-    }
-    if payload.include_usage:
-        base["usage"] = None
-
-    def chunk(delta_or_text: dict | str, reason: str | None, **extra) -> bytes:
-        if chat:
-            choice = {"index": 0, "delta": delta_or_text, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": delta_or_text, "logprobs": None}
-        choice["finish_reason"] = reason
-        return _sse({**base, "choices": [choice], **extra})
-
-    async def content() -> AsyncIterator[bytes]:
-        # Every write to the client is a send() that wakes it, which costs the
-        # front 0.2-0.3 ms of CPU on a small VM: chunks due at the same moment
-        # leave together. The response's headers tell the client that the engine
-        # admitted the request; the role chunk waits for the first token (or the
-        # end) and leaves in its write.
-        pending = chunk({"role": "assistant", "content": ""}, None) if chat else b""
-        try:
-            async for frame in frames:
-                if frame.get("event") == "token":
-                    if call.first_token_at is None:
-                        call.first_token_at = time.perf_counter()
-                    # Counted as they come: a stream cut short (the caller gone,
-                    # the engine dead or silent) gets no final usage.
-                    call.completion_tokens += int(frame.get("tokens", 1))
-                    text = frame.get("text", "")
-                    yield pending + chunk({"content": text} if chat else text, None)
-                    pending = b""
-                elif frame.get("event") == "done":
-                    call.counted(frame.get("usage", {}))
-                    reason = finish_reason(frame.get("finish_reason", "stop"))
-                    last = [
-                        pending,
-                        chunk({} if chat else "", reason, timings=call.timings(frame)),
-                    ]
-                    if payload.include_usage:
-                        last.append(
-                            _sse({**base, "choices": [], "usage": call.usage()})
-                        )
-                    last.append(_sse("[DONE]"))
-                    yield b"".join(last)
-        except EngineError as failure:
-            # Headers are sent: the failure travels as an error event.
-            error = engine_failure(failure)
-            call.status, call.error_code = error.status, error.code or ""
-            yield pending + _sse(error.body())
-        finally:
-            # Hanging up on the engine cancels the request there.
-            await frames.aclose()
-
-    response = StreamingHttpResponse(content(), content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"  # proxies must not hold tokens back
-    _dropped_header(response, start)
+    if payload.stream:
+        return await generation_stream(call, payload, route, snapshot, chat=chat)
+    body, reply = await generation_answer(call, payload, route, snapshot, chat=chat)
+    response = JsonResponse(body)
+    dropped_header(response, reply)
     return response
-
-
-def _dropped_header(response: HttpResponse, frame: dict) -> None:
-    """How many of the oldest messages the engine dropped to fit the model's
-    context (its context overflow setting allows it): the answer's header."""
-    dropped = int(frame.get("dropped_messages") or 0)
-    if dropped:
-        response[DROPPED_HEADER] = str(dropped)
 
 
 @csrf_exempt

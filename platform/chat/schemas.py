@@ -14,8 +14,8 @@ from pydantic import Field
 from api import errors
 from api.schemas import ChatCompletionRequest, ModelName, Name, Strict, parse_object
 
-# The sampling fields a chat's `params` may set: those of /v1/chat/completions
-# that shape one answer (not how it is delivered: `stream`, `n`, `logprobs`).
+# The fields a chat's `params` may set: those of /v1/chat/completions that
+# shape the answer (not how it is delivered: `stream`, `stream_options`).
 PARAMS = frozenset(
     {
         "max_tokens",
@@ -26,6 +26,13 @@ PARAMS = frozenset(
         "seed",
         "presence_penalty",
         "frequency_penalty",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     }
 )
 StreamId = Annotated[str, Field(min_length=1, max_length=64)]

@@ -19,7 +19,6 @@ closed is answered with nothing.
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,13 +27,21 @@ from django import db
 
 from api import errors
 from api.calls import Call, after_answer
+from api.choices import (
+    Tally,
+    choices_open,
+    engine_requests,
+    finish_reason,
+    merged,
+    tool_call_deltas,
+    tool_calls,
+)
 from api.models import ApiKey
 from api.pipeline import (
     admit,
     authenticate,
     database_failed,
     engine_failure,
-    generation_open,
     model_route,
 )
 from engines.client import EngineError
@@ -48,8 +55,13 @@ log = logging.getLogger("roundhouse.chat")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-def _finish_reason(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
+def _choice_end(index: int, frame: dict) -> dict:
+    """How one of several choices ended (the `done` message lists them)."""
+    return {
+        "index": index,
+        "finish_reason": finish_reason(frame.get("finish_reason", "")),
+        "tool_calls": tool_calls(frame.get("tool_calls", [])),
+    }
 
 
 def _ms(since: float, until: float | None = None) -> float:
@@ -139,14 +151,18 @@ class ChatStream:
                 authorization=f"Bearer {self._presented_key}", client=self._client
             )
         request = chat_request(chat)
-        fields = request.engine_fields()
-        fields["request_id"] = uuid.uuid4().hex
+        requests = engine_requests(request, "interactive")
         if chat.conversation is not None:
             await self._check_conversation(chat.conversation)
         route, snapshot = await model_route(call, request.model)
         await admit(call)
-        frames, start = await generation_open(call, route, snapshot, fields)
-        self._messages = fields["messages"]
+        opened = await choices_open(call, route, snapshot, requests)
+        tally = Tally(per_prompt=request.choices_per_prompt)
+        for index, (_, opening) in enumerate(opened):
+            tally.started(index, opening)
+        call.prompt_tokens = tally.usage()["prompt_tokens"]
+        start = opened[0][1]
+        self._messages = requests[0]["messages"]
         self.answer.model, self.answer.engine = route.name, call.engine
         self._started = True
         # The oldest messages the model did not see: the conversation was
@@ -160,7 +176,11 @@ class ChatStream:
                 "dropped_messages": int(start.get("dropped_messages") or 0),
             }
         )
-        async for frame in frames:
+        # Several choices (`n`): each message names its choice's `index`; the
+        # stored turn is the first choice's.
+        several = len(opened) > 1
+        ends: dict[int, dict] = {}
+        async for index, frame in merged([frames for frames, _ in opened]):
             event = frame.get("event")
             if event == "token":
                 if call.first_token_at is None:
@@ -170,15 +190,37 @@ class ChatStream:
                     asyncio.get_running_loop().call_later(0.1, after_answer)
                 call.completion_tokens += int(frame.get("tokens", 1))
                 text = frame.get("text", "")
-                self._parts.append(text)
-                await self._send({"type": "token", "id": chat.id, "text": text})
+                message = {"type": "token", "id": chat.id, "text": text}
+                if frame.get("tool_calls"):
+                    message["tool_calls"] = tool_call_deltas(frame["tool_calls"])
+                if frame.get("logprobs"):
+                    message["logprobs"] = frame["logprobs"]
+                if not (text or len(message) > 3):
+                    continue  # tokens inside a call's markup: counted only
+                if several:
+                    message["index"] = index
+                if index == 0:
+                    self._parts.append(text)
+                await self._send(message)
             elif event == "done":
-                call.counted(frame.get("usage", {}))
-                reason = _finish_reason(frame.get("finish_reason", "stop"))
+                tally.ended(index, frame.get("usage", {}))
+                ends[index] = frame
+                if len(ends) < len(opened):
+                    continue
+                call.counted(tally.usage())
+                first = ends[0]
+                reason = finish_reason(first.get("finish_reason", "stop"))
                 self.answer.finish_reason = reason
-                engine_timings = call.timings(frame)
+                engine_timings = call.timings(first)
                 await self._end()
-                await self._send(self._done(reason, engine_timings))
+                done = self._done(reason, engine_timings)
+                if first.get("tool_calls"):
+                    done["tool_calls"] = tool_calls(first["tool_calls"])
+                if several:
+                    done["choices"] = [
+                        _choice_end(number, end) for number, end in sorted(ends.items())
+                    ]
+                await self._send(done)
                 return
 
     async def _check_conversation(self, pk: int) -> None:

@@ -9,7 +9,7 @@ import json
 import pytest
 from asgiref.sync import sync_to_async
 
-from api.views import DROPPED_HEADER
+from api.sse import DROPPED_HEADER
 from tests.factories import ApiKeyFactory
 from tests.platform.api.test_streams import (
     CHAT,

@@ -80,7 +80,7 @@ def test_stop_strings_and_max_tokens_reach_the_engine_fields():
             }
         ).encode(),
     )
-    fields = request.engine_fields()
+    [fields] = request.engine_requests()
     assert fields == {
         "temperature": 0.0,
         "stop": ["END"],

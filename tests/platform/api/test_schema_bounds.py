@@ -313,9 +313,12 @@ def test_every_schema_fuzz(endpoint, raw):
     except ApiError as error:
         assert error.status == 400
         return
-    fields = request.texts() if schema is EmbeddingRequest else request.engine_fields()
+    fields = (
+        request.texts() if schema is EmbeddingRequest else request.engine_requests()
+    )
     if schema is not EmbeddingRequest:
-        check_sampling(fields)
+        for one in fields:
+            check_sampling(one)
     for text in strings(fields):
         assert "\x00" not in text
         text.encode("utf-8")

@@ -1,0 +1,198 @@
+"""The typed `generate` / `generate_stream` request: every field a caller may
+send, checked when it arrives (unknown keys refused, each field's shape). The
+engine checks each request with it (engines/server.py) and the
+front builds its requests with it (api.answers), so both sides read one schema.
+
+Sampling values (temperature, max_tokens, stop, ...) are bounded by
+engines.protocol.check_sampling, the bounds the admin and the REST schemas
+use too; texts by check_text. No ML library here: the front imports this."""
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+
+from .protocol import (
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    PRIORITIES,
+    ErrorCode,
+    ProtocolError,
+)
+
+# Tools a request may offer, and the serialized size of a JSON schema (a
+# response format's, or one tool's parameters): grammars are compiled from
+# them, so they are bounded before any work is done.
+MAX_TOOLS = 128
+MAX_SCHEMA_CHARS = 64 * 1024
+# Prompt token ids a request may send instead of text.
+MAX_PROMPT_TOKENS = 256 * 1024
+# OpenAI's rule for function names.
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+TOOL_CHOICES = ("auto", "none", "required")
+
+Priority = Literal[PRIORITIES]  # type: ignore[valid-type]
+Schema = dict[str, JsonValue]
+
+
+class Wire(BaseModel):
+    """A part of a request: unknown keys refused, values fixed once read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FunctionCall(Wire):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    # A JSON object, as text (OpenAI's shape).
+    arguments: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+
+class ToolCall(Wire):
+    """A call an assistant turn made (in the history of a chat)."""
+
+    id: Annotated[str, Field(min_length=1, max_length=200)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Turn(Wire):
+    """One chat message. `content` may be null only on an assistant turn that
+    calls tools; a `tool` turn answers the call named by `tool_call_id`."""
+
+    role: Annotated[str, Field(min_length=1, max_length=64)]
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Annotated[str, Field(max_length=200)] | None = None
+    name: Annotated[str, Field(max_length=200)] | None = None
+
+
+class Function(Wire):
+    """A tool the model may call: a function and its parameters' JSON schema."""
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] = ""
+    parameters: Schema = Field(
+        default_factory=lambda: {"type": "object", "properties": {}}
+    )
+    strict: bool | None = None
+
+
+class NamedTool(Wire):
+    """`tool_choice` naming the one function the model must call."""
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+
+
+class ResponseFormat(Wire):
+    """The answer's shape: free text, any JSON object, or JSON matching a
+    schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Schema | None = None
+
+
+class GenerateRequest(Wire):
+    """A generation: one of `prompt`, `messages` or `prompt_tokens`, the
+    sampling fields (bounded by check_sampling), and the constraints on the
+    answer (a response format, or tools to call)."""
+
+    kind: Literal["generate", "generate_stream"]
+    token: str
+    model: str
+    request_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    priority: Priority | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Turn], Field(max_length=MAX_MESSAGES)] | None = None
+    prompt_tokens: (
+        Annotated[
+            list[Annotated[int, Field(ge=0)]],
+            Field(min_length=1, max_length=MAX_PROMPT_TOKENS),
+        ]
+        | None
+    ) = None
+    # Sampling: checked (bounds, types, messages) by check_sampling.
+    temperature: JsonValue = None
+    top_p: JsonValue = None
+    top_k: JsonValue = None
+    min_p: JsonValue = None
+    repeat_penalty: JsonValue = None
+    presence_penalty: JsonValue = None
+    frequency_penalty: JsonValue = None
+    seed: JsonValue = None
+    max_tokens: JsonValue = None
+    stop: JsonValue = None
+    ignore_eos: JsonValue = None
+    logprobs: JsonValue = None
+    top_logprobs: JsonValue = None
+    # The answer's shape: at most one of a response format and tools.
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Function], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal[TOOL_CHOICES] | NamedTool | None = None  # type: ignore[valid-type]
+    parallel_tool_calls: bool = True
+    # Send the prompt's text back with the answer (completions' `echo`).
+    echo: bool = False
+
+
+def check_generate(message: dict[str, Any]) -> GenerateRequest:
+    """A generate request's fields, typed; bad_request naming the first bad
+    field otherwise (an unknown one included)."""
+    sources = sum(message.get(key) is not None for key in ("prompt", "messages"))
+    sources += message.get("prompt_tokens") is not None
+    if sources != 1:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            "send exactly one of `prompt`, `messages` and `prompt_tokens`",
+        )
+    try:
+        request = GenerateRequest.model_validate(message)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "extra_forbidden":
+            reason = "unknown field"
+        else:
+            reason = first["msg"]
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {reason}") from None
+    _check_sizes(request)
+    return request
+
+
+def _check_sizes(request: GenerateRequest) -> None:
+    """Schemas are compiled into grammars: each is bounded, and tools and a
+    response format are not asked for together."""
+    schemas = []
+    if request.response_format is not None:
+        kind = request.response_format.type
+        schema = request.response_format.json_schema
+        if kind == "json_schema" and schema is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "response_format: json_schema needs a schema"
+            )
+        if schema is not None:
+            schemas.append(("response_format.json_schema", schema))
+        if request.tools and kind != "text":
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "send tools or a JSON response format, not both",
+            )
+    for index, tool in enumerate(request.tools or ()):
+        schemas.append((f"tools[{index}].parameters", tool.parameters))
+    for where, schema in schemas:
+        if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"{where} exceeds {MAX_SCHEMA_CHARS} characters",
+            )
+    names = [tool.name for tool in request.tools or ()]
+    if len(set(names)) != len(names):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "tools: two share a name")
+    choice = request.tool_choice
+    if isinstance(choice, NamedTool) and choice.name not in names:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"tool_choice names {choice.name!r}, which is not among the tools",
+        )
+    if choice == "required" and not names:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "tool_choice is required but no tools are offered"
+        )

@@ -1,0 +1,183 @@
+"""Streamed answers of /v1/chat/completions and /v1/completions (server-sent
+events, OpenAI's chunks): every choice's engine stream opened at once, their
+frames relayed as they come, each chunk naming its choice; a choice's last
+chunk carries its finish reason, and the stream ends with the usage of every
+choice (when asked for) and `[DONE]`."""
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from django.http import HttpResponse, StreamingHttpResponse
+
+from engines.client import EngineError
+from routing.select import ModelRoute, Snapshot
+
+from .calls import Call
+from .choices import (
+    Payload,
+    Tally,
+    chat_logprobs,
+    choices_open,
+    completion_logprobs,
+    engine_requests,
+    finish_reason,
+    merged,
+    tool_call_deltas,
+)
+from .pipeline import engine_failure
+
+# The answer's header naming how many of the oldest messages were dropped to fit
+# the model's context.
+DROPPED_HEADER = "X-Roundhouse-Dropped-Messages"
+
+
+def sse(data: dict | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+def dropped_header(response: HttpResponse, frame: dict) -> None:
+    """How many of the oldest messages the engine dropped to fit the model's
+    context (its context overflow setting allows it): the answer's header."""
+    dropped = int(frame.get("dropped_messages") or 0)
+    if dropped:
+        response[DROPPED_HEADER] = str(dropped)
+
+
+async def generation_stream(
+    call: Call,
+    payload: Payload,
+    route: ModelRoute,
+    snapshot: Snapshot,
+    *,
+    chat: bool,
+) -> StreamingHttpResponse:
+    """The streamed answer; its headers leave once every choice has a slot
+    (a refusal before that is the answer's error status)."""
+    requests = engine_requests(payload, "interactive")
+    created = int(time.time())
+    opened = await choices_open(call, route, snapshot, requests)
+    tally = Tally(per_prompt=payload.choices_per_prompt)
+    for index, (_, start) in enumerate(opened):
+        tally.started(index, start)
+    call.prompt_tokens = tally.usage()["prompt_tokens"]
+    first_start = opened[0][1]
+    base = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + first_start.get("request_id", ""),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": route.name,
+        "system_fingerprint": None,
+    }
+    if payload.include_usage:
+        base["usage"] = None
+    # Completions: the text offset of each choice's next token (echo first).
+    offsets = [0] * len(opened)
+    echoes = [""] * len(opened)
+    if not chat and payload.echo:
+        for index, ((_, start), fields) in enumerate(
+            zip(opened, requests, strict=True)
+        ):
+            echoes[index] = fields.get("prompt") or start.get("prompt_text", "")
+            offsets[index] = len(echoes[index])
+
+    def chunk(
+        index: int, frame: dict[str, Any] | None, reason: str | None, **extra
+    ) -> bytes:
+        """One choice's chunk: a token frame's text, tool-call deltas and
+        log-probabilities, or (frame None) its finish."""
+        text = frame.get("text", "") if frame else ""
+        entries = frame.get("logprobs") if frame else None
+        if chat:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if frame and frame.get("tool_calls"):
+                delta["tool_calls"] = tool_call_deltas(frame["tool_calls"])
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": chat_logprobs(entries) if entries else None,
+            }
+        else:
+            logprobs = None
+            if entries:
+                logprobs, offsets[index] = completion_logprobs(entries, offsets[index])
+            choice = {"index": index, "text": text, "logprobs": logprobs}
+        choice["finish_reason"] = reason
+        return sse({**base, "choices": [choice], **extra})
+
+    async def content() -> AsyncIterator[bytes]:
+        # Every write to the client is a send() that wakes it, which costs the
+        # front 0.2-0.3 ms of CPU on a small VM: chunks due at the same moment
+        # leave together. The response's headers tell the client that the engine
+        # admitted the request; each choice's role chunk (or echoed prompt)
+        # waits for its first token (or its end) and leaves in its write.
+        pending = [b""] * len(opened)
+        remaining = len(opened)  # choices not ended
+        for index in range(len(opened)):
+            if chat:
+                role = {"role": "assistant", "content": ""}
+                pending[index] = sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": role,
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
+            elif echoes[index]:
+                pending[index] = chunk(index, {"text": echoes[index]}, None)
+        try:
+            async for index, frame in merged([frames for frames, _ in opened]):
+                if frame.get("event") == "token":
+                    if call.first_token_at is None:
+                        call.first_token_at = time.perf_counter()
+                    # Counted as they come: a stream cut short (the caller gone,
+                    # the engine dead or silent) gets no final usage.
+                    call.completion_tokens += int(frame.get("tokens", 1))
+                    if not (
+                        frame.get("text")
+                        or frame.get("tool_calls")
+                        or frame.get("logprobs")
+                    ):
+                        continue  # tokens inside a call's markup: counted only
+                    yield pending[index] + chunk(index, frame, None)
+                    pending[index] = b""
+                elif frame.get("event") == "done":
+                    tally.ended(index, frame.get("usage", {}))
+                    reason = finish_reason(frame.get("finish_reason", "stop"))
+                    ending = chunk(index, None, reason, timings=call.timings(frame))
+                    out = pending[index] + ending
+                    pending[index] = b""
+                    remaining -= 1
+                    if remaining:
+                        yield out
+                        continue
+                    # The last choice's end leaves with the usage and [DONE].
+                    call.counted(tally.usage())
+                    last = [out]
+                    if payload.include_usage:
+                        last.append(sse({**base, "choices": [], "usage": call.usage()}))
+                    last.append(sse("[DONE]"))
+                    yield b"".join(last)
+        except EngineError as failure:
+            # Headers are sent: the failure travels as an error event.
+            error = engine_failure(failure)
+            call.status, call.error_code = error.status, error.code or ""
+            yield b"".join(pending) + sse(error.body())
+        finally:
+            # Hanging up on the engine cancels the request there.
+            for frames, _ in opened:
+                await frames.aclose()
+
+    response = StreamingHttpResponse(content(), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # proxies must not hold tokens back
+    dropped_header(response, first_start)
+    return response
