@@ -14,7 +14,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from email.message import Message
 from pathlib import Path
@@ -177,14 +177,22 @@ def _rows(base_port: int) -> dict[str, str]:
 
 @contextlib.contextmanager
 def start_live(
-    django_db_blocker, tmp: Path, models_dir: Path, *, env: dict | None = None
+    django_db_blocker,
+    tmp: Path,
+    models_dir: Path,
+    *,
+    env: dict | None = None,
+    more_rows: Callable[[], None] | None = None,
 ) -> Iterator[Live]:
     """The supervisor and the front on the test database, with `env` over
     the defaults (REDIS_URL unset: the front's limits in its own memory, the
-    filesystem broker in the run dir); stopped and its rows deleted after."""
+    filesystem broker in the run dir) and the rows `more_rows` writes beside
+    the module's; stopped and its rows deleted after."""
     base_port = free_port_block()
     with django_db_blocker.unblock():
         keys = _rows(base_port)
+        if more_rows is not None:
+            more_rows()
     run_dir = tmp / "run"
     run_dir.mkdir(mode=0o700)
     port = free_port_block(1)
