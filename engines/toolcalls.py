@@ -176,11 +176,12 @@ class ToolCallStream:
                 self._state = "head"
                 before = buffer[:at]
                 return True, before if before.strip() else ""
-            if self.calls and not buffer.strip():
-                return False, ""  # held: the space between calls is no content
             keep = _partial_suffix(buffer, TOOL_OPEN)
+            out = buffer[: len(buffer) - keep]
+            if self.calls and not out.strip():
+                return False, ""  # held: the space between calls is no content
             self._buffer = buffer[len(buffer) - keep :]
-            return False, buffer[: len(buffer) - keep]
+            return False, out
         if self._state == "head":
             match = _HEAD.match(buffer)
             if match is None:
