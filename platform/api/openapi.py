@@ -11,7 +11,7 @@ from http import HTTPStatus
 from typing import Any
 
 from . import errors
-from .schemas import ENDPOINT_SCHEMAS
+from .schemas import ENDPOINT_SCHEMAS, MAX_CHOICES
 
 # The steps of errors.STEP_ERRORS each endpoint runs, by path and method.
 GENERATION_STEPS = ("read", "method", "key", "body", "model", "limits", "engine")
@@ -69,13 +69,86 @@ TIMINGS = {
     },
     "required": ["engine"],
 }
-FINISH_REASON = {"enum": ["stop", "length"]}
+FINISH_REASON = {"enum": ["stop", "length", "tool_calls"]}
+_TOKEN = {
+    "token": {"type": "string"},
+    "logprob": {"type": "number", "maximum": 0},
+    "bytes": {"type": "array", "items": {"type": "integer"}},
+}
+# Log-probabilities: chat's shape, and completions' (legacy) one.
+CHAT_LOGPROBS = {
+    "type": ["object", "null"],
+    "properties": {
+        "content": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    **_TOKEN,
+                    "top_logprobs": {
+                        "type": "array",
+                        "items": {"type": "object", "properties": _TOKEN},
+                    },
+                },
+                "required": ["token", "logprob", "bytes", "top_logprobs"],
+            },
+        },
+        "refusal": {"type": "null"},
+    },
+}
+COMPLETION_LOGPROBS = {
+    "type": ["object", "null"],
+    "properties": {
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": {"type": "number"}},
+        "top_logprobs": {
+            "type": "array",
+            "items": {"type": "object", "additionalProperties": {"type": "number"}},
+        },
+        "text_offset": {"type": "array", "items": {"type": "integer"}},
+    },
+}
+_FUNCTION = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+}
+TOOL_CALLS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": {**_FUNCTION, "required": ["name", "arguments"]},
+        },
+        "required": ["id", "type", "function"],
+    },
+}
+TOOL_CALL_DELTAS = {
+    "type": "array",
+    "description": "A call's id, type and name in its first delta; its "
+    "arguments in pieces.",
+    "items": {
+        "type": "object",
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": _FUNCTION,
+        },
+        "required": ["index", "function"],
+    },
+}
 
 
 def _completion(
-    object_name: str, choice: dict[str, Any], required: list[str]
+    object_name: str,
+    choice: dict[str, Any],
+    required: list[str],
+    logprobs: dict[str, Any],
 ) -> dict[str, Any]:
-    """A completion's body: one choice, with its usage and timings."""
+    """A completion's body: its choices (`n` per prompt), with the usage of
+    them all and timings."""
     return {
         "type": "object",
         "properties": {
@@ -87,13 +160,13 @@ def _completion(
             "choices": {
                 "type": "array",
                 "minItems": 1,
-                "maxItems": 1,
+                "maxItems": MAX_CHOICES,
                 "items": {
                     "type": "object",
                     "properties": {
-                        "index": {"const": 0},
+                        "index": {"type": "integer", "minimum": 0},
                         **choice,
-                        "logprobs": {"type": "null"},
+                        "logprobs": logprobs,
                         "finish_reason": FINISH_REASON,
                     },
                     "required": ["index", *required, "finish_reason"],
@@ -106,9 +179,12 @@ def _completion(
     }
 
 
-def _chunk(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
-    """A streamed chunk: a choice's delta (its finish reason and timings in the
-    last), or with `include_usage` a last chunk with no choice and the usage."""
+def _chunk(
+    object_name: str, choice: dict[str, Any], logprobs: dict[str, Any]
+) -> dict[str, Any]:
+    """A streamed chunk: one choice's delta (its finish reason and timings in
+    its last), or with `include_usage` a last chunk with no choice and the
+    usage of them all."""
     return {
         "type": "object",
         "properties": {
@@ -123,9 +199,9 @@ def _chunk(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
                 "items": {
                     "type": "object",
                     "properties": {
-                        "index": {"const": 0},
+                        "index": {"type": "integer", "minimum": 0},
                         **choice,
-                        "logprobs": {"type": "null"},
+                        "logprobs": logprobs,
                         "finish_reason": {"enum": [None, *FINISH_REASON["enum"]]},
                     },
                     "required": ["index", *choice, "finish_reason"],
@@ -179,15 +255,20 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                 "type": "object",
                 "properties": {
                     "role": {"const": "assistant"},
-                    "content": {"type": "string"},
+                    "content": {"type": ["string", "null"]},
+                    "tool_calls": TOOL_CALLS,
                 },
                 "required": ["role", "content"],
             }
         },
         ["message"],
+        CHAT_LOGPROBS,
     ),
     "TextCompletion": _completion(
-        "text_completion", {"text": {"type": "string"}}, ["text"]
+        "text_completion",
+        {"text": {"type": "string"}},
+        ["text"],
+        COMPLETION_LOGPROBS,
     ),
     "ChatCompletionChunk": _chunk(
         "chat.completion.chunk",
@@ -197,11 +278,15 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                 "properties": {
                     "role": {"const": "assistant"},
                     "content": {"type": "string"},
+                    "tool_calls": TOOL_CALL_DELTAS,
                 },
             }
         },
+        CHAT_LOGPROBS,
     ),
-    "TextCompletionChunk": _chunk("text_completion", {"text": {"type": "string"}}),
+    "TextCompletionChunk": _chunk(
+        "text_completion", {"text": {"type": "string"}}, COMPLETION_LOGPROBS
+    ),
     "EmbeddingList": {
         "type": "object",
         "properties": {

@@ -207,7 +207,7 @@ def test_a_named_tool_is_called_with_valid_arguments(engine):
     assert set(json.loads(call["arguments"])) == {"city"}
 
 
-# -- refusals ----------------------------------------------------------------------------
+# -- refusals ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -246,7 +246,7 @@ def test_bad_constraints_are_refused(engine, fields, says):
     assert says in refused.value.message
 
 
-# -- constrained slots in the batch --------------------------------------------------------
+# -- constrained slots in the batch ---------------------------------------------
 
 BATCHED = """
 import json
