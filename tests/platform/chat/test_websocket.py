@@ -362,3 +362,58 @@ async def test_a_conversation_over_the_context_says_what_was_dropped(socket_app)
     assert 0 < start["dropped_messages"] < len(message["messages"]) - 1
     assert done["type"] == "done"
     await socket.close()
+
+
+async def test_params_take_the_rest_fields(socket_app, engine):
+    """`params` take REST's fields for the answer's shape: a JSON response
+    format with log-probabilities and two choices (each token names its
+    choice; `done` lists how each ended), and a forced tool call (`done`
+    carries it; its deltas came in the tokens)."""
+    key = await sync_to_async(ApiKeyFactory)()
+    socket = await keyed_socket(socket_app, key)
+    ask = 'Give JSON with keys "name" and "age" for Alice, who is 30.'
+    params = {
+        "max_tokens": 40,
+        "temperature": 0,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "response_format": {"type": "json_object"},
+    }
+    await socket.send(chat("j", ask, params=params))
+    _, *tokens, done = await socket.until("done", "j")
+    for index in (0, 1):
+        mine = [t for t in tokens if t["index"] == index]
+        assert isinstance(json.loads("".join(t["text"] for t in mine)), dict)
+        assert all(
+            len(entry["top_logprobs"]) == 2 for t in mine for entry in t["logprobs"]
+        )
+    assert [c["index"] for c in done["choices"]] == [0, 1]
+    assert done["usage"]["completion_tokens"] == sum(len(t["logprobs"]) for t in tokens)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    params = {"max_tokens": 60, "temperature": 0, "tools": [tool]}
+    params["tool_choice"] = "required"
+    params["parallel_tool_calls"] = False
+    await socket.send(chat("t", "Weather in Paris?", params=params))
+    _, *tokens, done = await socket.until("done", "t")
+    assert done["finish_reason"] == "tool_calls"
+    [call] = done["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
+    deltas = [d for t in tokens for d in t.get("tool_calls", ())]
+    assert deltas[0]["id"] == call["id"]
+    assert (
+        "".join(d["function"]["arguments"] for d in deltas)
+        == (call["function"]["arguments"])
+    )
+    await socket.close()
