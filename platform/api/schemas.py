@@ -395,6 +395,8 @@ class CompletionRequest(Sampling):
     echo: bool = False
     # The number of likeliest tokens to report beside each chosen one.
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    # Not OpenAI's (vLLM's and llama.cpp server's): the answer held to JSON.
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _within_choices(self) -> "CompletionRequest":
@@ -434,6 +436,8 @@ class CompletionRequest(Sampling):
             fields["top_logprobs"] = self.logprobs
         if self.echo:
             fields["echo"] = True
+        if self.response_format is not None:
+            fields["response_format"] = _engine_format(self.response_format)
         return fields
 
 

@@ -12,6 +12,7 @@ from django.utils.html import format_html, format_html_join
 
 from engines.tools import QUANTIZATIONS
 
+from .inspection import template_facts
 from .models import ModelConfig
 from .selectors import model_config_problems
 from .services import (
@@ -287,11 +288,24 @@ class ModelConfigAdmin(admin.ModelAdmin):
             parts.append(found["quantization"])
         if found.get("context_length"):
             parts.append(f"trained context {found['context_length']:,}")
-        parts.append(
-            "chat template" + (" with tools" if found.get("tool_calls") else "")
-            if found.get("chat_template")
-            else "no chat template"
-        )
+        has_template, tools = found.get("chat_template"), found.get("tool_calls")
+        where = ""
+        if model.chat_template:  # the one set here replaces the files' own
+            (has_template, tools), where = (
+                template_facts(model.chat_template),
+                " set here",
+            )
+        if has_template:
+            parts.append(
+                f"chat template{where} "
+                + (
+                    "rendering tools"
+                    if tools
+                    else "without tools (Roundhouse describes them)"
+                )
+            )
+        else:
+            parts.append("no chat template")
         return ", ".join(parts)
 
     @admin.action(description="Inspect the selected models' files again")

@@ -14,9 +14,10 @@ from pathlib import Path
 
 # A safetensors header larger than this is refused (read before allocating).
 MAX_SAFETENSORS_HEADER = 100 * 2**20
-# Words in a chat template that show it renders tools (OpenAI-style `tools`
-# passed to the template, or a model's own tool-call markup).
-TOOL_MARKERS = ("tools", "tool_call")
+# A chat template that reads `tools` renders the tools offered itself; the
+# engines decide the same way (engines.toolcalls.template_knows_tools) and
+# describe the tools in a system message to a model whose template does not.
+TOOL_MARKERS = ("tools",)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ def inspect_model_files(fmt: str, path: str | Path) -> Inspection:
         return Inspection(problem=f"cannot read {path.name}: {error}")
 
 
-def _template_facts(template: str) -> tuple[bool, bool]:
+def template_facts(template: str) -> tuple[bool, bool]:
+    """Whether there is a chat template, and whether it renders tools."""
     return bool(template), any(marker in template for marker in TOOL_MARKERS)
 
 
@@ -71,7 +73,7 @@ def _inspect_gguf(path: Path) -> Inspection:
         except ValueError:
             quantization = f"file type {file_type}"
     context = value(f"{arch}.context_length")
-    template, tools = _template_facts(str(value("tokenizer.chat_template") or ""))
+    template, tools = template_facts(str(value("tokenizer.chat_template") or ""))
     return Inspection(
         architecture=arch,
         parameters=sum(int(tensor.n_elements) for tensor in reader.tensors),
@@ -98,7 +100,7 @@ def _inspect_folder(path: Path) -> Inspection:
         template = str(found)
     if not template and (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    has_template, tools = _template_facts(template)
+    has_template, tools = template_facts(template)
     weights = sorted(path.rglob("*.safetensors"))
     parameters = sum(_safetensors_parameters(file) for file in weights) or None
     return Inspection(

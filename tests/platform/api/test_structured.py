@@ -134,6 +134,30 @@ def test_the_streaming_helper_parses_too(live):
     assert isinstance(final.choices[0].message.parsed, Person)
 
 
+def test_completions_take_a_response_format_too(live):
+    """/v1/completions' `response_format` (vLLM's and llama.cpp server's
+    extension): the text is the schema's JSON."""
+    completion = live.client().completions.create(
+        model=CHAT,
+        prompt="A pet, as JSON:",
+        max_tokens=300,
+        temperature=0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "pet",
+                    "schema": {
+                        **Pet.model_json_schema(),
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        },
+    )
+    Pet.model_validate_json(completion.choices[0].text)
+
+
 def test_unsupported_schema_feature_is_a_400_naming_it(live):
     """A schema keyword the grammar library does not implement is refused
     before anything is generated, naming the keyword."""
@@ -182,7 +206,8 @@ def test_forced_tool_call_matches_the_tool_schema(live, model):
     Weather.model_validate_json(call.function.arguments)
 
 
-def test_required_tool_call_streams_deltas(live):
+@BOTH
+def test_required_tool_call_streams_deltas(live, model):
     """`required`, streamed: the call's id, type and name come first, its
     arguments in pieces that put together validate against the tool."""
     tools = [
@@ -190,7 +215,7 @@ def test_required_tool_call_streams_deltas(live):
         openai.pydantic_function_tool(Pet, name="adopt_pet"),
     ]
     stream = live.client().chat.completions.create(
-        model=CHAT,
+        model=model,
         messages=ASK_WEATHER,
         tools=tools,
         tool_choice="required",
@@ -306,9 +331,7 @@ def test_completion_logprobs_in_the_legacy_shape(live):
     assert all(len(top) <= 2 for top in logprobs.top_logprobs)
     offsets = logprobs.text_offset
     assert offsets[0] == 0
-    assert all(
-        offsets[i + 1] == offsets[i] + len(logprobs.tokens[i]) for i in range(5)
-    )
+    assert all(offsets[i + 1] == offsets[i] + len(logprobs.tokens[i]) for i in range(5))
 
 
 # -- several choices, echo, prompt lists ----------------------------------------------

@@ -141,3 +141,25 @@ def test_deleting_a_variant_removes_the_file_its_job_wrote(
     assert not files["v-q4_0"].exists() and not files["v-q8_0"].exists()
     assert files["orig"].exists()  # not a variant: the operator's file
     assert files["v-q5_0"].exists()  # "same-file" still serves it
+
+
+def test_the_change_page_says_whether_the_template_renders_tools(admin_client):
+    """From the inspection of its files, or from the template set here, which
+    replaces theirs: whether tools go through the model's template or are
+    described by Roundhouse."""
+    model = ModelConfig.objects.create(
+        name="plain",
+        format="gguf",
+        task="chat",
+        path="SmolLM2-135M-Instruct.Q4_1.gguf",
+        inspection={"architecture": "llama", "chat_template": True},
+    )
+    page = reverse("admin:catalog_modelconfig_change", args=[model.pk])
+    assert "chat template without tools (Roundhouse describes them)" in (
+        admin_client.get(page).content.decode()
+    )
+    model.chat_template = "{% for tool in tools %}{{ tool }}{% endfor %}"
+    model.save()
+    assert "chat template set here rendering tools" in (
+        admin_client.get(page).content.decode()
+    )
