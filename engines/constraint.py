@@ -29,7 +29,7 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 from .generate_request import Function, GenerateRequest, NamedTool
 from .protocol import ErrorCode, ProtocolError
-from .toolcalls import TOOL_CLOSE, TOOL_OPEN, template_knows_tools
+from .toolcalls import TOOL_CLOSE, TOOL_OPEN
 
 log = logging.getLogger("roundhouse.engine.constraint")
 
@@ -67,7 +67,7 @@ def call_schema(tools: list[Function]) -> dict[str, Any]:
 
 
 def grammar_for(
-    request: GenerateRequest, *, chat_template: str, special_tags: bool
+    request: GenerateRequest, *, special_tags: bool
 ) -> tuple[str, str] | None:
     """The llguidance grammar an answer must follow and what it stands for
     (named in errors), or None for free text. `special_tags`: the tool-call
@@ -80,9 +80,9 @@ def grammar_for(
         schema = _with_style(dict(fmt.json_schema or {}))
         where = "response_format.json_schema.schema"
         return llguidance.LLMatcher.grammar_from_json_schema(schema), where
-    tools = tools_offered(request, chat_template)
-    if not tools:
+    if not request.tools or request.tool_choice == "none":
         return None
+    tools = list(request.tools)
     choice = request.tool_choice or "auto"
     if isinstance(choice, NamedTool):
         tools = [tool for tool in tools if tool.name == choice.name]
@@ -114,13 +114,6 @@ def _call_rule(tools: list[Function], special_tags: bool) -> tuple[str, str]:
     return opening, f'"\\n" %json {schema} "\\n" {closing}'
 
 
-def tools_offered(request: GenerateRequest, chat_template: str) -> list[Function]:
-    """The tools the prompt offers: none when the choice is `none`."""
-    if not request.tools or request.tool_choice == "none":
-        return []
-    return list(request.tools)
-
-
 class Grammars:
     """A model's constraint machinery: its llguidance tokenizer (built on
     first use: about a second for a large vocabulary), its compiled grammars
@@ -145,14 +138,16 @@ class Grammars:
 
     @property
     def tokenizer(self) -> "llguidance.LLTokenizer":
+        """Built on first use, with the slots' mask buffer."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = self._make_tokenizer()
-                width = max(self.n_vocab, self._tokenizer.vocab_size)
+                tokenizer = self._make_tokenizer()
+                width = max(self.n_vocab, tokenizer.vocab_size)
                 self._bits = np.full(
                     (self._n_slots, (width + 31) // 32), -1, dtype=np.int32
                 )
                 self._executor = llguidance.LLExecutor(1)
+                self._tokenizer = tokenizer
             return self._tokenizer
 
     def special_tags(self) -> bool:
@@ -164,7 +159,7 @@ class Grammars:
                 return False
         return True
 
-    def matcher_for(self, request: GenerateRequest, chat_template: str) -> Any:
+    def matcher_for(self, request: GenerateRequest) -> Any:
         """A fresh matcher for the request's answer, or None for free text;
         bad_request naming what the grammar library refused (a schema feature
         it does not support, a bad pattern). Blocking (compiles on first
@@ -172,7 +167,7 @@ class Grammars:
         if request.response_format is None and not request.tools:
             return None
         special = bool(request.tools) and self.special_tags()
-        built = grammar_for(request, chat_template=chat_template, special_tags=special)
+        built = grammar_for(request, special_tags=special)
         if built is None:
             return None
         grammar, where = built
@@ -200,9 +195,8 @@ class Grammars:
         """Compute the allowed-token masks of these (matcher, slot index)
         pairs in the helper thread; wait on the returned future before
         applying them."""
-        if not rows:
+        if not rows or self._bits is None:  # no matcher without the tokenizer
             return None
-        self.tokenizer  # noqa: B018 - the mask buffer exists from here on
         return self._helper.submit(
             fill_next_token_bitmask_par, self._executor, rows, self._bits
         )
@@ -214,6 +208,3 @@ class Grammars:
 
     def close(self) -> None:
         self._helper.shutdown(wait=False)
-
-
-__all__ = ["Grammars", "call_schema", "grammar_for", "template_knows_tools"]

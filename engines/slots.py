@@ -3,21 +3,12 @@ admission into a free one, the end conditions of a request (EOS, stop string,
 max_tokens, context), its text/usage events, cancel and release. The backends
 (engines/backends/) decode; engines/generation.py runs them.
 
-Prompt caching: a slot keeps the KV of the tokens it last evaluated (`tokens`)
-when its request ends. A new request goes to the free slot whose tokens share
-the longest prefix with its prompt (ties: the least recently used), which
-keeps that prefix, drops the rest, and evaluates only the new tokens (at
-least the prompt's last, whose logits give the first token). The usage
-reports the tokens taken from the cache (`cached_tokens`).
-
-A prefix that a slot in use is still reading (a burst of new conversations
-with one system prompt) is waited for instead of read twice: the new request
-waits (`awaiting`) until the other slot has read it, then copies it.
+Prompt caching (which slot a request takes, prefixes copied between slots):
+engines/prefix_sharing.py.
 
 KV groups: a backend may split its slots into `kv_groups` groups, each with
-its own share of the KV pool (llama.cpp: one context per group). A prefix is
-copied from a slot in the same group where one holds it, else from another
-group where the backend can; the pool's room is counted per group."""
+its own share of the KV pool (llama.cpp: one context per group); the pool's
+room is counted per group."""
 
 import abc
 import logging
@@ -30,26 +21,18 @@ from typing import Any
 import numpy as np
 
 from .constraint import Grammars
-from .generate_request import Function
 from .generation import GenerationBackend, GenerationRequest, describe_error
-from .protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
-from .textgen import TextStream, render_chat, validate_messages
-from .toolcalls import (
-    ToolCallStream,
-    template_knows_tools,
-    template_messages,
-    tool_schema,
-    tools_instructions,
-)
+from .prefix_sharing import PrefixSharing
+from .prompts import render_prompt
+from .protocol import ErrorCode
+from .textgen import TextStream
+from .toolcalls import ToolCallStream
 
 log = logging.getLogger("roundhouse.engine.generation")
 
 # A backend's context when none is given (engines/memory.py plans one for
 # every model an engine loads).
 DEFAULT_CONTEXT = 2048
-# A shared prefix shorter than this (a chat template's opening) neither steers
-# a request to a slot nor is copied or waited for.
-MIN_SHARED_PREFIX = 32
 # Batch requests (Batch API lines) yield to interactive ones. While an
 # interactive prompt is read they sit out; while interactive requests are
 # about (one in a slot, or one seen in the last INTERACTIVE_WINDOW_S) they
@@ -97,7 +80,7 @@ class Slot:
     calls: ToolCallStream | None = None
 
 
-class SlotBackend(GenerationBackend):
+class SlotBackend(PrefixSharing, GenerationBackend):
     """Slot bookkeeping shared by the backends: admission into a free slot, the
     end conditions of a request (EOS, stop string, max_tokens, context), the
     text/usage events, cancel and release. Subclasses decode."""
@@ -175,43 +158,12 @@ class SlotBackend(GenerationBackend):
         return self.pool_tokens // self.kv_groups
 
     def render_prompt(self, message: dict[str, Any]) -> str:
-        if "messages" in message:
-            if not self.chat_template:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    "this model has no chat template: send a completion prompt, or "
-                    "set a chat template for it in the admin",
-                )
-            messages = validate_messages(message["messages"])
-            knows_tools = template_knows_tools(self.chat_template)
-            messages = template_messages(messages, knows_tools=knows_tools)
-            tools = _functions(message)
-            offered = [tool_schema(tool) for tool in tools]
-            if offered and not knows_tools:
-                text = tools_instructions(
-                    tools, parallel=message.get("parallel_tool_calls", True)
-                )
-                if messages[0]["role"] == "system":
-                    first = messages[0]["content"]
-                    messages[0] = {"role": "system", "content": f"{first}\n\n{text}"}
-                else:
-                    messages.insert(0, {"role": "system", "content": text})
-                offered = []
-            return render_chat(
-                self.chat_template,
-                messages,
-                bos_token=self.bos_text,
-                eos_token=self.eos_text,
-                tools=offered or None,
-            )
-        prompt = message.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "send `prompt` (a string) or `messages`"
-            )
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt exceeds the cap")
-        return prompt
+        return render_prompt(
+            message,
+            template=self.chat_template,
+            bos_text=self.bos_text,
+            eos_text=self.eos_text,
+        )
 
     # -- hooks --------------------------------------------------------------------
 
@@ -362,31 +314,6 @@ class SlotBackend(GenerationBackend):
             slot.todo = []
             raise
 
-    def _cached_slot(
-        self, prompt: list[int], lent_in: dict[int, tuple[Slot, int]]
-    ) -> tuple[Slot, int]:
-        """The free slot to take: the one that starts with the longest prefix
-        of the prompt, from its own cache or copied from a slot in use in its
-        group (ties: the KV group whose requests hold the fewest tokens, then
-        the least recently used slot); and its own cache's share."""
-        held = [0] * self.kv_groups
-        for slot in self.slots:
-            if slot.request is not None:
-                held[self.group_of(slot)] += len(slot.tokens) + len(slot.todo)
-        best, best_key, best_shared = None, None, 0
-        for slot in self.slots:
-            if slot.request is not None:
-                continue
-            group = self.group_of(slot)
-            shared = _common_prefix(slot.tokens, prompt) if self.prompt_cache else 0
-            score = max(shared, self._lender(lent_in, group)[1])
-            if score < MIN_SHARED_PREFIX:
-                score = 0
-            key = (score, -held[group], -slot.used_at)
-            if best_key is None or key > best_key:
-                best, best_key, best_shared = slot, key, shared
-        return best, best_shared
-
     def pass_room(self, running: list[Slot], wanted: int, group: int = 0) -> int:
         """Room in a KV group's pool for this pass: each of its running slots'
         next token, and up to `wanted` prompt tokens; how many prompt tokens
@@ -429,71 +356,6 @@ class SlotBackend(GenerationBackend):
             f"the model's KV pool ({self.group_pool()} tokens{share}) is full "
             "with the other requests' conversations: try again shortly"
         )
-
-    def _busy_prefixes(self, prompt: list[int]) -> dict[int, tuple[Slot, int]]:
-        """Per KV group, the slot in use whose tokens share the longest prefix
-        with the prompt (a slot still reading its prompt: the prompt it will
-        hold; ties: the one holding more of it now), and that prefix's length
-        (empty: nothing to copy)."""
-        best: dict[int, tuple[Slot, int]] = {}
-        ready: dict[int, int] = {}
-        if not (self.prompt_cache and self.copies_prefix):
-            return best
-        for slot in self.slots:
-            if slot.request is None:
-                continue
-            held = slot.request.prompt_tokens if slot.todo else slot.tokens
-            shared = _common_prefix(held, prompt)
-            if shared < MIN_SHARED_PREFIX:
-                continue
-            now = min(shared, len(slot.tokens))
-            group = self.group_of(slot)
-            if (shared, now) > (best.get(group, (None, 0))[1], ready.get(group, 0)):
-                best[group], ready[group] = (slot, shared), now
-        return best
-
-    def _lender(
-        self, lent_in: dict[int, tuple[Slot, int]], group: int
-    ) -> tuple[Slot | None, int]:
-        """The slot in use a slot of `group` would copy a prefix from: one in
-        its group, else (where the backend copies across groups) the one with
-        the longest prefix in any group."""
-        if group in lent_in or not self.copies_across_groups:
-            return lent_in.get(group, (None, 0))
-        return max(lent_in.values(), key=lambda lent: lent[1], default=(None, 0))
-
-    def settle_awaiting(self) -> None:
-        """Slots waiting for a prefix another slot was reading: copy it once
-        read (or what is left of it, if that slot's request ended or failed
-        first); then they read the rest of their prompt. Run before a step."""
-        for slot in sorted(self.slots, key=lambda s: s.used_at):
-            if slot.request is None or slot.awaiting is None:
-                continue
-            donor, request, count = slot.awaiting
-            if donor.request is request and len(donor.tokens) < count:
-                continue  # still reading it
-            slot.awaiting = None
-            prompt = slot.request.prompt_tokens
-            available = _common_prefix(donor.tokens[:count], prompt)
-            if available <= slot.n_past:
-                continue
-            try:
-                copied = self._copy_prefix(donor, slot, available)
-            except Exception as error:
-                self.fail(slot, f"copying a cached prefix failed: {error!r}")
-                continue
-            if copied:
-                slot.tokens[:] = prompt[:copied]
-                slot.n_past = slot.cached = copied
-                slot.todo = list(prompt[copied:])
-                self.copied_tokens += copied
-
-    def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
-        """Make the target's KV the source's first `count` tokens (the target's
-        own dropped; both in one KV group unless copies_across_groups); how
-        many were copied. Backends that cannot share KV between slots
-        (copies_prefix False) copy nothing."""
-        return 0
 
     def _forget(self, slot: Slot) -> None:
         """Drop the slot's whole cache (its KV may not match `tokens`)."""
@@ -622,23 +484,3 @@ class SlotBackend(GenerationBackend):
         for slot in self.slots:
             if slot.request is not None:
                 self.finish(slot, "cancelled")
-
-
-def _functions(message: dict[str, Any]) -> list[Function]:
-    """The tools a request offers the model (none when its choice is none)."""
-    if message.get("tool_choice") == "none":
-        return []
-    return [
-        tool if isinstance(tool, Function) else Function.model_validate(tool)
-        for tool in message.get("tools") or ()
-    ]
-
-
-def _common_prefix(cached: list[int], prompt: list[int]) -> int:
-    """How many leading tokens the two lists share."""
-    shared = 0
-    for have, want in zip(cached, prompt, strict=False):
-        if have != want:
-            break
-        shared += 1
-    return shared

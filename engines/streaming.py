@@ -71,7 +71,7 @@ async def _prompt(
         )
         matcher = None
         if grammar:
-            matcher = backend.grammars.matcher_for(typed, backend.chat_template)
+            matcher = backend.grammars.matcher_for(typed)
         return prompt, matcher
 
     if not grammar and _prompt_chars(message) <= INLINE_PROMPT_CHARS:

@@ -266,7 +266,7 @@ def admit(text, schema):
     if schema:
         message["response_format"] = {"type": "json_schema", "json_schema": schema}
     typed = check_generate(message)
-    matcher = backend.grammars.matcher_for(typed, backend.chat_template)
+    matcher = backend.grammars.matcher_for(typed)
     events = []
     request = GenerationRequest(
         backend.tokenize(backend.render_prompt(message)),

@@ -57,7 +57,7 @@ def test_unknown_and_forbidden_models_are_not_found(live):
     [
         ({"temperature": 5}, "temperature"),
         ({"messages": []}, "messages"),
-        ({"n": 3}, "n"),
+        ({"n": 9}, "n"),
         ({"frobnicate": True}, "frobnicate"),
     ],
 )

@@ -1,0 +1,69 @@
+"""A request's prompt text: its `prompt`, or its `messages` through the
+model's chat template, with the tools it offers (rendered by the template
+where it knows tools, else described in a system message: engines/toolcalls.py)."""
+
+from typing import Any
+
+from .generate_request import Function
+from .protocol import MAX_PROMPT_CHARS, ErrorCode, ProtocolError
+from .textgen import render_chat, validate_messages
+from .toolcalls import (
+    template_knows_tools,
+    template_messages,
+    tool_schema,
+    tools_instructions,
+)
+
+
+def render_prompt(
+    message: dict[str, Any], *, template: str, bos_text: str, eos_text: str
+) -> str:
+    """The prompt text of a generate request; bad_request when the model
+    cannot serve it (a chat without a chat template)."""
+    if "messages" in message:
+        if not template:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "this model has no chat template: send a completion prompt, or "
+                "set a chat template for it in the admin",
+            )
+        messages = validate_messages(message["messages"])
+        knows_tools = template_knows_tools(template)
+        messages = template_messages(messages, knows_tools=knows_tools)
+        tools = _functions(message)
+        offered = [tool_schema(tool) for tool in tools]
+        if offered and not knows_tools:
+            text = tools_instructions(
+                tools, parallel=message.get("parallel_tool_calls", True)
+            )
+            if messages[0]["role"] == "system":
+                first = messages[0]["content"]
+                messages[0] = {"role": "system", "content": f"{first}\n\n{text}"}
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+            offered = []
+        return render_chat(
+            template,
+            messages,
+            bos_token=bos_text,
+            eos_token=eos_text,
+            tools=offered or None,
+        )
+    prompt = message.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "send `prompt` (a string) or `messages`"
+        )
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt exceeds the cap")
+    return prompt
+
+
+def _functions(message: dict[str, Any]) -> list[Function]:
+    """The tools a request offers the model (none when its choice is none)."""
+    if message.get("tool_choice") == "none":
+        return []
+    return [
+        tool if isinstance(tool, Function) else Function.model_validate(tool)
+        for tool in message.get("tools") or ()
+    ]
