@@ -42,6 +42,9 @@ class GenerationRequest:
     # engines/constraint.py), and whether tool calls are read out of it.
     matcher: Any = None
     tool_calls: bool = False
+    # The prompt's own log-probabilities (completions' echo with logprobs):
+    # its whole prompt is evaluated, none of it taken from a cache.
+    prompt_logprobs: bool = False
 
     def finish(self, event: dict[str, Any]) -> None:
         """Deliver the final event once (later calls are ignored)."""

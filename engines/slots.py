@@ -78,6 +78,9 @@ class Slot:
     # answer, when it has them.
     matcher: Any = None
     calls: ToolCallStream | None = None
+    # The prompt's log-probabilities, when asked for: its first token's entry,
+    # then one per token as its pass reads it; None once sent.
+    prompt_entries: list | None = None
 
 
 class SlotBackend(PrefixSharing, GenerationBackend):
@@ -241,6 +244,28 @@ class SlotBackend(PrefixSharing, GenerationBackend):
             ]
         return entry
 
+    def prompt_entry(self, logprobs: np.ndarray | None, token: int, top: int) -> dict:
+        """A prompt token's entry: its text as the echoed prompt spells it
+        (a special token: none), its log-probability given the tokens before
+        it (the first token: None) and the `top` likeliest there."""
+        text = self.detokenize([token])
+        if logprobs is None:
+            return {"token": text, "logprob": None, "bytes": [], "top_logprobs": []}
+        entry = self.logprob_entry(logprobs, token, top)
+        entry.update(token=text, bytes=list(text.encode("utf-8")))
+        return entry
+
+    def read_prompt_rows(self, slot: Slot, rows: list[tuple[int, Any]]) -> None:
+        """Record the prompt's log-probabilities from a pass: (the position of
+        a prompt token, the log-softmaxed logits of its row) for each token
+        the pass read; a row gives the next prompt token's entry."""
+        prompt = slot.request.prompt_tokens
+        top = slot.request.params.top_logprobs
+        for position, logprobs in rows:
+            if position + 1 < len(prompt):
+                entry = self.prompt_entry(logprobs, prompt[position + 1], top)
+                slot.prompt_entries.append(entry)
+
     def _token_entry(self, token: int, logprob: float) -> dict:
         data = self.token_bytes(token)
         return {
@@ -272,9 +297,12 @@ class SlotBackend(PrefixSharing, GenerationBackend):
             )
             return
         prompt = request.prompt_tokens
-        lent_in = self._busy_prefixes(prompt)
+        # A prompt whose log-probabilities are asked for is read whole.
+        lent_in = {} if request.prompt_logprobs else self._busy_prefixes(prompt)
         slot, shared = self._cached_slot(prompt, lent_in)
         donor, lent = self._lender(lent_in, self.group_of(slot))
+        if request.prompt_logprobs:
+            shared = 0
         # At least the prompt's last token is evaluated: its logits give the
         # first token.
         keep, lend = min(shared, len(prompt) - 1), min(lent, len(prompt) - 1)
@@ -307,6 +335,9 @@ class SlotBackend(PrefixSharing, GenerationBackend):
         slot.stream = TextStream(stop=request.params.stop)
         slot.matcher = request.matcher
         slot.calls = ToolCallStream() if request.tool_calls else None
+        slot.prompt_entries = None
+        if request.prompt_logprobs:
+            slot.prompt_entries = [self.prompt_entry(None, prompt[0], 0)]
         try:
             self._open(slot)
         except BaseException:
@@ -416,9 +447,12 @@ class SlotBackend(PrefixSharing, GenerationBackend):
             if last:
                 tail, more = slot.calls.finish()
                 text, calls = text + tail, calls + more
-        if not (text or calls or slot.unsent_tokens):
+        if not (text or calls or slot.unsent_tokens or slot.prompt_entries):
             return
         event = {"event": "token", "text": text, "tokens": slot.unsent_tokens}
+        if slot.prompt_entries:  # with the answer's first text
+            event["prompt_logprobs"] = slot.prompt_entries
+            slot.prompt_entries = None
         if calls:
             event["tool_calls"] = calls
         if slot.unsent_logprobs:
@@ -470,7 +504,7 @@ class SlotBackend(PrefixSharing, GenerationBackend):
         except Exception:  # the slot is reused all the same; its state is reset
             log.exception("clearing slot %d failed", slot.index)
         slot.request = slot.next_token = slot.state = slot.awaiting = None
-        slot.matcher = slot.calls = None
+        slot.matcher = slot.calls = slot.prompt_entries = None
         slot.todo = []
 
     def cancel(self, request_id: str) -> bool:

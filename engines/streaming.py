@@ -129,6 +129,7 @@ async def serve_generation(
         background=message.get("priority") == "batch",
         matcher=matcher,
         tool_calls=bool(typed.tools and typed.tool_choice != "none"),
+        prompt_logprobs=typed.echo and params.logprobs,
     )
     if message.get("request_id"):
         request.id = message["request_id"]
@@ -142,6 +143,7 @@ async def serve_generation(
     hangup.add_done_callback(lambda _: ready.set())
     parts: list[str] = []
     logprobs: list[dict] = []
+    prompt_logprobs: list[dict] = []
     final = False
     # A stream's start frame leaves once the request has a slot (the front
     # answers its HTTP status then): a request refused in the queue (full,
@@ -184,6 +186,7 @@ async def serve_generation(
                     else:
                         parts.append(event["text"])
                         logprobs.extend(event.get("logprobs", ()))
+                        prompt_logprobs.extend(event.get("prompt_logprobs", ()))
                     continue
                 final = True
                 if event["event"] == "error":
@@ -203,6 +206,8 @@ async def serve_generation(
                         reply["text"] = "".join(parts)
                         if params.logprobs:
                             reply["logprobs"] = logprobs
+                        if request.prompt_logprobs:
+                            reply["prompt_logprobs"] = prompt_logprobs
                 frames.append(encode_message(reply))
             if frames:
                 writer.write(b"".join(frames))

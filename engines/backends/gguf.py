@@ -31,6 +31,10 @@ log = logging.getLogger("roundhouse.engine.gguf")
 # Prompt tokens evaluated per step across all slots. A long prompt is fed in
 # chunks of this size, so running streams wait at most one chunk per token.
 BATCH_TOKENS = 512
+# Prompt tokens read per pass for a request that asks for its prompt's
+# log-probabilities: each keeps its row of logits (llama.cpp's output buffer
+# holds them: 32 rows of SmolLM2's 49,152 logits are 6 MiB).
+SCORED_TOKENS = 32
 # Repeat/frequency/presence penalties look at this many previous tokens.
 PENALTY_WINDOW = 64
 
@@ -84,6 +88,9 @@ class _Group:
     firsts: list = field(default_factory=list)
     running: list = field(default_factory=list)
     reading: list = field(default_factory=list)
+    # Prompt tokens whose rows give their prompt's log-probabilities:
+    # (slot, batch row, position).
+    scored: list = field(default_factory=list)
 
 
 class LlamaBackend(SlotBackend):
@@ -336,6 +343,7 @@ class LlamaBackend(SlotBackend):
         for group in self.groups:
             group.batch.n_tokens = 0
             group.firsts, group.running, group.reading = [], [], []
+            group.scored = []
         # Each group's KV room: its running slots' tokens, then prompt chunks
         # (the pass takes at most BATCH_TOKENS in all).
         budget = BATCH_TOKENS - len(going)
@@ -372,13 +380,20 @@ class LlamaBackend(SlotBackend):
                 continue  # no request, waiting for a prefix, or prompt read
             if take <= 0:
                 continue
+            scoring = slot.prompt_entries is not None
+            if scoring:  # every row's logits kept: a smaller chunk
+                take = min(take, SCORED_TOKENS)
             chunk, slot.todo = slot.todo[:take], slot.todo[take:]
             room[number] -= len(chunk)
             budget -= len(chunk)
             slot.tokens.extend(chunk)
             for offset, token in enumerate(chunk):
                 last = not slot.todo and offset == len(chunk) - 1
-                index = self._add(group, token, slot.n_past, slot.index, last)
+                index = self._add(
+                    group, token, slot.n_past, slot.index, last or scoring
+                )
+                if scoring and not last:
+                    group.scored.append((slot, index, slot.n_past))
                 slot.n_past += 1
             if not slot.todo:
                 group.firsts.append((slot, index))
@@ -412,6 +427,10 @@ class LlamaBackend(SlotBackend):
                 for slot in group.reading:
                     self.fail(slot, f"llama_decode returned {code}")
                 continue
+            for slot, index, position in group.scored:
+                if slot.request is not None:
+                    rows = [(position, self._logprobs(group.ctx, index))]
+                    self.read_prompt_rows(slot, rows)
             firsts += outputs
             running += later
         if masks is not None:

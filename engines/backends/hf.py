@@ -180,7 +180,16 @@ class TransformersBackend(SlotBackend):
         if running:
             self._decode(running)
 
-    def _forward(self, input_ids, kv_layers, attention_mask=None, position_ids=None):
+    def _forward(
+        self,
+        input_ids,
+        kv_layers,
+        attention_mask=None,
+        position_ids=None,
+        every_row: bool = False,
+    ):
+        """The last position's logits (every position's with `every_row`)
+        and the new KV."""
         cache = DynamicCache(ddp_cache_data=kv_layers or None, config=self.model.config)
         out = self.model(
             input_ids=input_ids,
@@ -190,7 +199,7 @@ class TransformersBackend(SlotBackend):
             use_cache=True,
         )
         layers = [(layer.keys, layer.values) for layer in out.cache.layers]
-        return out.logits[:, -1, :], layers
+        return (out.logits if every_row else out.logits[:, -1, :]), layers
 
     def _prefill(self, slot: Slot, size: int) -> None:
         state: _SlotState = slot.state
@@ -200,9 +209,20 @@ class TransformersBackend(SlotBackend):
         ids = torch.tensor([chunk], device=self.device)
         positions = torch.arange(start, start + len(chunk), device=self.device)[None]
         mask = torch.ones((1, start + len(chunk)), dtype=torch.long, device=self.device)
+        scoring = slot.prompt_entries is not None
         logits, state.kv.layers = self._forward(
-            ids, state.kv.layers, attention_mask=mask, position_ids=positions
+            ids,
+            state.kv.layers,
+            attention_mask=mask,
+            position_ids=positions,
+            every_row=scoring,
         )
+        if scoring:  # each row gives the next prompt token's log-probability
+            rows = torch.log_softmax(logits[0].double(), dim=-1).cpu().numpy()
+            self.read_prompt_rows(
+                slot, [(start + offset, row) for offset, row in enumerate(rows)]
+            )
+            logits = logits[:, -1, :]
         slot.n_past = state.kv.length
         if not slot.todo:
             self._sample([slot], logits)

@@ -73,7 +73,10 @@ async def generation_answer(
             echoed = _echoed(fields, reply) if payload.echo else ""
             logprobs = None
             if entries is not None:
-                logprobs, _ = completion_logprobs(entries, len(echoed))
+                # Echoed, the prompt's tokens come first (from offset 0).
+                scored = reply.get("prompt_logprobs", []) + entries
+                offset = 0 if payload.echo else len(echoed)
+                logprobs, _ = completion_logprobs(scored, offset)
             choice = {
                 "index": index,
                 "text": echoed + reply.get("text", ""),

@@ -90,8 +90,11 @@ def completion_logprobs(
     for entry in entries:
         out["tokens"].append(entry["token"])
         out["token_logprobs"].append(entry["logprob"])
+        # An echoed prompt's first token has no log-probability, nor top.
         out["top_logprobs"].append(
-            {top["token"]: top["logprob"] for top in entry["top_logprobs"]}
+            None
+            if entry["logprob"] is None
+            else {top["token"]: top["logprob"] for top in entry["top_logprobs"]}
         )
         out["text_offset"].append(offset)
         offset += len(entry["token"])

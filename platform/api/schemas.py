@@ -400,12 +400,6 @@ class CompletionRequest(Sampling):
 
     @model_validator(mode="after")
     def _within_choices(self) -> "CompletionRequest":
-        if self.echo and self.logprobs is not None:
-            raise _field_error(
-                "logprobs",
-                "the prompt's log-probabilities (echo with logprobs) are not "
-                "supported: ask for one or the other",
-            )
         if len(self.prompts()) * self.choices_per_prompt > MAX_CHOICES:
             raise _field_error(
                 "n", f"prompts times n must be at most {MAX_CHOICES} choices"

@@ -131,10 +131,19 @@ async def generation_stream(
                         ],
                     }
                 )
-            elif echoes[index]:
+            elif echoes[index] and payload.logprobs is None:
                 pending[index] = chunk(index, {"text": echoes[index]}, None)
+        relay = merged([frames for frames, _ in opened])
         try:
-            async for index, frame in merged([frames for frames, _ in opened]):
+            async for index, frame in relay:
+                if frame.get("prompt_logprobs"):
+                    # The echoed prompt leaves with its log-probabilities.
+                    echoed = {
+                        "text": echoes[index],
+                        "logprobs": frame["prompt_logprobs"],
+                    }
+                    offsets[index] = 0
+                    pending[index] = chunk(index, echoed, None)
                 if frame.get("event") == "token":
                     if call.first_token_at is None:
                         call.first_token_at = time.perf_counter()
@@ -172,7 +181,9 @@ async def generation_stream(
             call.status, call.error_code = error.status, error.code or ""
             yield b"".join(pending) + sse(error.body())
         finally:
-            # Hanging up on the engine cancels the request there.
+            # The relay first (it stops reading the streams), then hanging up
+            # on the engine, which cancels the requests there.
+            await relay.aclose()
             for frames, _ in opened:
                 await frames.aclose()
 

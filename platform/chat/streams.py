@@ -180,7 +180,11 @@ class ChatStream:
         # stored turn is the first choice's.
         several = len(opened) > 1
         ends: dict[int, dict] = {}
-        async for index, frame in merged([frames for frames, _ in opened]):
+        relay = merged([frames for frames, _ in opened])
+        # The call's end closes the engine streams: the relay must have
+        # stopped reading them by then.
+        self.call.held.push_async_callback(relay.aclose)
+        async for index, frame in relay:
             event = frame.get("event")
             if event == "token":
                 if call.first_token_at is None:

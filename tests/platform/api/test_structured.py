@@ -15,10 +15,12 @@ from pydantic import BaseModel
 from catalog.models import ModelConfig
 from fleet.models import EngineSpec
 from tests.platform import live_platform
-from tests.platform.live_platform import CHAT, ENGINE, start_live
+from tests.platform.live import wait_for
+from tests.platform.live_platform import CHAT, ENGINE, start_live, wait_for_usage
 
 database = live_platform.database
 models_dir_path = live_platform.models_dir_path
+orm = live_platform.orm
 
 HF = "smollm2-via-transformers"
 BOTH = pytest.mark.parametrize("model", [CHAT, HF])
@@ -334,6 +336,60 @@ def test_completion_logprobs_in_the_legacy_shape(live):
     assert all(offsets[i + 1] == offsets[i] + len(logprobs.tokens[i]) for i in range(5))
 
 
+@BOTH
+def test_echo_with_logprobs_scores_the_prompt(live, model):
+    """echo with logprobs: the prompt's tokens come first, the first with no
+    log-probability; each next one's distribution is the one the model gives
+    for the next token after the prompt so far (checked against a request
+    that stops there), and the offsets follow the echoed text."""
+    client = live.client()
+    whole = client.completions.create(
+        model=model,
+        prompt="The capital of France is",
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=5,
+    )
+    choice = whole.choices[0]
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == choice.text
+    assert choice.text.startswith("The capital of France is")
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    offsets = logprobs.text_offset
+    assert offsets == [
+        len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))
+    ]
+    # The entry of " is" is what the model says after "The capital of France".
+    at = logprobs.tokens.index(" is")
+    shorter = client.completions.create(
+        model=model,
+        prompt="The capital of France",
+        max_tokens=1,
+        temperature=0,
+        logprobs=5,
+    )
+    expected = shorter.choices[0].logprobs.top_logprobs[0]
+    got = logprobs.top_logprobs[at]
+    assert set(got) == set(expected)
+    assert all(abs(got[token] - expected[token]) < 0.05 for token in got)
+    streamed = list(
+        client.completions.create(
+            model=model,
+            prompt="The capital of France is",
+            max_tokens=2,
+            temperature=0,
+            echo=True,
+            logprobs=5,
+            stream=True,
+        )
+    )
+    first = streamed[0].choices[0]
+    assert first.text == "The capital of France is"
+    assert first.logprobs.tokens == logprobs.tokens[: len(first.logprobs.tokens)]
+
+
 # -- several choices, echo, prompt lists ----------------------------------------------
 
 
@@ -382,6 +438,37 @@ def test_n_streams_interleave_by_index(live):
     assert sorted(ends) == [0, 1]
     assert texts[0] and texts[1]
     assert chunks[-1].usage.completion_tokens > 10
+
+
+def _busy(live) -> int:
+    models = live.engine().state()["models"]
+    model = next(m for m in models if m["name"] == CHAT)
+    return model["busy"] + model["queued"]
+
+
+def test_hanging_up_on_several_choices_cancels_them_all(live, orm):
+    """A client that leaves a streamed n=2 answer: both choices' requests end
+    in the engine (busy two while read, none after), and the call is
+    recorded as hung up with the tokens it had sent."""
+    stream = live.client().chat.completions.create(
+        model=CHAT,
+        messages=[{"role": "user", "content": "Write a very long story."}],
+        temperature=1.0,
+        max_tokens=900,
+        n=2,
+        stream=True,
+    )
+    seen = set()
+    for chunk in stream:
+        seen.update(choice.index for choice in chunk.choices)
+        if seen == {0, 1}:
+            break
+    assert _busy(live) == 2
+    stream.close()
+    # Left running, 2 x 900 tokens take over a minute here.
+    wait_for(lambda: _busy(live) == 0, timeout=15, what="both requests to end")
+    row = wait_for_usage(endpoint="chat.completions", status=499)
+    assert 2 <= row.completion_tokens < 200
 
 
 def test_completions_echo_and_prompt_lists(live, models_dir_path):
