@@ -180,7 +180,7 @@ class Grammars:
             if cached.is_error():
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST,
-                    f"{where}: not supported by the grammar engine: "
+                    f"{where}: refused by the grammar engine (llguidance): "
                     f"{cached.get_error()}",
                 )
             with self._lock:

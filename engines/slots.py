@@ -270,7 +270,8 @@ class SlotBackend(PrefixSharing, GenerationBackend):
         data = self.token_bytes(token)
         return {
             "token": data.decode("utf-8", "replace"),
-            "logprob": max(logprob, -9999.0),
+            # Rounding can leave a certain token's a hair above 0.
+            "logprob": min(0.0, max(logprob, -9999.0)),
             "bytes": list(data),
         }
 

@@ -100,10 +100,14 @@ COMPLETION_LOGPROBS = {
     "type": ["object", "null"],
     "properties": {
         "tokens": {"type": "array", "items": {"type": "string"}},
-        "token_logprobs": {"type": "array", "items": {"type": "number"}},
+        # An echoed prompt's first token has neither (null).
+        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
         "top_logprobs": {
             "type": "array",
-            "items": {"type": "object", "additionalProperties": {"type": "number"}},
+            "items": {
+                "type": ["object", "null"],
+                "additionalProperties": {"type": "number"},
+            },
         },
         "text_offset": {"type": "array", "items": {"type": "integer"}},
     },

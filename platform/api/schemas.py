@@ -1,63 +1,53 @@
-"""Typed request bodies of the OpenAI-compatible endpoints.
+"""Typed request bodies of the OpenAI-compatible endpoints, and their parsing
+(a 400 naming the first bad field).
 
 The same classes validate requests and produce `/v1/openapi.json`, so the document
 always matches what the endpoints accept. Fields OpenAI defines that Roundhouse
 does not implement are refused by name (`extra="forbid"`) rather than ignored.
+Their building blocks: api.schema_base; tools and response formats:
+api.answer_formats.
 """
 
 import json
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    GetJsonSchemaHandler,
-    JsonValue,
-    ValidationError,
-    WithJsonSchema,
-    field_validator,
-    model_validator,
-)
-from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import PydanticCustomError, core_schema
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from engines.generate_request import FUNCTION_NAME, MAX_PROMPT_TOKENS, MAX_TOOLS
+from engines.generate_request import MAX_PROMPT_TOKENS, MAX_TOOLS
 from engines.protocol import (
     MAX_MESSAGES,
-    MAX_PENALTY,
     MAX_PROMPT_CHARS,
     MAX_SEED,
-    MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    MAX_TEMPERATURE,
     MAX_TEXTS_PER_REQUEST,
-    MAX_TOKENS_CAP,
     MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     TEMPERATURE_RANGE,
-    ProtocolError,
-    check_text,
     find_lone_surrogate,
 )
 
+from .answer_formats import (
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCallIn,
+    engine_format,
+)
 from .errors import ApiError
-
-
-@dataclass(frozen=True)
-class NoNul:
-    """States in the JSON Schema (as a `pattern`) the rule `Strict._clean_text`
-    enforces on every string: no NUL character. The check itself stays a plain
-    search, which names the field; a regex would scan each text once more."""
-
-    PATTERN = r"^[^\u0000]*$"
-
-    def __get_pydantic_json_schema__(
-        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
-    ) -> JsonSchemaValue:
-        return {**handler(schema), "pattern": self.PATTERN}
-
+from .schema_base import (
+    MaxTokens,
+    ModelName,
+    Name,
+    NoNul,
+    Penalty,
+    Prompt,
+    StopText,
+    Strict,
+    Temperature,
+    Text,
+    field_error,
+)
 
 # Choices one answer may hold (prompts times n), and texts or token arrays
 # one completions request may send.
@@ -66,79 +56,10 @@ MAX_PROMPTS = 8
 # Completions' `logprobs`: the likeliest tokens reported beside each (OpenAI's cap).
 MAX_COMPLETION_LOGPROBS = 5
 
-# The bounds are the engines' own (engines.protocol), checked here first so that
-# a bad value is a 400 naming its field before any engine is asked.
-Name = Annotated[str, NoNul()]
-ModelName = Annotated[str, Field(min_length=1, max_length=200), NoNul()]
-Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), NoNul()]
-# The engine refuses an empty prompt: so does the schema.
-Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS), NoNul()]
-StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), NoNul()]
-Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
-MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)]
-# 0 is greedy; between 0 and MIN_TEMPERATURE is refused (`_greedy_or_warm`),
-# which the document states as one of two alternatives.
-Temperature = Annotated[
-    float,
-    Field(ge=0, le=MAX_TEMPERATURE),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"const": 0},
-                {
-                    "type": "number",
-                    "minimum": MIN_TEMPERATURE,
-                    "maximum": MAX_TEMPERATURE,
-                },
-            ],
-            "description": TEMPERATURE_RANGE,
-        }
-    ),
-]
-
-
-class Strict(BaseModel):
-    # NaN and infinities are refused: a JSON body can carry them (`NaN`, `1e999`).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @field_validator("*")
-    @classmethod
-    def _clean_text(cls, value: Any) -> Any:
-        """Every string a caller sends, alone or in a list: the engines' check (no
-        NUL character, valid Unicode)."""
-        items = value if isinstance(value, list) else [value]
-        for item in items:
-            if isinstance(item, str):
-                try:
-                    check_text(item, "the text")
-                except ProtocolError as error:
-                    raise PydanticCustomError("text", error.message) from None
-        return value
-
 
 class TextPart(Strict):
     type: Literal["text"]
     text: Text
-
-
-FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME)]
-# A JSON schema (a response format's, a tool's parameters): its size is
-# bounded by the engines (generate_request.MAX_SCHEMA_CHARS) and its features
-# by the grammar library, which names what it does not support.
-JsonSchema = dict[str, JsonValue]
-
-
-class FunctionCallIn(Strict):
-    name: FunctionName
-    arguments: Text
-
-
-class ToolCallIn(Strict):
-    """A call an earlier assistant turn made."""
-
-    id: Annotated[str, Field(min_length=1, max_length=200), NoNul()]
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
 
 
 class ChatMessage(Strict):
@@ -166,56 +87,6 @@ class ChatMessage(Strict):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
-
-
-class FunctionDefinition(Strict):
-    name: FunctionName
-    description: Text | None = None
-    parameters: JsonSchema | None = None
-    strict: bool | None = None
-
-
-class Tool(Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(Strict):
-    name: FunctionName
-
-
-class NamedToolChoice(Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(Strict):
-    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
-    description: Text | None = None
-    # OpenAI's field name; `schema` would shadow pydantic's own attribute.
-    schema_: JsonSchema | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class TextFormat(Strict):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(Strict):
-    type: Literal["json_object"]
-
-
-class JsonSchemaResponseFormat(Strict):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaFormat
-
-
-ResponseFormat = Annotated[
-    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat,
-    Field(discriminator="type"),
-]
 
 
 class StreamOptions(Strict):
@@ -311,18 +182,18 @@ class ChatCompletionRequest(Sampling):
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
-            raise _field_error("top_logprobs", "needs `logprobs` set to true")
+            raise field_error("top_logprobs", "needs `logprobs` set to true")
         if self.tool_choice is not None and self.tool_choice != "none":
             if not self.tools:
-                raise _field_error("tool_choice", "needs `tools`")
+                raise field_error("tool_choice", "needs `tools`")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = {tool.function.name for tool in self.tools or ()}
             if self.tool_choice.function.name not in names:
-                raise _field_error(
+                raise field_error(
                     "tool_choice", "names a function that is not among the tools"
                 )
         if self.tools and self.response_format and self.response_format.type != "text":
-            raise _field_error(
+            raise field_error(
                 "response_format", "a JSON answer cannot be asked for with tools"
             )
         return self
@@ -339,7 +210,7 @@ class ChatCompletionRequest(Sampling):
             fields["logprobs"] = True
             fields["top_logprobs"] = self.top_logprobs or 0
         if self.response_format is not None:
-            fields["response_format"] = _engine_format(self.response_format)
+            fields["response_format"] = engine_format(self.response_format)
         if self.tools:
             fields["tools"] = [
                 {
@@ -358,20 +229,6 @@ class ChatCompletionRequest(Sampling):
             if self.parallel_tool_calls is not None:
                 fields["parallel_tool_calls"] = self.parallel_tool_calls
         return fields
-
-
-def _engine_format(fmt: TextFormat | JsonObjectFormat | JsonSchemaResponseFormat):
-    if isinstance(fmt, JsonSchemaResponseFormat):
-        schema = fmt.json_schema.schema_ or {"type": "object"}
-        return {"type": "json_schema", "json_schema": schema}
-    return {"type": fmt.type}
-
-
-def _field_error(field: str, message: str) -> PydanticCustomError:
-    """A body whose fields disagree: named by the field at fault."""
-    return PydanticCustomError(
-        "consistency", "{message}", {"field": field, "message": message}
-    )
 
 
 TokenIds = Annotated[
@@ -401,7 +258,7 @@ class CompletionRequest(Sampling):
     @model_validator(mode="after")
     def _within_choices(self) -> "CompletionRequest":
         if len(self.prompts()) * self.choices_per_prompt > MAX_CHOICES:
-            raise _field_error(
+            raise field_error(
                 "n", f"prompts times n must be at most {MAX_CHOICES} choices"
             )
         return self
@@ -431,7 +288,7 @@ class CompletionRequest(Sampling):
         if self.echo:
             fields["echo"] = True
         if self.response_format is not None:
-            fields["response_format"] = _engine_format(self.response_format)
+            fields["response_format"] = engine_format(self.response_format)
         return fields
 
 

@@ -15,7 +15,8 @@ from pydantic import Field, StringConstraints
 from api import errors
 from api.models import ApiKey
 from api.pipeline import authenticate, database_failed
-from api.schemas import Strict, parse
+from api.schema_base import Strict
+from api.schemas import parse
 from api.selectors import in_db_thread
 
 from . import selectors, services

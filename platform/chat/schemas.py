@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from api import errors
-from api.schemas import ChatCompletionRequest, ModelName, Name, Strict, parse_object
+from api.schema_base import ModelName, Name, Strict
+from api.schemas import ChatCompletionRequest, parse_object
 
 # The fields a chat's `params` may set: those of /v1/chat/completions that
 # shape the answer (not how it is delivered: `stream`, `stream_options`).
