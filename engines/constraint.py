@@ -80,7 +80,7 @@ def grammar_for(
         schema = _with_style(dict(fmt.json_schema or {}))
         where = "response_format.json_schema.schema"
         return llguidance.LLMatcher.grammar_from_json_schema(schema), where
-    if not request.tools or request.tool_choice == "none":
+    if not request.offers_tools:
         return None
     tools = list(request.tools)
     choice = request.tool_choice or "auto"
@@ -164,7 +164,7 @@ class Grammars:
         bad_request naming what the grammar library refused (a schema feature
         it does not support, a bad pattern). Blocking (compiles on first
         use): run it off the event loop and the decode thread."""
-        if request.response_format is None and not request.tools:
+        if not request.constrained:
             return None
         special = bool(request.tools) and self.special_tags()
         built = grammar_for(request, special_tags=special)

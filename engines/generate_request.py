@@ -132,6 +132,18 @@ class GenerateRequest(Wire):
     # Send the prompt's text back with the answer (completions' `echo`).
     echo: bool = False
 
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the model is offered tools (a choice of `none` offers none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the answer is held to a grammar: JSON, or calls of the
+        offered tools (engines/constraint.py)."""
+        fmt = self.response_format
+        return (fmt is not None and fmt.type != "text") or self.offers_tools
+
 
 def check_generate(message: dict[str, Any]) -> GenerateRequest:
     """A generate request's fields, typed; bad_request naming the first bad

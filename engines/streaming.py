@@ -42,14 +42,6 @@ def _prompt_chars(message: dict) -> int:
     return 0
 
 
-def constrained(typed: GenerateRequest) -> bool:
-    """Whether the answer is held to a grammar (JSON, or the offered tools)."""
-    fmt = typed.response_format
-    return (fmt is not None and fmt.type != "text") or bool(
-        typed.tools and typed.tool_choice != "none"
-    )
-
-
 async def _prompt(
     model: ResidentModel,
     message: dict,
@@ -59,7 +51,7 @@ async def _prompt(
     """The request's prompt and, for a constrained answer, its grammar's
     matcher (compiled on first use: always off the event loop)."""
     backend = model.runner.backend
-    grammar = constrained(typed)
+    grammar = typed.constrained
 
     def render() -> tuple[Prompt, Any]:
         prompt = fit_prompt(
@@ -128,7 +120,7 @@ async def serve_generation(
         emit=emit,
         background=message.get("priority") == "batch",
         matcher=matcher,
-        tool_calls=bool(typed.tools and typed.tool_choice != "none"),
+        tool_calls=typed.offers_tools,
         prompt_logprobs=typed.echo and params.logprobs,
     )
     if message.get("request_id"):
@@ -150,7 +142,8 @@ async def serve_generation(
     # timed out, unloading) gets its error frame instead, before any start.
     started = not stream
     start = b""
-    # `echo`: the prompt's text goes back with the answer.
+    # `echo`: the prompt's text goes back with the start frame of a stream,
+    # with the answer otherwise.
     echoed = (
         {"prompt_text": runner.backend.detokenize(prompt_tokens)} if typed.echo else {}
     )
@@ -196,13 +189,13 @@ async def serve_generation(
                         frames.append(start)
                         started = True
                     reply = {"status": "ok", **event, "request_id": request.id}
-                    reply.update(echoed)
                     reply["dropped_messages"] = prompt.dropped_messages
                     reply["timings"] = {
                         "first_token_ms": first_token_ms,
                         "total_ms": _ms_since(received),
                     }
                     if not stream:
+                        reply.update(echoed)
                         reply["text"] = "".join(parts)
                         if params.logprobs:
                             reply["logprobs"] = logprobs

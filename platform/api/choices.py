@@ -143,17 +143,23 @@ def chat_message(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 async def choices_open(
-    call: Call, route: ModelRoute, snapshot: Snapshot, requests: list[dict]
-) -> list[tuple[AsyncIterator[dict], dict]]:
+    call: Call,
+    route: ModelRoute,
+    snapshot: Snapshot,
+    requests: list[dict],
+    *,
+    per_prompt: int,
+) -> tuple[list[tuple[AsyncIterator[dict], dict]], Tally]:
     """Open every choice's engine stream at once (each waits for its slot);
-    the streams and their start frames, in choice order. A refusal closes the
-    ones already open and is raised."""
+    the streams and their start frames, in choice order, and the tally of
+    their usage (the call counts their prompts' tokens from here). A refusal
+    closes the ones already open and is raised."""
     tasks = [
         asyncio.ensure_future(generation_open(call, route, snapshot, fields))
         for fields in requests
     ]
     try:
-        return list(await asyncio.gather(*tasks))
+        opened = list(await asyncio.gather(*tasks))
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -162,6 +168,11 @@ async def choices_open(
                 frames, _ = await task
                 await frames.aclose()
         raise
+    tally = Tally(per_prompt=per_prompt)
+    for index, (_, start) in enumerate(opened):
+        tally.started(index, start)
+    call.prompt_tokens = tally.usage()["prompt_tokens"]
+    return opened, tally
 
 
 async def merged(

@@ -17,7 +17,6 @@ from routing.select import ModelRoute, Snapshot
 from .calls import Call
 from .choices import (
     Payload,
-    Tally,
     chat_logprobs,
     choices_open,
     completion_logprobs,
@@ -58,11 +57,9 @@ async def generation_stream(
     (a refusal before that is the answer's error status)."""
     requests = engine_requests(payload, "interactive")
     created = int(time.time())
-    opened = await choices_open(call, route, snapshot, requests)
-    tally = Tally(per_prompt=payload.choices_per_prompt)
-    for index, (_, start) in enumerate(opened):
-        tally.started(index, start)
-    call.prompt_tokens = tally.usage()["prompt_tokens"]
+    opened, tally = await choices_open(
+        call, route, snapshot, requests, per_prompt=payload.choices_per_prompt
+    )
     first_start = opened[0][1]
     base = {
         "id": ("chatcmpl-" if chat else "cmpl-") + first_start.get("request_id", ""),

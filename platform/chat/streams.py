@@ -28,7 +28,6 @@ from django import db
 from api import errors
 from api.calls import Call, after_answer
 from api.choices import (
-    Tally,
     choices_open,
     engine_requests,
     finish_reason,
@@ -156,11 +155,9 @@ class ChatStream:
             await self._check_conversation(chat.conversation)
         route, snapshot = await model_route(call, request.model)
         await admit(call)
-        opened = await choices_open(call, route, snapshot, requests)
-        tally = Tally(per_prompt=request.choices_per_prompt)
-        for index, (_, opening) in enumerate(opened):
-            tally.started(index, opening)
-        call.prompt_tokens = tally.usage()["prompt_tokens"]
+        opened, tally = await choices_open(
+            call, route, snapshot, requests, per_prompt=request.choices_per_prompt
+        )
         start = opened[0][1]
         self._messages = requests[0]["messages"]
         self.answer.model, self.answer.engine = route.name, call.engine
@@ -199,7 +196,7 @@ class ChatStream:
                     message["tool_calls"] = tool_call_deltas(frame["tool_calls"])
                 if frame.get("logprobs"):
                     message["logprobs"] = frame["logprobs"]
-                if not (text or len(message) > 3):
+                if not (text or "tool_calls" in message or "logprobs" in message):
                     continue  # tokens inside a call's markup: counted only
                 if several:
                     message["index"] = index
