@@ -27,6 +27,7 @@ import numpy as np
 
 from .backends.gguf import _init_llama_cpp
 from .config import usable_cores
+from .prefix_sharing import common_prefix
 from .quantize import gguf_quantization
 from .tools import MIB, EvaluateRequest, EvaluateResult, tool_main
 
@@ -199,15 +200,6 @@ def _agreement(context: _Context, prompt: list[int], reference: list[int]) -> in
     return int((logits.argmax(axis=1) == np.asarray(reference)).sum())
 
 
-def _common_prefix(one: list[int], other: list[int]) -> int:
-    count = 0
-    for a, b in zip(one, other, strict=False):
-        if a != b:
-            break
-        count += 1
-    return count
-
-
 def evaluate(request: EvaluateRequest) -> EvaluateResult:
     """Measure the model, or say why it cannot be."""
     path, text_path = Path(request.path), Path(request.text_path)
@@ -244,7 +236,7 @@ def evaluate(request: EvaluateRequest) -> EvaluateResult:
                 for p, r in zip(prompts, request.reference, strict=True)
             )
             same = sum(
-                _common_prefix(own, r)
+                common_prefix(own, r)
                 for own, r in zip(greedy, request.reference, strict=True)
             )
             agreement, identical = agreed / total, same / total
