@@ -134,11 +134,16 @@ class Grammars:
         self._bits: np.ndarray | None = None
         self._n_slots = n_slots
         self._executor: llguidance.LLExecutor | None = None
+        self._special_tags: bool | None = None
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="masks")
 
     @property
     def tokenizer(self) -> "llguidance.LLTokenizer":
-        """Built on first use, with the slots' mask buffer."""
+        return self.load()
+
+    def load(self) -> "llguidance.LLTokenizer":
+        """The tokenizer, built with the slots' mask buffer on first use
+        (blocking: about a second for a large vocabulary)."""
         with self._lock:
             if self._tokenizer is None:
                 tokenizer = self._make_tokenizer()
@@ -151,13 +156,18 @@ class Grammars:
             return self._tokenizer
 
     def special_tags(self) -> bool:
-        """Whether the tool-call tags are special tokens of this vocabulary."""
-        tokenizer = self.tokenizer
-        for tag in (TOOL_OPEN, TOOL_CLOSE):
-            ids = tokenizer.tokenize_str(tag, parse_special=True)
-            if len(ids) != 1 or not tokenizer.is_special_token(ids[0]):
-                return False
-        return True
+        """Whether the tool-call tags are special tokens of this vocabulary
+        (read once)."""
+        if self._special_tags is None:
+            tokenizer = self.tokenizer
+            self._special_tags = all(
+                len(ids) == 1 and tokenizer.is_special_token(ids[0])
+                for ids in (
+                    tokenizer.tokenize_str(tag, parse_special=True)
+                    for tag in (TOOL_OPEN, TOOL_CLOSE)
+                )
+            )
+        return self._special_tags
 
     def matcher_for(self, request: GenerateRequest) -> Any:
         """A fresh matcher for the request's answer, or None for free text;
@@ -166,7 +176,7 @@ class Grammars:
         use): run it off the event loop and the decode thread."""
         if not request.constrained:
             return None
-        special = bool(request.tools) and self.special_tags()
+        special = request.offers_tools and self.special_tags()
         built = grammar_for(request, special_tags=special)
         if built is None:
             return None

@@ -210,6 +210,10 @@ class SlotBackend(PrefixSharing, GenerationBackend):
 
     # -- constraints -------------------------------------------------------------------
 
+    # Whether log-probabilities read token bytes from the grammar tokenizer
+    # (built on first use: off the decode thread, see engines/streaming.py).
+    logprobs_need_grammar_tokenizer: bool = False
+
     _grammars: Grammars | None = None
 
     @property

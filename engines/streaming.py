@@ -49,9 +49,12 @@ async def _prompt(
     params: SamplingParams,
 ) -> tuple[Prompt, Any]:
     """The request's prompt and, for a constrained answer, its grammar's
-    matcher (compiled on first use: always off the event loop)."""
+    matcher (compiled on first use: always off the event loop). The model's
+    grammar tokenizer, where its log-probabilities need it, is built here
+    too: never on the decode thread, where it would hold every slot up."""
     backend = model.runner.backend
     grammar = typed.constrained
+    vocabulary = bool(params.logprobs) and backend.logprobs_need_grammar_tokenizer
 
     def render() -> tuple[Prompt, Any]:
         prompt = fit_prompt(
@@ -64,9 +67,11 @@ async def _prompt(
         matcher = None
         if grammar:
             matcher = backend.grammars.matcher_for(typed)
+        if vocabulary:
+            backend.grammars.load()
         return prompt, matcher
 
-    if not grammar and _prompt_chars(message) <= INLINE_PROMPT_CHARS:
+    if not (grammar or vocabulary) and _prompt_chars(message) <= INLINE_PROMPT_CHARS:
         return render()
     return await asyncio.get_running_loop().run_in_executor(model.executor, render)
 

@@ -44,6 +44,7 @@ class TransformersBackend(SlotBackend):
     """A transformers causal LM with `n_slots` sessions sharing its weights."""
 
     _masks = None  # this step's grammar masks being computed
+    logprobs_need_grammar_tokenizer = True  # token_bytes reads it
 
     def __init__(
         self,
