@@ -5,8 +5,10 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
-from .models import ApiKey, Usage
-from .selectors import api_keys_with_usage_totals
+from fleet.admin import SingletonAdmin
+
+from .models import ApiKey, Usage, UserLimitOverride, UserLimits
+from .selectors import api_keys_with_usage_totals, user_allowances_forget
 from .services import api_key_issue, api_key_revoke
 
 
@@ -133,3 +135,22 @@ class UsageAdmin(admin.ModelAdmin):
         self, request: HttpRequest, obj: Usage | None = None
     ) -> bool:
         return False
+
+
+class UserLimitOverrideInline(admin.TabularInline):
+    model = UserLimitOverride
+    extra = 0
+    autocomplete_fields = ["user"]
+    verbose_name_plural = "users with their own limits"
+
+
+@admin.register(UserLimits)
+class UserLimitsAdmin(SingletonAdmin):
+    """Limits of logged-in users' chat: every user's, and some users' own."""
+
+    inlines = [UserLimitOverrideInline]
+    fields = ["rpm_limit", "max_concurrent"]
+
+    def save_related(self, request, form, formsets, change) -> None:
+        super().save_related(request, form, formsets, change)
+        user_allowances_forget()  # this process at once; the others within seconds

@@ -38,6 +38,8 @@ class Call:
     key: ApiKey | None = None
     # A logged-in user's call (the WebSocket chat) has no key.
     user: Any = None
+    # A batch line: admitted in its key's batch budget (api.limits).
+    batch: bool = False
     model: str = ""
     engine: str = ""
     prompt_tokens: int = 0

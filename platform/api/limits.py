@@ -1,17 +1,22 @@
-"""Per-key admission (requests per minute, requests in flight) and the
-per-client throttle on failed keys.
+"""Admission of every caller (requests per minute, engine requests in flight)
+and the per-client throttle on failed keys.
 
-Both limits are counters in Django's default cache, so front processes that share
-the cache (Redis, see CACHES in settings) share the limits.
+Every caller is admitted against an `Allowance`: an API key's own limits, a
+logged-in user's (api.selectors.user_allowance: the defaults in the admin, or
+the user's override), or a key's batches' (the key's numbers, counted apart
+from its live requests, so a batch never starves its owner's live calls). The
+limits are counters in Django's default cache, so front processes and workers
+that share the cache (Redis, see CACHES in settings) share them.
 
-- Rate: a fixed one-minute window. Each request increments `rl:<key id>:<minute>`
-  (kept for two windows); a count above the key's rpm_limit is refused until the
+- Rate: a fixed one-minute window. Each request increments `rl:<scope>:<minute>`
+  (kept for two windows); a count above the rpm limit is refused until the
   next minute starts. Refused requests count too, so retrying in a loop does not
   help.
-- Concurrency: each request increments `cc:<key id>:<epoch>` for the current
+- Concurrency: a request weighs as many engine requests as it opens (`n`
+  choices weigh n). It adds its weight to `cc:<scope>:<epoch>` for the current
   ten-minute epoch and adds the previous epoch's counter; when the sum is above
-  max_concurrent it gives its increment back at once and is refused. On exit it
-  decrements the counter it incremented, exactly once, even when cancelled.
+  max_concurrent it gives its weight back at once and is refused. On exit it
+  takes back what it added, exactly once, even when cancelled.
   Counters live two epochs and a minute, and only the current and previous epoch
   are read: a slot leaked by a crashed process is forgotten within twenty minutes,
   while a live request counts for at least ten (one running longer than that stops
@@ -38,7 +43,13 @@ from django.core.cache.backends.locmem import LocMemCache
 from .exceptions import LimitExceeded
 from .models import ApiKey
 
-__all__ = ["FailureThrottle", "LimitExceeded", "key_admission"]
+__all__ = [
+    "Allowance",
+    "FailureThrottle",
+    "LimitExceeded",
+    "admission",
+    "key_admission",
+]
 
 log = logging.getLogger("roundhouse.api")
 
@@ -55,53 +66,89 @@ _releasing: set[asyncio.Task] = set()
 
 
 @dataclass(frozen=True)
+class Allowance:
+    """Whose counters a request counts in (`scope`, unique per caller and
+    budget), and their limits (0: unlimited)."""
+
+    scope: str
+    rpm_limit: int
+    max_concurrent: int
+    # Who is over the limit, in the refusal's message.
+    who: str = "this API key"
+
+    @classmethod
+    def of_key(cls, key: ApiKey) -> "Allowance":
+        """A key's live requests (REST, and WebSocket chat with a key)."""
+        return cls(str(key.pk), key.rpm_limit, key.max_concurrent)
+
+    @classmethod
+    def of_key_batches(cls, key: ApiKey) -> "Allowance":
+        """A key's batch lines: the key's numbers, counted apart from its live
+        requests."""
+        return cls(
+            f"b{key.pk}",
+            key.rpm_limit,
+            key.max_concurrent,
+            who="this API key's batches",
+        )
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.rpm_limit or self.max_concurrent)
+
+
+@dataclass(frozen=True)
 class _Slot:
-    """A taken concurrency slot: the counter that was incremented, and its epoch."""
+    """Taken concurrency: the counter that was incremented, by how much, and
+    its epoch."""
 
     cache_key: str
     epoch: int
+    weight: int = 1
 
 
-def _count(cache_key: str, *, ttl_s: int) -> int:
+def _count(cache_key: str, *, ttl_s: int, delta: int = 1) -> int:
     """Increment a counter, creating it with this TTL when missing; the new value."""
     try:
-        return cache.incr(cache_key)
+        return cache.incr(cache_key, delta)
     except ValueError:
         # Missing: create it. Another process may create it first; add() keeps
         # theirs and both increments count.
         cache.add(cache_key, 0, timeout=ttl_s)
-        return cache.incr(cache_key)
+        return cache.incr(cache_key, delta)
 
 
-def _rate_count(*, key: ApiKey) -> int | None:
-    """Count a request in the key's current minute; seconds to wait when over."""
+def _rate_count(allowance: Allowance) -> int | None:
+    """Count a request in the caller's current minute; seconds to wait when over."""
     now = time.time()
     window = int(now) // RATE_WINDOW_S
-    count = _count(f"rl:{key.pk}:{window}", ttl_s=RATE_TTL_S)
-    if count <= key.rpm_limit:
+    count = _count(f"rl:{allowance.scope}:{window}", ttl_s=RATE_TTL_S)
+    if count <= allowance.rpm_limit:
         return None
     return max(1, (window + 1) * RATE_WINDOW_S - int(now))
 
 
-def _slot_take(*, key: ApiKey) -> _Slot | None:
-    """Take one of the key's concurrency slots; None (nothing taken) when full."""
+def _slot_take(allowance: Allowance, weight: int) -> _Slot | None:
+    """Take `weight` of the caller's concurrency; None (nothing taken) when
+    that would go over its limit."""
     epoch = int(time.time()) // CONCURRENCY_EPOCH_S
-    slot = _Slot(cache_key=f"cc:{key.pk}:{epoch}", epoch=epoch)
-    in_flight = _count(slot.cache_key, ttl_s=CONCURRENCY_TTL_S)
-    in_flight += max(0, cache.get(f"cc:{key.pk}:{epoch - 1}", 0))
-    if in_flight > key.max_concurrent:
+    slot = _Slot(cache_key=f"cc:{allowance.scope}:{epoch}", epoch=epoch, weight=weight)
+    in_flight = _count(slot.cache_key, ttl_s=CONCURRENCY_TTL_S, delta=weight)
+    in_flight += max(0, cache.get(f"cc:{allowance.scope}:{epoch - 1}", 0))
+    if in_flight > allowance.max_concurrent:
         _slot_give_back(slot)
         return None
     return slot
 
 
 def _slot_give_back(slot: _Slot) -> None:
-    """Decrement the counter a slot incremented, while that counter is still read."""
+    """Take back what a slot added to its counter, while that counter is still
+    read."""
     if int(time.time()) // CONCURRENCY_EPOCH_S > slot.epoch + 1:
         # No longer read, and soon expired: decrementing could recreate it.
         return
     try:
-        cache.decr(slot.cache_key)
+        cache.decr(slot.cache_key, slot.weight)
     except ValueError:
         pass  # Evicted: nothing left to give back.
     except Exception:
@@ -110,25 +157,39 @@ def _slot_give_back(slot: _Slot) -> None:
         log.exception("could not give back a concurrency slot (%s)", slot.cache_key)
 
 
-def _admit(*, key: ApiKey) -> _Slot | None:
-    """Count the request in the key's minute, then take one of its concurrency
-    slots: the slot taken (None when the key has no concurrency limit), or
+class TooHeavy(LimitExceeded):
+    """A request that weighs more than its caller's whole concurrency: it
+    could never be admitted (HTTP 400, not a 429 to retry)."""
+
+
+def _admit(allowance: Allowance, weight: int) -> _Slot | None:
+    """Count the request in the caller's minute, then take `weight` of its
+    concurrency: the slot taken (None when it has no concurrency limit), or
     LimitExceeded (nothing taken)."""
-    if key.rpm_limit:
-        retry_after_s = _rate_count(key=key)
+    if allowance.max_concurrent and weight > allowance.max_concurrent:
+        raise TooHeavy(
+            f"This request opens {weight} engine requests; {allowance.who} may "
+            f"have at most {allowance.max_concurrent} in flight. Ask for fewer "
+            "choices (n).",
+            1,
+            code="concurrency_limit_exceeded",
+        )
+    if allowance.rpm_limit:
+        retry_after_s = _rate_count(allowance)
         if retry_after_s is not None:
             raise LimitExceeded(
-                f"Rate limit reached for this API key: {key.rpm_limit} requests "
-                f"per minute. Try again in {retry_after_s} s.",
+                f"Rate limit reached for {allowance.who}: {allowance.rpm_limit} "
+                f"requests per minute. Try again in {retry_after_s} s.",
                 retry_after_s,
             )
-    if not key.max_concurrent:
+    if not allowance.max_concurrent:
         return None
-    slot = _slot_take(key=key)
+    slot = _slot_take(allowance, weight)
     if slot is None:
         raise LimitExceeded(
-            f"Too many concurrent requests for this API key: at most "
-            f"{key.max_concurrent} at once.",
+            f"Too many concurrent requests for {allowance.who}: at most "
+            f"{allowance.max_concurrent} at once (a request with n choices "
+            "counts n).",
             1,
             code="concurrency_limit_exceeded",
         )
@@ -160,12 +221,12 @@ def _give_back_if_taken(taking: asyncio.Task) -> None:
         releasing.add_done_callback(_releasing.discard)
 
 
-async def _take(key: ApiKey) -> _Slot | None:
+async def _take(allowance: Allowance, weight: int) -> _Slot | None:
     if _in_process():
-        return _admit(key=key)
+        return _admit(allowance, weight)
     # Shielded: a cancellation while the counters are being incremented must not
     # lose track of the increment, so the taking runs on and is given back.
-    taking = asyncio.ensure_future(_admit_async(key=key))
+    taking = asyncio.ensure_future(_admit_async(allowance, weight))
     try:
         return await asyncio.shield(taking)
     except asyncio.CancelledError:
@@ -181,20 +242,27 @@ async def _give_back(slot: _Slot) -> None:
 
 
 @asynccontextmanager
-async def key_admission(key: ApiKey) -> AsyncIterator[None]:
-    """Admit one request of this key for the duration of the block.
+async def admission(allowance: Allowance, *, weight: int = 1) -> AsyncIterator[None]:
+    """Admit one request of this caller, weighing `weight` engine requests,
+    for the duration of the block.
 
-    Raises LimitExceeded when the key is over its requests per minute
-    (retry_after_s: seconds to the next minute) or its concurrent requests
-    (retry_after_s: 1). A refused request holds no concurrency slot; an admitted
-    one gives its slot back exactly once when the block ends, however it ends.
+    Raises LimitExceeded when the caller is over its requests per minute
+    (retry_after_s: seconds to the next minute) or its concurrent engine
+    requests (retry_after_s: 1), TooHeavy when `weight` alone is over the
+    latter. A refused request holds no concurrency; an admitted one gives its
+    weight back exactly once when the block ends, however it ends.
     """
-    slot = await _take(key) if key.rpm_limit or key.max_concurrent else None
+    slot = await _take(allowance, max(1, weight)) if allowance.limited else None
     try:
         yield
     finally:
         if slot is not None:
             await _give_back(slot)
+
+
+def key_admission(key: ApiKey, *, weight: int = 1):
+    """`admission` of one live request of this key."""
+    return admission(Allowance.of_key(key), weight=weight)
 
 
 class FailureThrottle:

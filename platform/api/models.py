@@ -1,8 +1,11 @@
-"""API keys of the OpenAI-compatible API, and one usage row per request."""
+"""API keys of the OpenAI-compatible API, the limits of logged-in users, and
+one usage row per request."""
 
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
+
+from fleet.models import SingletonModel
 
 
 class ApiKey(models.Model):
@@ -58,6 +61,55 @@ class ApiKey(models.Model):
     def revoked(self) -> bool:
         """Whether the key was revoked (a revoked key is refused, never deleted)."""
         return self.revoked_at is not None
+
+
+class UserLimits(SingletonModel):
+    """The limits of every logged-in user's chat (WebSocket chat with a
+    session), across all their sockets; a user's override replaces them."""
+
+    rpm_limit = models.PositiveIntegerField(
+        "requests per minute",
+        default=60,
+        help_text="Chat messages per minute of one user. 0: unlimited.",
+    )
+    max_concurrent = models.PositiveIntegerField(
+        "max concurrent engine requests",
+        default=4,
+        help_text="Engine requests of one user in flight at once, over all their "
+        "sockets (a message with n choices counts n). 0: unlimited.",
+    )
+
+    class Meta:
+        verbose_name = verbose_name_plural = "user limits"
+
+    def __str__(self) -> str:
+        return "User limits"
+
+
+class UserLimitOverride(models.Model):
+    """One user's own limits instead of the defaults."""
+
+    defaults = models.ForeignKey(
+        UserLimits, on_delete=models.CASCADE, related_name="overrides"
+    )
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="chat_limits",
+    )
+    rpm_limit = models.PositiveIntegerField(
+        "requests per minute", help_text="0: unlimited."
+    )
+    max_concurrent = models.PositiveIntegerField(
+        "max concurrent engine requests", help_text="0: unlimited."
+    )
+
+    class Meta:
+        verbose_name = "user's own limits"
+        verbose_name_plural = "users' own limits"
+
+    def __str__(self) -> str:
+        return f"Limits of {self.user}"
 
 
 class Endpoint(models.TextChoices):

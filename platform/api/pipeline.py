@@ -28,8 +28,9 @@ from . import errors
 from .calls import Call
 from .exceptions import KeyCheckUnavailable, KeyRejected, LimitExceeded
 from .gateway import GATEWAY
-from .limits import key_admission
+from .limits import Allowance, TooHeavy, admission
 from .models import ApiKey
+from .selectors import in_db_thread, user_allowance
 from .services import DATABASE_OUTAGE, api_key_allows, api_key_authenticate
 
 __all__ = [
@@ -111,13 +112,29 @@ async def model_route(call: Call, model: str) -> tuple[ModelRoute, Snapshot]:
     return route, snapshot
 
 
-async def admit(call: Call) -> None:
-    """Take the call's key's rate and concurrency allowance, held until the
-    call ends (429 when over). A logged-in user's call has no key limits."""
-    if call.key is None:
-        return
+async def admit(call: Call, *, weight: int = 1) -> None:
+    """Take the caller's rate and concurrency allowance, held until the call
+    ends: its key's (live requests and batch lines counted apart) or its
+    logged-in user's. `weight` is the engine requests the call opens (n
+    choices: n). 429 when over; 400 for a call heavier than the whole
+    allowance; a call with neither key nor user is refused (nothing runs
+    unmetered)."""
+    if call.key is not None:
+        allowance = (
+            Allowance.of_key_batches(call.key)
+            if call.batch
+            else Allowance.of_key(call.key)
+        )
+    elif call.user is not None:
+        allowance = await in_db_thread(user_allowance)(user_id=call.user.pk)
+    else:
+        raise errors.unauthorized("No API key or logged-in user to admit.")
     try:
-        await call.held.enter_async_context(key_admission(call.key))
+        await call.held.enter_async_context(admission(allowance, weight=weight))
+    except TooHeavy as heavy:
+        raise errors.invalid_request(
+            heavy.message, param="n", code=heavy.code
+        ) from None
     except LimitExceeded as over:
         raise errors.rate_limited(
             over.message, over.retry_after_s, code=over.code

@@ -135,6 +135,16 @@ class Sampling(Strict):
     def choices_per_prompt(self) -> int:
         return self.n or 1
 
+    @property
+    def weight(self) -> int:
+        """Engine requests the answer opens (prompts times n): what it counts
+        against its caller's concurrency (api.limits)."""
+        return self.prompt_count * self.choices_per_prompt
+
+    @property
+    def prompt_count(self) -> int:
+        return 1
+
     def engine_requests(self) -> list[dict[str, Any]]:
         """The engine requests that make the answer's choices, in choice
         order: each prompt's `n` choices (a seed moves on by one per choice,
@@ -263,6 +273,10 @@ class CompletionRequest(Sampling):
             )
         return self
 
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompts())
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or a token array."""
         prompt = self.prompt
@@ -312,6 +326,12 @@ class EmbeddingRequest(Strict):
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
+
+    @property
+    def weight(self) -> int:
+        """One engine request, however many inputs (they are encoded in one
+        batch)."""
+        return 1
 
 
 _MISMATCHES = frozenset(

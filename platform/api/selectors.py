@@ -1,5 +1,6 @@
-"""Reads of API keys and usage."""
+"""Reads of API keys, users' limits and usage."""
 
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import ParamSpec, TypeVar
 
@@ -10,7 +11,8 @@ from django.db.models.functions import Coalesce
 
 from catalog.models import ModelConfig
 
-from .models import ApiKey
+from .limits import Allowance
+from .models import ApiKey, UserLimitOverride, UserLimits
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -64,3 +66,42 @@ def api_keys_with_usage_totals(
 def model_configs_by_name(*, names: Iterable[str]) -> dict[str, ModelConfig]:
     """The catalog models among these names, by name (unknown names are absent)."""
     return {model.name: model for model in ModelConfig.objects.filter(name__in=names)}
+
+
+# A user's limits are read again at most this often: a change in the admin
+# holds within seconds, and a chat message costs no query most of the time.
+USER_LIMITS_FRESH_S = 5.0
+_USER_LIMITS_KEPT = 10_000  # users remembered at most (then forgotten at once)
+_user_allowances: dict[int, tuple[float, Allowance]] = {}
+
+
+def user_allowance(*, user_id: int) -> Allowance:
+    """A logged-in user's limits across all their sockets: their override, or
+    the defaults (UserLimits). Remembered for USER_LIMITS_FRESH_S; while the
+    database fails, the last one read (db.Error when there is none)."""
+    now = time.monotonic()
+    found = _user_allowances.get(user_id)
+    if found is not None and now - found[0] < USER_LIMITS_FRESH_S:
+        return found[1]
+    try:
+        limits = (
+            UserLimitOverride.objects.filter(user_id=user_id).first()
+            or UserLimits.load()
+        )
+    except db.Error:
+        if found is None:
+            raise
+        return found[1]
+    allowance = Allowance(
+        f"u{user_id}", limits.rpm_limit, limits.max_concurrent, who="your account"
+    )
+    if len(_user_allowances) >= _USER_LIMITS_KEPT:
+        _user_allowances.clear()
+    _user_allowances[user_id] = (now, allowance)
+    return allowance
+
+
+def user_allowances_forget() -> None:
+    """Read every user's limits again on their next request (tests, and a
+    change saved in the admin in this process)."""
+    _user_allowances.clear()

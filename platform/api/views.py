@@ -84,7 +84,7 @@ async def _serve(
         # Its size was checked before it was read (roundhouse.asgi).
         payload = parse(schema, request.body)
         route, snapshot = await model_route(call, payload.model)
-        await admit(call)
+        await admit(call, weight=payload.weight)
         response = await handler(call, payload, route, snapshot)
     except errors.ApiError as error:
         response = call.failed(error)

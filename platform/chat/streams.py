@@ -154,7 +154,7 @@ class ChatStream:
         if chat.conversation is not None:
             await self._check_conversation(chat.conversation)
         route, snapshot = await model_route(call, request.model)
-        await admit(call)
+        await admit(call, weight=len(requests))
         opened, tally = await choices_open(
             call, route, snapshot, requests, per_prompt=request.choices_per_prompt
         )

@@ -330,3 +330,41 @@ def test_a_lookup_that_succeeds_is_taken_back():
         gate.check("a")
     gate.take_back("a")
     gate.check("a")
+
+
+async def test_weight_counts_against_concurrency():
+    """A request with n choices takes n of its caller's concurrency: with 4
+    allowed, one of weight 3 leaves room for one of weight 1, not 2; one
+    heavier than the whole allowance is refused as TooHeavy (it could never
+    run); what was taken is given back whole (control: after both leave, 4
+    of weight 1 fit again)."""
+    allowance = limits.Allowance("w1", 0, 4, who="your account")
+    async with contextlib.AsyncExitStack() as held:
+        await held.enter_async_context(limits.admission(allowance, weight=3))
+        with pytest.raises(LimitExceeded, match="your account: at most 4"):
+            async with limits.admission(allowance, weight=2):
+                pass
+        await held.enter_async_context(limits.admission(allowance, weight=1))
+    with pytest.raises(limits.TooHeavy, match="opens 5 engine requests"):
+        async with limits.admission(allowance, weight=5):
+            pass
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(4):
+            await held.enter_async_context(limits.admission(allowance))
+        with pytest.raises(LimitExceeded):
+            async with limits.admission(allowance):
+                pass
+
+
+async def test_batch_budget_is_apart_from_live_requests():
+    """A key's batch lines count in their own budget (the key's numbers):
+    a key whose live concurrency is full still admits a batch line, and the
+    other way round."""
+    key = key_with(pk=7, max_concurrent=1)
+    async with key_admission(key):
+        with pytest.raises(LimitExceeded):
+            await admit(key)
+        async with limits.admission(limits.Allowance.of_key_batches(key)):
+            with pytest.raises(LimitExceeded, match="this API key's batches"):
+                async with limits.admission(limits.Allowance.of_key_batches(key)):
+                    pass
