@@ -89,3 +89,16 @@ def batch_as_openai(batch: Batch) -> dict[str, Any]:
         },
         "metadata": batch.metadata or None,
     }
+
+
+def batch_key_state(*, batch_id: str) -> str:
+    """Why the batch's key can no longer run it: "key_deleted" (or the batch
+    is gone), "key_revoked"; "" while it can."""
+    row = (
+        Batch.objects.filter(pk=batch_id)
+        .values_list("key_id", "key__revoked_at")
+        .first()
+    )
+    if row is None or row[0] is None:
+        return "key_deleted"
+    return "key_revoked" if row[1] is not None else ""
