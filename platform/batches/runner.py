@@ -190,10 +190,10 @@ def _run(batch_id: str, owner: str) -> None:
 
 def _record_and_check(
     *, batch_id: str, owner: str, answers: list[Answer]
-) -> tuple[str, str]:
-    """Record answers; the batch's status and its key's state now."""
+) -> tuple[str, selectors.RunState]:
+    """Record answers; the batch's status, its key's state and its expiry now."""
     status = services.batch_record(batch_id=batch_id, owner=owner, answers=answers)
-    return status, selectors.batch_key_state(batch_id=batch_id)
+    return status, selectors.batch_run_state(batch_id=batch_id)
 
 
 @dataclass
@@ -222,9 +222,9 @@ class BatchRun:
     async def answer(self) -> str:
         """Answer every line, ROUNDHOUSE_BATCH_CONCURRENCY at once (or the
         key's max_concurrent, if fewer); the batch's final status."""
-        state = await in_db_thread(selectors.batch_key_state)(batch_id=self.batch.id)
-        if state:
-            self._stop_for_key(state)
+        state = await in_db_thread(selectors.batch_run_state)(batch_id=self.batch.id)
+        if state.key_state:
+            self._stop_for_key(state.key_state)
         at_once = max(1, settings.ROUNDHOUSE_BATCH_CONCURRENCY)
         if self.key.max_concurrent:
             at_once = min(at_once, self.key.max_concurrent)
@@ -283,16 +283,18 @@ class BatchRun:
                     await self.many.wait()
             self.many.clear()
             try:
-                status, key_state = await self._record(check=True)
+                status, state = await self._record(check=True)
             except services.LeaseLost:
                 self.lost = True
-                status, key_state = "", ""
+                status, state = "", None
+            if state is not None and state.expires_at is not None:
+                self.batch.expires_at = state.expires_at  # as the database has it
             if self.lost:
                 self.stopping = BatchStatus.IN_PROGRESS
             elif status == BatchStatus.CANCELLING:
                 self.stopping = BatchStatus.CANCELLED
-            elif key_state:
-                self._stop_for_key(key_state)
+            elif state is not None and state.key_state:
+                self._stop_for_key(state.key_state)
             elif timezone.now() >= self.batch.expires_at:
                 self.stopping = BatchStatus.EXPIRED
                 self.left = EXPIRED
@@ -301,9 +303,11 @@ class BatchRun:
                     worker.cancel()  # a line in flight is cancelled in its engine
                 return
 
-    async def _record(self, *, check: bool = False) -> tuple[str, str]:
-        """Record the answers waiting; with `check`, the batch's status and
-        its key's state now (else blanks)."""
+    async def _record(
+        self, *, check: bool = False
+    ) -> tuple[str, selectors.RunState | None]:
+        """Record the answers waiting; the batch's status, and with `check`
+        its run state (else None)."""
         answers, self.answered = self.answered, []
         record = _record_and_check if check else services.batch_record
         try:
@@ -313,8 +317,8 @@ class BatchRun:
         except db.Error:
             self.answered[:0] = answers  # kept for the next try
             log.exception("batch %s: recording answers failed", self.batch.id)
-            return BatchStatus.IN_PROGRESS, ""
-        return result if check else (result, "")
+            return BatchStatus.IN_PROGRESS, None
+        return result if check else (result, None)
 
     def _left_answer(self, index: int, raw: bytes | Oversized) -> Answer:
         custom_id = custom_id_of(raw)
