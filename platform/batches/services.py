@@ -1,7 +1,9 @@
-"""Writes of files and batches: storing an upload (size-capped while it is
-written), creating and cancelling a batch, a worker's claim on a batch (a
-lease it renews), recording answered lines once each, writing the output and
-error files, and resuming batches whose worker is gone."""
+"""Writes of files and batches: storing an upload (size-capped and within
+the storage quotas while it is written: batches.quotas), creating and
+cancelling a batch, a worker's claim on a batch (a lease it renews),
+recording answered lines once each, writing the output and error files, and
+resuming batches whose worker is gone (not those already queued; failing
+those whose runs keep dying)."""
 
 import json
 import logging

@@ -2,14 +2,27 @@
 before it starts (batches.runner, in this process, on the test database;
 the runs that answer lines are in test_batch_api and test_batch_limits)."""
 
-import pytest
+import asyncio
 
+import pytest
+from django import db
+
+from api.selectors import in_db_thread
 from batches import runner, services
 from batches.models import BatchLine
 from tests.factories import ApiKeyFactory
 from tests.platform.batches.jobs import chat_line, jsonl
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def _runner_connections_closed():
+    """The run's database calls leave a connection in asgiref's sync thread
+    (a worker keeps it); this process closes it, so the test database can
+    be dropped."""
+    yield
+    asyncio.run(in_db_thread(db.connections.close_all)())
 
 
 @pytest.fixture
