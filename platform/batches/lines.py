@@ -1,22 +1,77 @@
-"""One line of a batch's input file: its typed shape (unknown keys refused),
-and the records the output and error files hold, in OpenAI's shapes."""
+"""One line of a batch's input file: how a file is split into lines (one
+function, for the upload's count and the worker's reading), its typed shape
+(unknown keys refused), and the records the output and error files hold, in
+OpenAI's shapes."""
 
 import json
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
     "MalformedLine",
+    "Oversized",
     "custom_id_of",
+    "input_lines",
     "RequestLine",
     "error_record",
     "failure_record",
     "output_record",
     "read_line",
 ]
+
+
+# How much of an oversized line is read at a time while it is skipped.
+SKIP_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """A line longer than the cap: only its size was kept, not its bytes."""
+
+    size: int
+
+
+def input_lines(handle: BinaryIO, *, max_bytes: int) -> Iterator[bytes | Oversized]:
+    """The lines of a batch input file (JSONL), in order, read one at a time.
+
+    A line ends at a newline (LF) only: a bare carriage return (CR) is part of
+    its line (JSON reads it as whitespace), the CR of a CRLF ending is dropped,
+    and a last line without its LF counts. A line over `max_bytes` is an
+    `Oversized`, read past a chunk at a time: memory stays bounded by the cap
+    whatever the file holds. The upload's line count and the worker's reading
+    both split here, so a batch has the lines its upload counted."""
+    while True:
+        line = handle.readline(max_bytes + 2)  # room for a CRLF ending
+        if not line:
+            return
+        if not line.endswith(b"\n") and len(line) == max_bytes + 2:
+            # Longer than the cap: read on to its end without keeping it.
+            size, tail = len(line), line[-1:]
+            while chunk := handle.readline(SKIP_CHUNK_BYTES):
+                size += len(chunk)
+                if chunk.endswith(b"\n"):
+                    size -= 1 + ((tail + chunk)[-2:-1] == b"\r")
+                    break
+                tail = chunk[-1:]
+            yield Oversized(size)
+            continue
+        if line.endswith(b"\n"):
+            line = line[:-1]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+        if len(line) > max_bytes:
+            yield Oversized(len(line))
+        else:
+            yield line
+
+
+def count_lines(handle: BinaryIO) -> int:
+    """How many lines `input_lines` reads in the file."""
+    return sum(1 for _ in input_lines(handle, max_bytes=SKIP_CHUNK_BYTES))
 
 
 class RequestLine(BaseModel):
@@ -39,14 +94,13 @@ class MalformedLine(Exception):
     message: str
 
 
-def read_line(raw: bytes, *, endpoint: str, max_bytes: int) -> RequestLine:
+def read_line(raw: bytes | Oversized, *, endpoint: str, max_bytes: int) -> RequestLine:
     """The request on one line of the input file (MalformedLine otherwise:
     over the size cap, not JSON, not the line shape, or for another endpoint
     than the batch's)."""
-    if len(raw) > max_bytes:
-        raise MalformedLine(
-            "", f"The line has {len(raw)} bytes; the cap is {max_bytes}."
-        )
+    size = raw.size if isinstance(raw, Oversized) else len(raw)
+    if isinstance(raw, Oversized) or size > max_bytes:
+        raise MalformedLine("", f"The line has {size} bytes; the cap is {max_bytes}.")
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -66,9 +120,11 @@ def read_line(raw: bytes, *, endpoint: str, max_bytes: int) -> RequestLine:
     return line
 
 
-def custom_id_of(raw: bytes) -> str:
+def custom_id_of(raw: bytes | Oversized) -> str:
     """A line's custom_id where it has one ("" otherwise), whatever else is
     wrong with it."""
+    if isinstance(raw, Oversized):
+        return ""
     try:
         return _custom_id_in(json.loads(raw))
     except (UnicodeDecodeError, json.JSONDecodeError):

@@ -73,6 +73,10 @@ class Batch(models.Model):
     Celery worker (batches.runner) into an output and an error file."""
 
     id = models.CharField(primary_key=True, max_length=64)
+    # SET_NULL: a deleted key's batches stay (their history, their files for
+    # the admin), but one without a key never runs again (it fails at its
+    # run: nothing unmetered is sent to an engine). Keys are revoked, which
+    # stops their batches too, rather than deleted.
     key = models.ForeignKey(
         ApiKey,
         null=True,
@@ -122,6 +126,13 @@ class Batch(models.Model):
     # claim holds unless renewed (batches.services.batch_claim).
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
+    # When the batch was last sent to the broker: it is not sent again while
+    # that message may still be waiting for a worker (services.batches_resume).
+    queued_at = models.DateTimeField(null=True, blank=True)
+    # Runs of the batch that died holding it, since one last recorded an
+    # answer: a batch that kills its worker is failed after a few, not
+    # resumed forever (services.MAX_CRASHES).
+    crashes = models.PositiveSmallIntegerField(default=0)
 
     class Meta:
         ordering = ["-created_at"]

@@ -1,17 +1,30 @@
 """Answering a batch in a Celery worker: its lines go to the engines through
-the same routing and client as live requests (api.pipeline, api.answers),
-several at once, marked as batch work so that the engines serve live requests
-first. Answers are recorded about every second, once each
-(services.batch_record); a worker that dies loses only the lines in flight,
-which the next worker answers (services.batches_resume queues the batch
-again), never one already recorded.
+the same pipeline as live requests (api.pipeline: the key's model list, its
+admission, routing; api.answers), several at once, marked as batch work so
+that the engines serve live requests first. Answers are recorded about every
+second, once each (services.batch_record); a worker that dies loses only the
+lines in flight, which the next worker answers (services.batches_resume
+queues the batch again), never one already recorded.
 
-Lines the engines turn away for now (overloaded, cooling, no engine up) are
-tried again with backoff until RETRY_FOR_S has passed; other failures go to
-the error file as the API would have answered them."""
+The input file is read a line at a time (batches.flow.LineFeed), never held
+whole. Each line is admitted in its key's batch budget (the key's rate and
+concurrency limits, counted apart from its live requests:
+api.limits.Allowance.of_key_batches); a run keeps no more lines in flight
+than the key's max_concurrent allows, and a line the budget refuses for now
+(429) waits for its Retry-After and is tried again, nothing sent. Lines the
+engines turn away for now (overloaded, cooling, no engine up) are tried again
+with backoff until ROUNDHOUSE_BATCH_RETRY_S has passed; other failures go to
+the error file as the API would have answered them. A line that was admitted
+ends in one usage row (its last try's outcome; 499 when the batch stopped
+while it was in flight), however often it was tried.
+
+A run stops at a cancel (cancelled: the lines answered so far), at the
+expiry (expired), or when its key is revoked or deleted (failed, with the
+code in the batch's errors): then the lines in flight and those not started
+go to the error file with the reason's code, so that every line ends in
+exactly one of the two files."""
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -26,7 +39,7 @@ from api import errors
 from api.answers import embedding_answer, generation_answer
 from api.calls import Call
 from api.models import ApiKey
-from api.pipeline import database_failed, model_route
+from api.pipeline import admit, database_failed, model_route
 from api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,10 +47,14 @@ from api.schemas import (
     parse_object,
 )
 from api.selectors import in_db_thread
+from routing.select import ModelRoute, Snapshot
 
-from . import services
+from . import selectors, services
+from .flow import Capacity, LineFeed
 from .lines import (
     MalformedLine,
+    Oversized,
+    count_lines,
     custom_id_of,
     error_record,
     failure_record,
@@ -48,15 +65,14 @@ from .models import Batch, BatchEndpoint, BatchLine, BatchStatus
 
 log = logging.getLogger("roundhouse.batches")
 
-# How often answered lines are recorded (and the lease renewed, and a cancel
-# noticed), and how many at most wait for that.
+# How often answered lines are recorded (and the lease renewed, and a cancel,
+# a revoked key or the expiry noticed), and how many at most wait for that.
 RECORD_EVERY_S = 1.0
 RECORD_MAX = 200
 # Statuses worth trying again: the engine's queue is full (429), no engine is
 # up or it is cooling or short of memory (503), it died or stopped answering
 # mid-request (502, 504).
 RETRY_STATUSES = {429, 502, 503, 504}
-RETRY_FOR_S = 600.0
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 
 SCHEMAS = {
@@ -65,19 +81,67 @@ SCHEMAS = {
     BatchEndpoint.EMBEDDINGS: ("embeddings", EmbeddingRequest),
 }
 
+# Why a run stopped before every line was answered: the code and message of
+# the lines left (in flight, or not started) in the error file.
+EXPIRED = (
+    "batch_expired",
+    "The batch expired before this request could be answered.",
+)
+KEY_STOPS = {
+    "key_revoked": "The batch's API key was revoked; its requests are not run.",
+    "key_deleted": "The batch's API key was deleted; its requests are not run.",
+}
+
 Answer = tuple[int, str, bool, dict[str, Any]]
 
 
 def run_batch(batch_id: str) -> None:
     """Take the batch (unless a live worker holds it) and take it as far as
-    it goes: read its file, answer its lines, write its files."""
+    it goes: read its file, answer its lines, write its files. A run that
+    fails (but for the database: the batch is resumed once it is back) fails
+    the batch with its reason, rather than leaving it to be resumed into the
+    same failure."""
     owner = services.worker_identity()
     if not services.batch_claim(batch_id=batch_id, owner=owner):
         log.info("batch %s: ended, or another worker holds it", batch_id)
         return
-    batch = Batch.objects.select_related("input_file").get(pk=batch_id)
     try:
-        raw_lines = batch.input_file.path.read_bytes().splitlines()
+        _run(batch_id, owner)
+    except services.LeaseLost:
+        log.warning("batch %s: another worker took it over", batch_id)
+    except db.Error:
+        raise
+    except Exception as error:
+        log.exception("batch %s: the run failed", batch_id)
+        services.batch_fail(
+            batch_id=batch_id,
+            owner=owner,
+            code="batch_run_failed",
+            message=f"The batch could not be run ({type(error).__name__}).",
+        )
+
+
+def _run(batch_id: str, owner: str) -> None:
+    batch = Batch.objects.select_related("input_file", "key").get(pk=batch_id)
+    if batch.crashes >= services.MAX_CRASHES:
+        services.batch_fail(
+            batch_id=batch_id,
+            owner=owner,
+            code="batch_crashed",
+            message=services.CRASHED.format(crashes=batch.crashes),
+        )
+        return
+    key = batch.key
+    if key is None:
+        services.batch_fail(
+            batch_id=batch_id,
+            owner=owner,
+            code="key_deleted",
+            message=KEY_STOPS["key_deleted"],
+        )
+        return
+    try:
+        handle = open(batch.input_file.path, "rb")  # noqa: SIM115 (closed below)
     except OSError as error:
         services.batch_fail(
             batch_id=batch_id,
@@ -86,40 +150,50 @@ def run_batch(batch_id: str) -> None:
             message=f"The input file could not be read: {error.strerror or error}.",
         )
         return
-    if batch.status == BatchStatus.VALIDATING:
-        services.batch_start(batch=batch, total=len(raw_lines))
-    final = BatchStatus.COMPLETED
-    if batch.status == BatchStatus.IN_PROGRESS:
-        done = set(
-            BatchLine.objects.filter(batch_id=batch_id).values_list("index", flat=True)
-        )
-        todo = [(i, raw) for i, raw in enumerate(raw_lines) if i not in done]
-        log.info(
-            "batch %s: %d lines, %d answered before, %d to go",
-            batch_id,
-            len(raw_lines),
-            len(done),
-            len(todo),
-        )
-        key = batch.key
-        if key is not None:
+    final, why = BatchStatus.COMPLETED, None
+    with handle:
+        if batch.status == BatchStatus.VALIDATING:
+            total = count_lines(handle)
+            handle.seek(0)
+            services.batch_start(batch=batch, total=total)
+        if batch.status == BatchStatus.IN_PROGRESS:
+            done = set(
+                BatchLine.objects.filter(batch_id=batch_id).values_list(
+                    "index", flat=True
+                )
+            )
+            log.info(
+                "batch %s: %d lines, %d answered before",
+                batch_id,
+                batch.total,
+                len(done),
+            )
             # Read now: api_key_allows reads them from the key, and would query
             # the database from the event loop otherwise.
             key.allowed_model_names = frozenset(
                 model.name for model in key.allowed_models.all()
             )
-        run = BatchRun(batch, key, owner, todo)
-        try:
-            final = asyncio.run(run.answer())
-        except services.LeaseLost:
-            log.warning("batch %s: another worker took it over", batch_id)
-            return
-        finally:
-            db.connections.close_all()  # this task thread's (the pool reuses it)
-    elif batch.status == BatchStatus.CANCELLING:
-        final = BatchStatus.CANCELLED
-    services.batch_finalize(batch_id=batch_id, owner=owner, final=final)
+            feed = LineFeed(
+                handle, skip=done, max_bytes=settings.ROUNDHOUSE_MAX_REQUEST_BYTES
+            )
+            run = BatchRun(batch, key, owner, feed)
+            try:
+                final = asyncio.run(run.answer())
+            finally:
+                db.connections.close_all()  # this task thread's (the pool reuses it)
+            why = run.why
+        elif batch.status == BatchStatus.CANCELLING:
+            final = BatchStatus.CANCELLED
+    services.batch_finalize(batch_id=batch_id, owner=owner, final=final, why=why)
     log.info("batch %s: %s", batch_id, final)
+
+
+def _record_and_check(
+    *, batch_id: str, owner: str, answers: list[Answer]
+) -> tuple[str, selectors.RunState]:
+    """Record answers; the batch's status, its key's state and its expiry now."""
+    status = services.batch_record(batch_id=batch_id, owner=owner, answers=answers)
+    return status, selectors.batch_run_state(batch_id=batch_id)
 
 
 @dataclass
@@ -127,29 +201,42 @@ class BatchRun:
     """One worker's pass over a batch's remaining lines."""
 
     batch: Batch
-    key: ApiKey | None
+    key: ApiKey
     owner: str
-    todo: list[tuple[int, bytes]]
+    feed: LineFeed
     answered: list[Answer] = field(default_factory=list)
-    stopping: str = ""  # the final status once a cancel or the expiry stops it
+    stopping: str = ""  # the final status once a cancel, the expiry or the key stops it
+    # The code and message of the lines left when it stopped ("": they are
+    # left out, as a cancel leaves them).
+    left: tuple[str, str] = ("", "")
+    # A failed batch's reason (its `errors`).
+    why: dict[str, str] | None = None
     lost: bool = False  # another worker took the batch over
     # Set when RECORD_MAX answers wait: they are recorded without waiting
     # for the next RECORD_EVERY_S.
     many: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def __post_init__(self) -> None:
+        self.capacity = Capacity(self.key.max_concurrent or None)
+
     async def answer(self) -> str:
-        """Answer every line, ROUNDHOUSE_BATCH_CONCURRENCY at once; the
-        batch's final status."""
-        lines = collections.deque(self.todo)
+        """Answer every line, ROUNDHOUSE_BATCH_CONCURRENCY at once (or the
+        key's max_concurrent, if fewer); the batch's final status."""
+        state = await in_db_thread(selectors.batch_run_state)(batch_id=self.batch.id)
+        if state.key_state:
+            self._stop_for_key(state.key_state)
+        at_once = max(1, settings.ROUNDHOUSE_BATCH_CONCURRENCY)
+        if self.key.max_concurrent:
+            at_once = min(at_once, self.key.max_concurrent)
         workers = [
-            asyncio.create_task(self._work(lines, self.key))
-            for _ in range(max(1, settings.ROUNDHOUSE_BATCH_CONCURRENCY))
+            asyncio.create_task(self._work())
+            for _ in range(0 if self.stopping else at_once)
         ]
         record = asyncio.create_task(self._record_until(workers))
         try:
             await asyncio.gather(*workers)
         except asyncio.CancelledError:
-            pass  # stopped by a cancel or the expiry (self.stopping)
+            pass  # stopped by a cancel, the expiry or the key (self.stopping)
         finally:
             for worker in workers:
                 worker.cancel()
@@ -159,14 +246,27 @@ class BatchRun:
         if self.lost:
             raise services.LeaseLost(self.batch.id)
         await self._record()  # what the last workers answered
-        if self.stopping == BatchStatus.EXPIRED:
-            await self._record_expired(lines)
+        if self.left[0]:
+            await self._record_left()
         return self.stopping or BatchStatus.COMPLETED
 
-    async def _work(self, lines: collections.deque, key: ApiKey | None) -> None:
-        while lines and not self.stopping:
-            index, raw = lines.popleft()
-            answer = await self._line(index, raw, key)
+    def _stop_for_key(self, state: str) -> None:
+        self.stopping = BatchStatus.FAILED
+        self.left = (state, KEY_STOPS[state])
+        self.why = {"code": state, "message": KEY_STOPS[state]}
+
+    async def _work(self) -> None:
+        while not self.stopping:
+            item = await self.feed.next()
+            if item is None:
+                return
+            index, raw = item
+            try:
+                answer = await self._line(index, raw)
+            except asyncio.CancelledError:
+                if self.left[0]:  # in flight when the batch stopped
+                    self.answered.append(self._left_answer(index, raw))
+                raise
             # Appended once answered: `self.answered` is swapped for a new list
             # each time answers are recorded.
             self.answered.append(answer)
@@ -175,57 +275,65 @@ class BatchRun:
 
     async def _record_until(self, workers: list[asyncio.Task]) -> None:
         """Record answers every RECORD_EVERY_S (or RECORD_MAX answers); stop
-        the workers on a cancel, the expiry, or a lost lease."""
+        the workers on a cancel, a revoked or deleted key, the expiry, or a
+        lost lease."""
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(RECORD_EVERY_S):
                     await self.many.wait()
             self.many.clear()
             try:
-                status = await self._record()
+                status, state = await self._record(check=True)
             except services.LeaseLost:
                 self.lost = True
-                status = ""
+                status, state = "", None
+            if state is not None and state.expires_at is not None:
+                self.batch.expires_at = state.expires_at  # as the database has it
             if self.lost:
                 self.stopping = BatchStatus.IN_PROGRESS
             elif status == BatchStatus.CANCELLING:
                 self.stopping = BatchStatus.CANCELLED
+            elif state is not None and state.key_state:
+                self._stop_for_key(state.key_state)
             elif timezone.now() >= self.batch.expires_at:
                 self.stopping = BatchStatus.EXPIRED
+                self.left = EXPIRED
             if self.stopping:
                 for worker in workers:
                     worker.cancel()  # a line in flight is cancelled in its engine
                 return
 
-    async def _record(self) -> str:
+    async def _record(
+        self, *, check: bool = False
+    ) -> tuple[str, selectors.RunState | None]:
+        """Record the answers waiting; the batch's status, and with `check`
+        its run state (else None)."""
         answers, self.answered = self.answered, []
+        record = _record_and_check if check else services.batch_record
         try:
-            return await in_db_thread(services.batch_record)(
+            result = await in_db_thread(record)(
                 batch_id=self.batch.id, owner=self.owner, answers=answers
             )
         except db.Error:
             self.answered[:0] = answers  # kept for the next try
             log.exception("batch %s: recording answers failed", self.batch.id)
-            return BatchStatus.IN_PROGRESS
+            return BatchStatus.IN_PROGRESS, None
+        return result if check else (result, None)
 
-    async def _record_expired(self, left: collections.deque) -> None:
-        for index, raw in left:
-            custom_id = custom_id_of(raw)
-            self.answered.append(
-                (
-                    index,
-                    custom_id,
-                    False,
-                    error_record(
-                        custom_id,
-                        "batch_expired",
-                        "The batch expired before this request could be answered.",
-                    ),
-                )
-            )
+    def _left_answer(self, index: int, raw: bytes | Oversized) -> Answer:
+        custom_id = custom_id_of(raw)
+        code, message = self.left
+        return index, custom_id, False, error_record(custom_id, code, message)
+
+    async def _record_left(self) -> None:
+        """File every line not started as left (a few hundred at a time)."""
+        while (item := await self.feed.next()) is not None:
+            self.answered.append(self._left_answer(*item))
+            if len(self.answered) >= RECORD_MAX:
+                await self._record()
         await self._record()
 
-    async def _line(self, index: int, raw: bytes, key: ApiKey | None) -> Answer:
+    async def _line(self, index: int, raw: bytes | Oversized) -> Answer:
         """One line's answer (never raises but for cancellation)."""
         endpoint, schema = SCHEMAS[self.batch.endpoint]
         try:
@@ -242,40 +350,84 @@ class BatchRun:
                 error_record(bad.custom_id, "invalid_request", bad.message),
             )
         started, attempt = time.monotonic(), 0
-        while True:
-            call = Call(endpoint, key=key)
-            try:
-                payload = parse_object(schema, line.body)
-                if getattr(payload, "stream", False):
-                    raise errors.invalid_request(
-                        "A batch line cannot be streamed.", param="stream"
+        # The line's last try that was admitted: its usage row is the line's.
+        admitted: Call | None = None
+        try:
+            while True:
+                call = Call(endpoint, key=self.key, batch=True)
+                wait_s = None
+                try:
+                    payload = parse_object(schema, line.body)
+                    if getattr(payload, "stream", False):
+                        raise errors.invalid_request(
+                            "A batch line cannot be streamed.", param="stream"
+                        )
+                    route, snapshot = await model_route(call, payload.model)
+                    async with self.capacity.hold(payload.weight):
+                        try:
+                            wait_s = await self._admit(call, payload.weight)
+                            if wait_s is None:
+                                admitted = call
+                                body = await self._ask(call, payload, route, snapshot)
+                        finally:
+                            await call.held.aclose()  # the key's slot, in this hold
+                except errors.ApiError as error:
+                    failure = error
+                except db.Error as error:
+                    failure = database_failed(error)
+                except Exception:
+                    log.exception("batch %s: line %d failed", self.batch.id, index)
+                    failure = errors.engine_error("internal", "Internal error.")
+                else:
+                    if wait_s is not None:  # the batch budget is spent for now
+                        await asyncio.sleep(wait_s)
+                        continue
+                    await call.end()
+                    return (
+                        index,
+                        line.custom_id,
+                        True,
+                        output_record(line.custom_id, body),
                     )
-                body = await self._ask(call, payload)
-            except errors.ApiError as error:
-                failure = error
-            except db.Error as error:
-                failure = database_failed(error)
-            except Exception:
-                log.exception("batch %s: line %d failed", self.batch.id, index)
-                failure = errors.engine_error("internal", "Internal error.")
-            else:
-                await call.end()
-                return index, line.custom_id, True, output_record(line.custom_id, body)
-            call.failed(failure)
-            await call.end()
-            waited = time.monotonic() - started
-            if failure.status not in RETRY_STATUSES or waited > RETRY_FOR_S:
-                return (
-                    index,
-                    line.custom_id,
-                    False,
-                    failure_record(line.custom_id, failure.status, failure.body()),
-                )
-            await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
-            attempt += 1
+                waited = time.monotonic() - started
+                if (
+                    failure.status not in RETRY_STATUSES
+                    or waited > settings.ROUNDHOUSE_BATCH_RETRY_S
+                ):
+                    if admitted is not None:
+                        admitted.failed(failure)
+                        await admitted.end()
+                    return (
+                        index,
+                        line.custom_id,
+                        False,
+                        failure_record(line.custom_id, failure.status, failure.body()),
+                    )
+                await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
+                attempt += 1
+        except asyncio.CancelledError:
+            if admitted is not None and not admitted.ended:
+                # Stopped in flight (or between its tries): its usage row says so.
+                admitted.status = 499
+                admitted.error_code = self.left[0] or "batch_cancelled"
+                await asyncio.shield(admitted.end())
+            raise
 
-    async def _ask(self, call: Call, payload: Any) -> dict[str, Any]:
-        route, snapshot = await model_route(call, payload.model)
+    async def _admit(self, call: Call, weight: int) -> float | None:
+        """Admit the line in its key's batch budget: None once admitted, or
+        the seconds to wait when the budget is spent for now (a 429: nothing
+        was counted against the line, nothing sent)."""
+        try:
+            await admit(call, weight=weight)
+        except errors.ApiError as refused:
+            if refused.status != 429:
+                raise  # too heavy for the key's whole concurrency: a 400
+            return float(refused.retry_after_s or 1)
+        return None
+
+    async def _ask(
+        self, call: Call, payload: Any, route: ModelRoute, snapshot: Snapshot
+    ) -> dict[str, Any]:
         if isinstance(payload, EmbeddingRequest):
             return await embedding_answer(call, payload, route, snapshot)
         chat = isinstance(payload, ChatCompletionRequest)

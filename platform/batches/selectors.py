@@ -1,7 +1,7 @@
 """Reads of files and batches, and their OpenAI JSON shapes."""
 
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from api.models import ApiKey
 
@@ -89,3 +89,23 @@ def batch_as_openai(batch: Batch) -> dict[str, Any]:
         },
         "metadata": batch.metadata or None,
     }
+
+
+class RunState(NamedTuple):
+    """What a running batch checks each time it records: why its key can no
+    longer run it ("key_deleted" (or the batch is gone), "key_revoked"; ""
+    while it can), and its expiry now."""
+
+    key_state: str
+    expires_at: datetime | None
+
+
+def batch_run_state(*, batch_id: str) -> RunState:
+    row = (
+        Batch.objects.filter(pk=batch_id)
+        .values_list("key_id", "key__revoked_at", "expires_at")
+        .first()
+    )
+    if row is None or row[0] is None:
+        return RunState("key_deleted", row[2] if row else None)
+    return RunState("key_revoked" if row[1] is not None else "", row[2])

@@ -1,7 +1,9 @@
-"""Writes of files and batches: storing an upload (size-capped while it is
-written), creating and cancelling a batch, a worker's claim on a batch (a
-lease it renews), recording answered lines once each, writing the output and
-error files, and resuming batches whose worker is gone."""
+"""Writes of files and batches: storing an upload (size-capped and within
+the storage quotas while it is written: batches.quotas), creating and
+cancelling a batch, a worker's claim on a batch (a lease it renews),
+recording answered lines once each, writing the output and error files, and
+resuming batches whose worker is gone (not those already queued; failing
+those whose runs keep dying)."""
 
 import json
 import logging
@@ -15,13 +17,16 @@ from typing import Any
 
 import psutil
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from api import errors
 from api.models import ApiKey
 
+from . import quotas
+from .lines import count_lines
 from .models import (
     OPEN_STATUSES,
     Batch,
@@ -40,6 +45,16 @@ COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 # A worker's claim on a batch lasts this long unless renewed; it renews it
 # every time it records lines (about every second while lines are answered).
 LEASE_S = 30.0
+# A batch sent to the broker is not sent again for this long while no worker
+# has taken it (it waits behind other batches): only a message the broker
+# lost is replaced, and the queue does not grow by every waiting batch each
+# time beat resumes batches.
+REQUEUE_AFTER_S = 900.0
+# Runs that may die holding a batch, with no answer recorded in between,
+# before it is failed instead of resumed (a batch that kills its worker, as
+# an input that exhausts its memory did, would otherwise kill every worker
+# that resumes it).
+MAX_CRASHES = 3
 
 
 class LeaseLost(Exception):
@@ -65,30 +80,33 @@ def file_store(
     *, key: ApiKey, chunks: Iterable[bytes], filename: str, purpose: str
 ) -> StoredFile:
     """Store an upload for the Batch API; a 400 for another purpose, an empty
-    file or one of more than MAX_BATCH_LINES lines, a 413 over
-    ROUNDHOUSE_MAX_FILE_BYTES (counted as it is written: nothing past the cap
-    is kept)."""
+    file or one of more than MAX_BATCH_LINES lines (split as the worker reads
+    them: lines.input_lines), a 413 over ROUNDHOUSE_MAX_FILE_BYTES, and the
+    storage quotas' refusals (batches.quotas). Sizes are counted as the file
+    is written: nothing past the cap or the room left is kept."""
     if purpose != FilePurpose.BATCH:
         raise errors.invalid_request(
             f"The purpose {purpose!r} is not supported here; use 'batch'.",
             param="purpose",
         )
     cap = settings.ROUNDHOUSE_MAX_FILE_BYTES
+    owner = owner_filter(key)
+    room = quotas.room_left(owner)
     file_id = _new_id("file-")
     folder: Path = settings.ROUNDHOUSE_FILES_DIR
     partial = folder / f".{file_id}.partial"
-    size = lines = 0
-    last = b"\n"
+    size = 0
     try:
         with open(partial, "xb") as handle:
             for chunk in chunks:
                 size += len(chunk)
                 if size > cap:
                     raise errors.too_large(None, cap)
-                lines += chunk.count(b"\n")
-                last = chunk[-1:] or last
+                if size > room.bytes:
+                    raise room.refusal(size, so_far=True)
                 handle.write(chunk)
-        lines += last != b"\n"  # a last line without its newline
+        with open(partial, "rb") as handle:
+            lines = count_lines(handle)
         if size == 0 or lines == 0:
             raise errors.invalid_request("The file is empty.", param="file")
         if lines > MAX_BATCH_LINES:
@@ -96,16 +114,30 @@ def file_store(
                 f"The file has {lines} lines; a batch takes at most {MAX_BATCH_LINES}.",
                 param="file",
             )
-        os.replace(partial, folder / file_id)
+        with transaction.atomic():
+            _owner_lock(key)
+            quotas.room_check(owner, size=size)  # uploads of the owner meanwhile
+            stored = StoredFile.objects.create(
+                id=file_id,
+                key=key,
+                purpose=purpose,
+                filename=(filename or "upload.jsonl")[:255],
+                bytes=size,
+            )
+            os.replace(partial, folder / file_id)
     finally:
         partial.unlink(missing_ok=True)
-    return StoredFile.objects.create(
-        id=file_id,
-        key=key,
-        purpose=purpose,
-        filename=(filename or "upload.jsonl")[:255],
-        bytes=size,
-    )
+    return stored
+
+
+def _owner_lock(key: ApiKey) -> None:
+    """Lock the owner of the key's files (its user, or the key) until the
+    transaction ends: their quota is checked and taken one upload at a time."""
+    if key.owner_id is not None:
+        owners = get_user_model().objects.filter(pk=key.owner_id)
+    else:
+        owners = ApiKey.objects.filter(pk=key.pk)
+    list(owners.select_for_update().values_list("pk", flat=True))
 
 
 def file_delete(*, stored: StoredFile) -> None:
@@ -135,7 +167,11 @@ def batch_create(
     metadata: dict[str, str] | None,
 ) -> Batch:
     """Create a batch of an uploaded file and queue it for a worker (once the
-    transaction commits)."""
+    transaction commits). A batch needs a key: its lines are admitted in that
+    key's batch budget, and a key's owner at its storage quota is refused
+    (the batch's output would not fit)."""
+    if key is None:
+        raise errors.unauthorized("A batch needs an API key.")
     if endpoint not in BatchEndpoint.values:
         raise errors.invalid_request(
             f"The endpoint {endpoint!r} cannot be batched; use one of "
@@ -154,6 +190,7 @@ def batch_create(
             code="file_not_found",
             param="input_file_id",
         )
+    quotas.room_check(owner_filter(key), size=1)  # room for its output
     now = timezone.now()
     batch = Batch.objects.create(
         id=_new_id("batch_"),
@@ -170,9 +207,11 @@ def batch_create(
 
 
 def batch_queue(batch_id: str) -> None:
-    """Queue the batch's run once the current transaction commits. A broker
-    that cannot be reached is logged: the batch stays open, and the next
-    resume (a worker starting, beat's periodic run) queues it."""
+    """Queue the batch's run once the current transaction commits, and stamp
+    when (batches_resume does not send it again while it waits). A broker
+    that cannot be reached is logged: the batch stays open, and a resume
+    after REQUEUE_AFTER_S (a worker starting, beat's periodic run) queues it."""
+    Batch.objects.filter(pk=batch_id).update(queued_at=timezone.now())
 
     def send() -> None:
         from .tasks import run_batch  # the task module imports these services
@@ -229,14 +268,27 @@ def owner_gone(owner: str) -> bool:
 
 def batch_claim(*, batch_id: str, owner: str) -> bool:
     """Take the batch for this worker (True), unless another live worker
-    holds it. Atomic: of two workers that try at once, one gets it."""
+    holds it. Atomic: of two workers that try at once, one gets it. Taking
+    it from another owner whose lease expired counts a crash (that run died
+    holding it, or stopped for longer than its lease)."""
     now = timezone.now()
+    open_batch = Batch.objects.filter(pk=batch_id, status__in=OPEN_STATUSES)
+    lease = {
+        "lease_owner": owner,
+        "lease_until": now + timedelta(seconds=LEASE_S),
+        "queued_at": None,
+    }
+    taken_over = (
+        open_batch.exclude(lease_owner="")
+        .exclude(lease_owner=owner)
+        .filter(lease_until__lt=now)
+        .update(crashes=F("crashes") + 1, **lease)
+    )
     return bool(
-        Batch.objects.filter(pk=batch_id, status__in=OPEN_STATUSES)
-        .filter(
-            Q(lease_until__isnull=True) | Q(lease_until__lt=now) | Q(lease_owner=owner)
-        )
-        .update(lease_owner=owner, lease_until=now + timedelta(seconds=LEASE_S))
+        taken_over
+        or open_batch.filter(
+            Q(lease_owner="") | Q(lease_until__isnull=True) | Q(lease_owner=owner)
+        ).update(**lease)
     )
 
 
@@ -280,6 +332,7 @@ def batch_record(
             Batch.objects.filter(pk=batch_id).update(
                 completed=lines.filter(ok=True).count(),
                 failed=lines.filter(ok=False).count(),
+                crashes=0,  # this run gets on: earlier deaths were not its doing
             )
         return Batch.objects.values_list("status", flat=True).get(pk=batch_id)
 
@@ -295,11 +348,14 @@ def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
     return path.stat().st_size
 
 
-def batch_finalize(*, batch_id: str, owner: str, final: str) -> None:
+def batch_finalize(
+    *, batch_id: str, owner: str, final: str, why: dict[str, str] | None = None
+) -> None:
     """Write the output and error files from the recorded lines and end the
-    batch with status `final` (completed, cancelled, expired). Idempotent: a
-    worker that dies here leaves the batch open, and the next one writes the
-    same files (their ids come from the batch's) and ends it."""
+    batch with status `final` (completed, cancelled, expired, failed: `why`
+    then says why, a code and a message). Idempotent: a worker that dies
+    here leaves the batch open, and the next one writes the same files
+    (their ids come from the batch's) and ends it."""
     batch = Batch.objects.get(pk=batch_id)
     now = timezone.now()
     Batch.objects.filter(pk=batch_id, status=BatchStatus.IN_PROGRESS).update(
@@ -338,43 +394,81 @@ def batch_finalize(*, batch_id: str, owner: str, final: str) -> None:
             error_file=files.get(False),
             lease_owner="",
             lease_until=None,
+            errors=[_batch_error(**why)] if why else batch.errors,
             **{stamp: now},
         )
 
 
+def _batch_error(*, code: str, message: str) -> dict[str, Any]:
+    """An entry of a batch's `errors.data`, as OpenAI shapes one."""
+    return {"code": code, "message": message, "param": None, "line": None}
+
+
 def batch_fail(*, batch_id: str, owner: str, code: str, message: str) -> None:
-    """The whole batch failed (its input file is gone or unreadable)."""
+    """The whole batch failed before its lines could be answered (its input
+    file is gone or unreadable, its key deleted, its runs kept dying)."""
     Batch.objects.filter(pk=batch_id, lease_owner=owner).update(
         status=BatchStatus.FAILED,
         failed_at=timezone.now(),
-        errors=[{"code": code, "message": message, "param": None, "line": None}],
+        errors=[_batch_error(code=code, message=message)],
         lease_owner="",
         lease_until=None,
     )
 
 
 def batch_release(*, batch_id: str, owner: str) -> None:
-    """Give up the claim (the worker is stopping with lines left)."""
+    """Give up the claim (the worker is stopping with lines left): the next
+    resume queues the batch again."""
     Batch.objects.filter(pk=batch_id, lease_owner=owner).update(
-        lease_owner="", lease_until=None
+        lease_owner="", lease_until=None, queued_at=None
     )
 
 
+CRASHED = (
+    "The batch's worker died {crashes} times running it without answering "
+    "a line; it is not run again."
+)
+
+
 def batches_resume() -> list[str]:
-    """Queue every open batch that no live worker holds: its claim expired,
-    was never taken, or its owner is a process of this host that is gone (a
-    worker killed mid-batch). The ids queued."""
+    """Queue every open batch that no live worker holds and that is not
+    waiting in the broker already: its claim expired or its owner is a
+    process of this host that is gone (a worker killed mid-batch: a crash,
+    counted; a batch with MAX_CRASHES is failed instead), or it was never
+    sent, or sent more than REQUEUE_AFTER_S ago and still not taken. The ids
+    queued."""
     now = timezone.now()
     queued = []
-    for batch_id, owner, until in Batch.objects.filter(
+    for batch_id, owner, until, queued_at, crashes in Batch.objects.filter(
         status__in=OPEN_STATUSES
-    ).values_list("id", "lease_owner", "lease_until"):
-        if owner and until is not None and until >= now and not owner_gone(owner):
-            continue
+    ).values_list("id", "lease_owner", "lease_until", "queued_at", "crashes"):
         if owner:
+            if until is not None and until >= now and not owner_gone(owner):
+                continue  # a live worker holds it
+            crashes += 1
+            if crashes >= MAX_CRASHES:
+                log.error("batch %s: its runs died %d times; failed", batch_id, crashes)
+                Batch.objects.filter(pk=batch_id, lease_owner=owner).update(
+                    status=BatchStatus.FAILED,
+                    failed_at=now,
+                    errors=[
+                        _batch_error(
+                            code="batch_crashed",
+                            message=CRASHED.format(crashes=crashes),
+                        )
+                    ],
+                    crashes=crashes,
+                    lease_owner="",
+                    lease_until=None,
+                )
+                continue
             Batch.objects.filter(pk=batch_id, lease_owner=owner).update(
-                lease_owner="", lease_until=None
+                lease_owner="", lease_until=None, crashes=crashes
             )
+        elif queued_at is not None and now - queued_at < timedelta(
+            seconds=REQUEUE_AFTER_S
+        ):
+            continue  # waiting for a worker in the broker
         batch_queue(batch_id)
         queued.append(batch_id)
     return queued

@@ -1,7 +1,9 @@
 """Celery tasks of the Batch API: thin, by id, idempotent. A batch is queued
 when it is created or cancelled (after the transaction commits), again when a
 worker starts (a worker killed mid-batch leaves it open) and by beat every
-minute (a batch whose worker's lease expired on another host)."""
+minute (a batch whose worker's lease expired on another host); a batch
+already waiting in the broker is not queued again until
+services.REQUEUE_AFTER_S has passed (services.batches_resume)."""
 
 from celery import shared_task
 from celery.signals import worker_ready

@@ -1,8 +1,12 @@
 """The Files and Batch APIs, as OpenAI shapes them (the official client's
 `files` and `batches` calls work unchanged). Every call needs an API key; a
-key sees its owner's files and batches (or, with no owner, its own)."""
+key sees its owner's files and batches (or, with no owner, its own). Calls
+that create (an upload, a batch, a cancel) are admitted in the key's live
+rate and concurrency budget, as its REST requests are (429 over); reads are
+not, so that polling a batch never uses up a key's requests."""
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
@@ -13,18 +17,23 @@ from django.views.decorators.csrf import csrf_exempt
 from pydantic import Field, StringConstraints
 
 from api import errors
+from api.exceptions import LimitExceeded
+from api.limits import key_admission
 from api.models import ApiKey
 from api.pipeline import authenticate, database_failed
 from api.schema_base import Strict
 from api.schemas import parse
 from api.selectors import in_db_thread
 
-from . import selectors, services
+from . import quotas, selectors, services
 from .models import Batch, StoredFile
 
 log = logging.getLogger("roundhouse.batches")
 
 CHUNK_BYTES = 1 << 20
+# What a multipart upload to /v1/files may add to its file (boundaries, the
+# purpose field).
+UPLOAD_FORM_BYTES = 64 * 1024
 MAX_PAGE = 100
 
 
@@ -63,14 +72,49 @@ async def _api(request: HttpRequest, handlers: dict[str, Handler]) -> HttpRespon
             authorization=request.headers.get("Authorization"),
             client=request.META.get("REMOTE_ADDR") or "unknown",
         )
-        return await handler(request, key)
+        async with contextlib.AsyncExitStack() as held:
+            if request.method != "GET":
+                try:
+                    await held.enter_async_context(key_admission(key))
+                except LimitExceeded as over:
+                    raise errors.rate_limited(
+                        over.message, over.retry_after_s, code=over.code
+                    ) from None
+            return await handler(request, key)
     except errors.ApiError as error:
-        return error.response()
+        return _refused(error)
     except db.Error as error:
         return database_failed(error).response()
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return errors.engine_error("internal", "Internal error.").response()
+
+
+def _refused(error: errors.ApiError) -> HttpResponse:
+    response = error.response()
+    if error.code in quotas.QUOTA_CODES:
+        # Sending the same file again would not fit either (OpenAI's clients
+        # retry a 429 unless told not to).
+        response["x-should-retry"] = "false"
+    return response
+
+
+async def upload_refusal(
+    *, authorization: str | None, client: str, declared: int
+) -> HttpResponse | None:
+    """The answer to an upload that its declared size already rules out,
+    before its body is read (roundhouse.asgi): the key's refusal, or the
+    storage quotas' (the refusals the view would give); None to read it."""
+    try:
+        key = await authenticate(authorization=authorization, client=client)
+        await in_db_thread(quotas.room_check)(
+            services.owner_filter(key), size=max(0, declared - UPLOAD_FORM_BYTES)
+        )
+    except errors.ApiError as error:
+        return _refused(error)
+    except db.Error as error:
+        return database_failed(error).response()
+    return None
 
 
 def _file_not_found(file_id: str) -> errors.ApiError:

@@ -42,12 +42,10 @@ django_application = get_asgi_application()
 # After set-up: the app imports its models.
 from api import errors  # noqa: E402
 from api.usage import usage_flush  # noqa: E402
+from batches.views import UPLOAD_FORM_BYTES, upload_refusal  # noqa: E402
 from chat.websocket_urls import websocket_urlpatterns  # noqa: E402
 
 API_PATHS = ("/v1/", "/healthz", "/metrics")
-# What a multipart upload to /v1/files may add to its file (boundaries, the
-# purpose field).
-UPLOAD_FORM_BYTES = 64 * 1024
 
 
 class BareASGIHandler(ASGIHandler):
@@ -76,13 +74,24 @@ class BareASGIHandler(ASGIHandler):
         cancel the answer if the client hangs up first (the view's stream then
         cancels its engine request)."""
         cap = settings.ROUNDHOUSE_MAX_REQUEST_BYTES
-        if scope.get("path") == "/v1/files" and scope.get("method") == "POST":
+        upload = scope.get("path") == "/v1/files" and scope.get("method") == "POST"
+        if upload:
             # An upload (multipart): the file's cap, and room for the form.
             cap = settings.ROUNDHOUSE_MAX_FILE_BYTES + UPLOAD_FORM_BYTES
         try:
             declared = _content_length(scope)
             if declared is not None and declared > cap:
                 raise errors.too_large(declared, cap)
+            if upload and declared is not None:
+                # Its key and the storage quotas, before the body is read.
+                refusal = await upload_refusal(
+                    authorization=_header(scope, b"authorization"),
+                    client=(scope.get("client") or ("unknown",))[0],
+                    declared=declared,
+                )
+                if refusal is not None:
+                    await self.send_response(refusal, send)
+                    return
             body_file = await self.read_body(_capped(receive, cap))
         except RequestAborted:
             return
@@ -136,6 +145,14 @@ class BareASGIHandler(ASGIHandler):
         self._template_response_middleware = []
         self._exception_middleware = []
         self._middleware_chain = convert_exception_to_response(self._get_response_async)
+
+
+def _header(scope, name: bytes) -> str | None:
+    """A request header's value (latin-1, as HTTP headers are)."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _content_length(scope) -> int | None:

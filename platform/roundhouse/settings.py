@@ -130,6 +130,28 @@ ROUNDHOUSE_FILES_DIR = Path(
     env.str("ROUNDHOUSE_FILES_DIR", default=str(RUN_DIR / "files"))
 )
 ROUNDHOUSE_FILES_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+# ROUNDHOUSE_FILES_QUOTA_PER_OWNER_BYTES: what one owner's stored files may
+# take (an owner as the Files API sees one: a user's keys together, or an
+# ownerless key alone), uploads and their batches' output and error files
+# together. 1 GiB holds five inputs at the largest upload and their answers.
+ROUNDHOUSE_FILES_QUOTA_PER_OWNER_BYTES = env.int(
+    "ROUNDHOUSE_FILES_QUOTA_PER_OWNER_BYTES", default=1024**3
+)
+# ROUNDHOUSE_FILES_QUOTA_TOTAL_BYTES: what all stored files may take, whoever
+# owns them (10 GiB: ten owners at their quota).
+ROUNDHOUSE_FILES_QUOTA_TOTAL_BYTES = env.int(
+    "ROUNDHOUSE_FILES_QUOTA_TOTAL_BYTES", default=10 * 1024**3
+)
+# ROUNDHOUSE_FILES_MIN_FREE_BYTES: free space an upload must leave on the
+# files' disk, whatever the quotas say (the database, its WAL and the logs may
+# share that disk, and fail when it is full). 2 GiB: room for them to go on.
+ROUNDHOUSE_FILES_MIN_FREE_BYTES = env.int(
+    "ROUNDHOUSE_FILES_MIN_FREE_BYTES", default=2 * 1024**3
+)
+# ROUNDHOUSE_BATCH_RETRY_S: how long a worker tries a batch line again while
+# the engines turn it away for now (overloaded, cooling, no engine up) before
+# it goes to the error file.
+ROUNDHOUSE_BATCH_RETRY_S = env.float("ROUNDHOUSE_BATCH_RETRY_S", default=600.0)
 # ROUNDHOUSE_BATCH_CONCURRENCY: lines of a batch a worker keeps in flight at
 # once (the engines serve live requests first whatever this is).
 ROUNDHOUSE_BATCH_CONCURRENCY = env.int("ROUNDHOUSE_BATCH_CONCURRENCY", default=16)

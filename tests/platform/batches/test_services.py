@@ -10,8 +10,17 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from api import errors
 from batches import services
-from batches.lines import MalformedLine, custom_id_of, read_line
+from batches.lines import (
+    SKIP_CHUNK_BYTES,
+    MalformedLine,
+    Oversized,
+    count_lines,
+    custom_id_of,
+    input_lines,
+    read_line,
+)
 from batches.models import Batch, BatchLine
 from tests.factories import ApiKeyFactory
 
@@ -144,3 +153,90 @@ def test_a_lines_custom_id_is_found_whatever_else_is_wrong():
     assert custom_id_of(b'{"custom_id": "a", "method": "GET"}') == "a"
     assert custom_id_of(b'{"custom_id": 7}') == ""
     assert custom_id_of(b"{not json") == ""
+
+
+def test_the_upload_counts_lines_as_the_worker_splits_them(settings, tmp_path):
+    """Lines end at LF only: a file of bare CRs is one line, a CRLF ending
+    loses its CR, and the count at upload is what the worker reads (control:
+    bytes.splitlines, which the worker used, splits on every CR)."""
+    settings.ROUNDHOUSE_FILES_DIR = tmp_path
+    data = b'{"a": 1}\r\n' + b"\r" * 100_000 + b'\n\r{"b": 2}\r'
+    stored = services.file_store(
+        key=ApiKeyFactory(), chunks=[data], filename="cr.jsonl", purpose="batch"
+    )
+    with open(stored.path, "rb") as handle:
+        lines = list(input_lines(handle, max_bytes=1000))
+    # The CRs' last one and the LF after it end that line (CRLF).
+    assert lines == [b'{"a": 1}', Oversized(99_999), b'\r{"b": 2}\r']
+    with open(stored.path, "rb") as handle:
+        assert count_lines(handle) == 3
+    assert len(data.splitlines()) != 3  # what the worker read before
+
+
+def test_a_line_over_the_cap_is_read_past_in_bounded_memory(tmp_path):
+    """An oversized line is skipped a chunk at a time: what is returned is
+    its size, and the next line after it."""
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b"x" * (5 * SKIP_CHUNK_BYTES + 3) + b"\r\n{}\n")
+    with open(path, "rb") as handle:
+        assert list(input_lines(handle, max_bytes=64)) == [
+            Oversized(5 * SKIP_CHUNK_BYTES + 3),
+            b"{}",
+        ]
+
+
+def test_a_batch_whose_runs_keep_dying_is_failed_not_resumed(batch):
+    """Each resume after a run died holding the batch counts a crash; at
+    MAX_CRASHES the batch fails with `batch_crashed` instead of being queued
+    again (control: before, it was queued again every time). A run that
+    records an answer clears the count."""
+    for crashes in range(1, services.MAX_CRASHES):
+        Batch.objects.filter(pk=batch.id).update(lease_owner=a_dead_owner())
+        assert services.batches_resume() == [batch.id]
+        batch.refresh_from_db()
+        assert batch.crashes == crashes and batch.status == "validating"
+    owner = services.worker_identity()
+    services.batch_claim(batch_id=batch.id, owner=owner)
+    services.batch_record(
+        batch_id=batch.id, owner=owner, answers=[(0, "a", True, {"o": 1})]
+    )
+    assert Batch.objects.get(pk=batch.id).crashes == 0
+    for _ in range(services.MAX_CRASHES):
+        Batch.objects.filter(pk=batch.id).update(lease_owner=a_dead_owner())
+        services.batches_resume()
+    batch.refresh_from_db()
+    assert batch.status == "failed", batch.status
+    assert batch.errors[0]["code"] == "batch_crashed"
+    assert services.batches_resume() == []
+
+
+def test_a_queued_batch_is_not_queued_again_while_it_waits(batch):
+    """A batch sent to the broker is not sent again by each resume while no
+    worker has taken it (control: before, every resume queued every
+    unclaimed batch); it is after REQUEUE_AFTER_S, or at once when a worker
+    that held it is gone."""
+    assert Batch.objects.get(pk=batch.id).queued_at is not None
+    assert services.batches_resume() == []
+    Batch.objects.filter(pk=batch.id).update(
+        queued_at=timezone.now() - timedelta(seconds=services.REQUEUE_AFTER_S + 1)
+    )
+    assert services.batches_resume() == [batch.id]
+    assert services.batches_resume() == []  # stamped again
+    services.batch_claim(batch_id=batch.id, owner="w:1:1:a")
+    assert Batch.objects.get(pk=batch.id).queued_at is None
+    Batch.objects.filter(pk=batch.id).update(lease_owner=a_dead_owner())
+    assert services.batches_resume() == [batch.id]
+
+
+def test_a_batch_needs_a_key():
+    """batch_create refuses a batch without a key (its lines could not be
+    admitted in any budget)."""
+    with pytest.raises(errors.ApiError) as refused:
+        services.batch_create(
+            key=None,
+            input_file_id="file-x",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata=None,
+        )
+    assert refused.value.status == 401
