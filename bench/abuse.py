@@ -218,8 +218,8 @@ async def abuser_socket(
             except TimeoutError:
                 continue
             kind = reply["type"]
-            if kind == "start":
-                phase.abuser["admitted"] += 1
+            if kind == "start":  # every choice has its slot
+                phase.abuser["started"] += 1
                 phase.abuser["engine requests"] += n
             elif kind in ("done", "error") and reply["id"] in running:
                 running.discard(reply["id"])
@@ -270,12 +270,15 @@ async def abuse(bench) -> list[Phase]:
     names = [ABUSER, *(f"user{i}" for i in range(args.users))]
     cookies = await asyncio.to_thread(sessions, platform, names)
     phases = []
+    # Each abuse phase right after an anchor of its own: on a machine shared
+    # with other work the anchor drifts from one minute to the next.
     plan = [
         ("others alone", 0, None),
         ("abuser n=8, default limits", 8, None),
+        ("others alone", 0, None),
         ("abuser n=4, default limits", 4, None),
+        ("others alone", 0, None),
         ("abuser n=8, unlimited (0/0)", 8, (0, 0)),
-        ("others alone again", 0, None),
     ]
     for name, abuse_n, override in plan:
         if override is not None:
@@ -290,14 +293,18 @@ async def abuse(bench) -> list[Phase]:
         phases.append(await run_phase(platform, cookies, args, name, abuse_n))
         if override is not None:
             await asyncio.to_thread(user_limits_reset, platform, ABUSER)
-        await bench.until_idle()
-        print(f"  abuse: {name}: {len(phases[-1].others)} turns", flush=True)
+        waited = await bench.until_idle()
+        print(
+            f"  abuse: {name}: {len(phases[-1].others)} turns; engine idle "
+            f"{waited:.0f} s after",
+            flush=True,
+        )
     return phases
 
 
 def report(phases: list[Phase], args) -> None:
-    """The others' time to first token per phase, against the anchor."""
-    anchor = statistics.median(phases[0].ttfts_ms() or [float("nan")])
+    """The others' time to first token per phase, against the anchor: the
+    phase of the others alone just before it."""
     print(
         f"\nabuse: {args.users} users chatting (n=1, max_tokens {args.tokens}, "
         f"{THINK_S:g} s between turns) for {args.phase_s:g} s per phase; the "
@@ -308,9 +315,13 @@ def report(phases: list[Phase], args) -> None:
         f"{'phase':<30}{'turns':>6}{'ok':>5}{'refused':>8}{'p50 TTFT':>10}"
         f"{'p90':>8}{'x anchor':>9}  abuser"
     )
+    ratios = {}
     for phase in phases:
         ttfts = phase.ttfts_ms()
         p50 = statistics.median(ttfts) if ttfts else float("nan")
+        if not phase.abuser and "alone" in phase.name:
+            anchor = p50
+        ratios[phase.name] = p50 / anchor
         p90 = ttfts[int(0.9 * len(ttfts))] if ttfts else float("nan")
         ok = sum(o.kind == SUCCEEDED for o in phase.others)
         refused = Counter(
@@ -320,15 +331,14 @@ def report(phases: list[Phase], args) -> None:
         print(
             f"{phase.name:<30}{len(phase.others):>6}{ok:>5}"
             f"{sum(refused.values()):>8}{p50:>10.0f}{p90:>8.0f}"
-            f"{p50 / anchor:>9.2f}  {abuser or '-'}"
+            f"{ratios[phase.name]:>9.2f}  {abuser or '-'}"
         )
         if refused:
             print(f"{'':<30}the others refused: {dict(refused)}")
-    defaults = [p for p in phases if "default limits" in p.name]
-    worst = max(statistics.median(p.ttfts_ms() or [float("nan")]) for p in defaults)
-    verdict = "met" if worst / anchor <= GOAL_RATIO else "NOT met"
+    worst = max(ratio for name, ratio in ratios.items() if "default" in name)
+    verdict = "met" if worst <= GOAL_RATIO else "NOT met"
     print(
         f"goal: with the default user limits the others' p50 time to first "
-        f"token is <= {GOAL_RATIO:g}x the anchor's: {verdict} "
-        f"({worst / anchor:.2f}x at worst)"
+        f"token is <= {GOAL_RATIO:g}x the anchor's (the others alone just "
+        f"before): {verdict} ({worst:.2f}x at worst)"
     )

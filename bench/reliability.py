@@ -328,14 +328,15 @@ class Bench:
 
     # -- after each scenario ------------------------------------------------------
 
-    async def until_idle(self) -> None:
-        """Wait (bounded) until the engine shows no leases."""
-        deadline = time.monotonic() + LEASES_DEADLINE_S
-        while time.monotonic() < deadline:
+    async def until_idle(self) -> float:
+        """Wait (bounded) until the engine shows no leases; seconds waited."""
+        began = time.monotonic()
+        while time.monotonic() < began + LEASES_DEADLINE_S:
             state = await self.engine_state()
             if state is not None and not leases(state):
-                return
+                break
             await asyncio.sleep(0.5)
+        return time.monotonic() - began
 
     async def settle(self, result: Result) -> None:
         """Wait for no leases, then for memory near idle; note what was seen."""
