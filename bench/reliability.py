@@ -2,6 +2,7 @@
 the database, and a burst of streams whose clients hang up.
 
 Run: .venv/bin/python bench/reliability.py [--tokens 16] [--clients 4] [--keep]
+     [--only SCENARIO ...]
 
 Starts a platform of its own, as bench/front.py does (its `Platform`: a
 temporary run dir, the seed engine cpu0, the bundled models, a fresh API key,
@@ -22,6 +23,10 @@ and after one fault:
                        terminated, for 10 s
   200 streams          one burst of 200 concurrent streams; every fourth client
                        hangs up after its first token or two
+  abuse                one logged-in account on 8 WebSocket chat sockets with
+                       n=8 while `--users` others chat: the others' p50 time
+                       to first token against theirs alone (bench/abuse.py;
+                       its own table, goal <= 1.5x with the default user limits)
 
 Each request ends as exactly one of: succeeded (a finish_reason and `[DONE]`),
 429, error (another status, or an error event mid-stream), lost (neither an
@@ -61,6 +66,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import abuse  # noqa: E402
 from bench.faults import Database, EngineWatch, FaultPlatform  # noqa: E402
 from bench.front import ENGINE, MODEL  # noqa: E402
 from bench.generation import MODEL_PATH  # noqa: E402
@@ -79,6 +85,15 @@ DB_DOWN_S = 10.0
 LEASES_DEADLINE_S = 60.0  # after a scenario: no leases by then is a failure
 RSS_DEADLINE_S = 20.0  # then this long more for memory to come back
 RSS_TOLERANCE = 0.10
+SCENARIOS = (
+    "engine_sigkill",
+    "engine_sigkill_ws",
+    "engine_sigstop",
+    "supervisor_sigkill",
+    "database_down",
+    "burst",
+    "abuse",
+)
 
 
 # -- the bench --------------------------------------------------------------------
@@ -96,6 +111,7 @@ class Bench:
         self.idle_mib = 0.0
         self.idle_parts = ""
         self.results: list[Result] = []
+        self.abuse_phases: list[abuse.Phase] = []
 
     async def engine_state(self) -> dict | None:
         try:
@@ -312,6 +328,16 @@ class Bench:
 
     # -- after each scenario ------------------------------------------------------
 
+    async def until_idle(self) -> float:
+        """Wait (bounded) until the engine shows no leases; seconds waited."""
+        began = time.monotonic()
+        while time.monotonic() < began + LEASES_DEADLINE_S:
+            state = await self.engine_state()
+            if state is not None and not leases(state):
+                break
+            await asyncio.sleep(0.5)
+        return time.monotonic() - began
+
     async def settle(self, result: Result) -> None:
         """Wait for no leases, then for memory near idle; note what was seen."""
         began = time.monotonic()
@@ -403,6 +429,8 @@ class Bench:
                 self.database_down,
                 self.burst,
             ):
+                if self.args.only and scenario.__name__ not in self.args.only:
+                    continue
                 began = time.monotonic()
                 result = await scenario()
                 await self.settle(result)
@@ -412,6 +440,8 @@ class Bench:
                     f"{time.monotonic() - began:.0f} s",
                     flush=True,
                 )
+            if not self.args.only or "abuse" in self.args.only:
+                self.abuse_phases = await abuse.abuse(self)
         finally:
             stop.set()
             await follower
@@ -454,6 +484,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="max_tokens")
     parser.add_argument("--clients", type=int, default=4, help="streaming clients")
     parser.add_argument("--burst", type=int, default=200, help="concurrent streams")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        choices=SCENARIOS,
+        help="run only these scenarios",
+    )
+    parser.add_argument(
+        "--users", type=int, default=8, help="abuse: the others chatting"
+    )
+    parser.add_argument(
+        "--abuse-streams", type=int, default=2, help="abuse: streams per socket"
+    )
+    parser.add_argument(
+        "--phase-s", type=float, default=abuse.PHASE_S, help="abuse: phase length"
+    )
     parser.add_argument(
         "--postgres",
         default="postgresql://postgres@127.0.0.1:5432/postgres",
@@ -502,6 +548,8 @@ def main() -> None:
         print(f"done in {time.monotonic() - began:.0f} s")
         if bench and bench.results:
             report(bench.results)
+        if bench and bench.abuse_phases:
+            abuse.report(bench.abuse_phases, args)
         log_summary(run_dir)
         if args.keep:
             if bench and bench.results:

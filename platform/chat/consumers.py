@@ -13,21 +13,29 @@ Protocol (JSON text messages; README "WebSocket chat"):
 - A malformed message gets an `error` with code `bad_request` (id null when
   it had none) and the socket stays open.
 - A closed socket cancels its streams in the engines.
+- A session socket's login is checked again every SESSION_CHECK_S: once its
+  session is gone from the store (logged out, expired, flushed by a password
+  change) or its user is inactive or deleted, the socket is closed with 4401
+  and a reason, and its streams are cancelled.
 """
 
 import asyncio
 import contextlib
 import json
 import logging
+from importlib import import_module
 from typing import Any
 
+from channels.auth import get_user
 from channels.consumer import get_handler_name
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django import db
 from django.conf import settings
 
 from api import errors
 from api.calls import spawn
 from api.pipeline import authenticate
+from api.services import DATABASE_OUTAGE
 
 from .schemas import Auth, Cancel, Chat, client_message
 from .streams import ChatStream
@@ -53,6 +61,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
     AUTH_TIMEOUT_S = 5.0
     # Streams one socket may run at once.
     MAX_STREAMS = 16
+    # Seconds between checks that a session socket's login still holds. On a
+    # timer, not at each `chat`: a stream's way to its engine waits on no
+    # query of it, and an idle socket of a user logged out is closed too.
+    SESSION_CHECK_S = 5.0
 
     async def connect(self) -> None:
         self.streams: dict[str, ChatStream] = {}
@@ -60,12 +72,14 @@ class ChatConsumer(AsyncWebsocketConsumer):
         self._presented_key: str | None = None
         self._closing = False
         self._auth_timer: asyncio.TimerHandle | None = None
+        self._session_watch: asyncio.Task | None = None
         client = self.scope.get("client") or ("unknown", 0)
         self.client_address = client[0] or "unknown"
         user = self.scope.get("user")
         self.user = user if user is not None and user.is_authenticated else None
         await self.accept()
         if self.user is not None:
+            self._session_watch = asyncio.ensure_future(self._watch_session())
             await self.send_message({"type": "ready", "user": self.user.get_username()})
             return
         self._auth_timer = asyncio.get_running_loop().call_later(
@@ -90,6 +104,39 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if handler is None:
             raise ValueError(f"No handler for message type {message['type']}")
         await handler(message)
+
+    async def _watch_session(self) -> None:
+        """Every SESSION_CHECK_S, whether the login still holds; once it does
+        not, close the socket (4401) and cancel its streams. While the
+        database fails, the socket stays as it is until a check can be made."""
+        while not self._closing:
+            await asyncio.sleep(self.SESSION_CHECK_S)
+            try:
+                holds = await self.login_holds()
+            except db.Error as error:
+                DATABASE_OUTAGE.failed("checking a chat socket's login", error)
+                continue
+            DATABASE_OUTAGE.worked()
+            if not holds and not self._closing:
+                await self._refuse(
+                    UNAUTHENTICATED,
+                    "Your login ended (logged out, expired or deactivated): "
+                    "log in again.",
+                )
+                await self._streams_cancelled()
+                return
+
+    async def login_holds(self) -> bool:
+        """Whether the socket's session is still in the session store, logged
+        in as the same user, who is still active (what Django checks of a
+        session at every request: Channels' get_user on the session as the
+        store has it now, not as it was read when the socket opened)."""
+        session_key = self.scope["session"].session_key
+        if not session_key:
+            return False
+        store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+        user = await get_user({"session": store})
+        return user.is_authenticated and user.pk == self.user.pk and user.is_active
 
     @property
     def authenticated(self) -> bool:
@@ -209,6 +256,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
         self._closing = True
         if self._auth_timer is not None:
             self._auth_timer.cancel()
+        if self._session_watch is not None:
+            self._session_watch.cancel()
+        await self._streams_cancelled()
+
+    async def _streams_cancelled(self) -> None:
+        """Cancel the socket's streams (in their engines too); wait for them."""
         tasks = [s.task for s in self.streams.values() if s.task is not None]
         for task in tasks:
             task.cancel()

@@ -7,7 +7,7 @@ from asgiref.sync import sync_to_async
 from django.core.cache import cache
 from django.db import connections
 
-from api import limits, services, usage
+from api import limits, selectors, services, usage
 from api.gateway import GATEWAY
 
 
@@ -18,13 +18,15 @@ def forget_keys() -> None:
     services.AUTH_FAILURES.clear()
     services.DATABASE_OUTAGE.down = False
     services.DATABASE_OUTAGE.failed_at = -float("inf")
+    selectors.user_allowances_forget()
 
 
 @pytest.fixture(autouse=True)
 def empty_cache():
-    """Counters, remembered and refused keys, throttled clients and a
-    database outage of an earlier test (same key ids, same hashes after a
-    flush, the test client's one address) must not leak into this one."""
+    """Counters, remembered and refused keys, throttled clients, users'
+    remembered limits and a database outage of an earlier test (same key
+    ids, same hashes after a flush, the test client's one address) must not
+    leak into this one."""
     cache.clear()
     forget_keys()
     yield

@@ -1,4 +1,5 @@
-"""API keys and usage in the admin: the key is shown once, usage is read-only."""
+"""API keys and usage in the admin: the key is shown once, usage is read-only;
+users' limits: the defaults and each user's own, on one page."""
 
 import hashlib
 import io
@@ -7,11 +8,13 @@ import re
 
 import pytest
 from django.contrib.admin.models import LogEntry
+from django.contrib.auth import get_user_model
 from django.contrib.messages import get_messages
 from django.core.management import call_command
 from django.urls import reverse
 
-from api.models import ApiKey, Usage
+from api.models import ApiKey, Usage, UserLimitOverride, UserLimits
+from api.selectors import user_allowance
 from tests.factories import ApiKeyFactory, ModelConfigFactory, UsageFactory
 
 pytestmark = pytest.mark.django_db
@@ -182,3 +185,98 @@ def test_usage_is_read_only(admin_client):
     delete_url = reverse("admin:api_usage_delete", args=[usage.pk])
     assert admin_client.post(delete_url, {"post": "yes"}).status_code == 403
     assert Usage.objects.get(pk=usage.pk).status == usage.status
+
+
+def user_limits_form(defaults: UserLimits, *overrides: dict, initial: int = 0) -> dict:
+    """The User limits change form's fields: the defaults, then these
+    overrides (each with its user, rpm_limit and max_concurrent; `id` for one
+    already saved)."""
+    data = {
+        "rpm_limit": str(defaults.rpm_limit),
+        "max_concurrent": str(defaults.max_concurrent),
+        "overrides-TOTAL_FORMS": str(len(overrides)),
+        "overrides-INITIAL_FORMS": str(initial),
+        "overrides-MIN_NUM_FORMS": "0",
+        "overrides-MAX_NUM_FORMS": "1000",
+    }
+    for index, override in enumerate(overrides):
+        for name, value in override.items():
+            data[f"overrides-{index}-{name}"] = str(value)
+    return data
+
+
+def test_user_limits_page_edits_the_defaults_and_users_own_limits(admin_client):
+    """The list of User limits opens its one row, with the defaults (rpm 60,
+    4 at once) and an inline of users' own limits. Saving new defaults and an
+    override takes effect at once in this process (user_allowance); changing
+    and deleting the override work the same way."""
+    ada = get_user_model().objects.create_user("ada")
+    bob = get_user_model().objects.create_user("bob")
+    listed = admin_client.get(reverse("admin:api_userlimits_changelist"))
+    defaults = UserLimits.load()
+    change_url = reverse("admin:api_userlimits_change", args=[defaults.pk])
+    assert listed.status_code == 302 and listed.url == change_url
+    page = admin_client.get(change_url).content.decode()
+    assert 'name="rpm_limit" value="60"' in page
+    assert 'name="max_concurrent" value="4"' in page
+    assert "overrides-TOTAL_FORMS" in page and "Users with their own limits" in page
+    assert admin_client.get(reverse("admin:api_userlimits_add")).status_code == 403
+    # Read (and remembered) before the change: the save must not wait 5 s.
+    assert user_allowance(user_id=ada.pk).max_concurrent == 4
+
+    defaults.rpm_limit, defaults.max_concurrent = 30, 2
+    response = admin_client.post(
+        change_url,
+        user_limits_form(
+            defaults, {"user": ada.pk, "rpm_limit": 0, "max_concurrent": 16}
+        ),
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    override = UserLimitOverride.objects.get()
+    assert (override.user, override.rpm_limit, override.max_concurrent) == (ada, 0, 16)
+    ada_limits, bob_limits = (
+        user_allowance(user_id=ada.pk),
+        user_allowance(user_id=bob.pk),
+    )
+    assert (ada_limits.rpm_limit, ada_limits.max_concurrent) == (0, 16)
+    assert (bob_limits.rpm_limit, bob_limits.max_concurrent) == (30, 2)
+    assert ada.username in admin_client.get(change_url).content.decode()
+
+    saved = {"id": override.pk, "defaults": defaults.pk, "user": ada.pk}
+    response = admin_client.post(
+        change_url,
+        user_limits_form(
+            defaults, {**saved, "rpm_limit": 5, "max_concurrent": 1}, initial=1
+        ),
+    )
+    assert response.status_code == 302
+    assert user_allowance(user_id=ada.pk).max_concurrent == 1
+    response = admin_client.post(
+        change_url,
+        user_limits_form(
+            defaults,
+            {**saved, "rpm_limit": 5, "max_concurrent": 1, "DELETE": "on"},
+            initial=1,
+        ),
+    )
+    assert response.status_code == 302
+    assert not UserLimitOverride.objects.exists()
+    assert user_allowance(user_id=ada.pk).max_concurrent == 2
+
+
+def test_a_user_has_one_override_only(admin_client):
+    """Two overrides of the same user are refused by the form (one row per
+    user), and nothing is saved."""
+    ada = get_user_model().objects.create_user("ada")
+    defaults = UserLimits.load()
+    response = admin_client.post(
+        reverse("admin:api_userlimits_change", args=[defaults.pk]),
+        user_limits_form(
+            defaults,
+            {"user": ada.pk, "rpm_limit": 1, "max_concurrent": 1},
+            {"user": ada.pk, "rpm_limit": 2, "max_concurrent": 2},
+        ),
+    )
+    assert response.status_code == 200
+    assert "Please correct the duplicate data for user" in response.content.decode()
+    assert not UserLimitOverride.objects.exists()
