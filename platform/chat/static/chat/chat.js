@@ -141,7 +141,8 @@
         return;
       }
       if (state.stream) {
-        // The answer so far stays; the turn is sent again once reconnected.
+        // The answer so far stays; the turn is sent again once reconnected,
+        // with its id: the server stores it once.
         const interrupted = state.stream;
         state.stream = null;
         interrupted.bubble.classList.add("failed");
@@ -206,6 +207,14 @@
   }
 
   // -- turns ------------------------------------------------------------------------
+  // A turn's id, kept when it is sent again (after a reconnect or a retry):
+  // the server then replaces its stored answer rather than storing it twice.
+  // getRandomValues, unlike randomUUID, works on plain-HTTP hosts too.
+  function turnId() {
+    const bytes = crypto.getRandomValues(new Uint8Array(12));
+    return "t" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+  }
+
   function params() {
     const out = {};
     const number = (input, name, parse) => {
@@ -239,7 +248,9 @@
     const messages = [];
     if (ui.system.value.trim()) messages.push({ role: "system", content: ui.system.value });
     messages.push(...turn.history);
-    const chat = { type: "chat", id, model: ui.model.value, messages, params: params() };
+    const chat = {
+      type: "chat", id, turn_id: turn.id, model: ui.model.value, messages, params: params(),
+    };
     if (state.conversation) chat.conversation = state.conversation;
     if (turn.regenerate) chat.regenerate = true;
     state.socket.send(JSON.stringify(chat));
@@ -324,7 +335,7 @@
     if (!text.trim() || state.stream) return;
     ui.prompt.value = "";
     addBubble("user", text);
-    start({ history: [...state.history, { role: "user", content: text }] });
+    start({ id: turnId(), history: [...state.history, { role: "user", content: text }] });
   });
   ui.prompt.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) {
@@ -343,7 +354,7 @@
     if (last < 0 || state.history[last].role !== "assistant") return;
     const answers = ui.messages.querySelectorAll(".message.assistant");
     const bubble = answers[answers.length - 1];
-    start({ history: state.history.slice(0, last), regenerate: true, bubble });
+    start({ id: turnId(), history: state.history.slice(0, last), regenerate: true, bubble });
   });
 
   connect();
