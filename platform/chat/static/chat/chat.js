@@ -44,6 +44,43 @@
     storing: null,    // the id of an answer whose turn is being stored
   };
 
+  // -- sanitising ---------------------------------------------------------------
+  // What a rendered answer may hold: Markdown's text, code, lists, tables,
+  // links, and images inlined as data: only. An answer may be steered by what
+  // the model read (a prompt injection): nothing in it may load from
+  // elsewhere, or a URL could carry the conversation away, nor submit or embed
+  // anything. No forms, inputs, buttons, frames, objects, media, SVG, styles;
+  // an image's remote src is dropped (the image shows nothing); links stay,
+  // opened only when clicked, in a new tab without a referrer. The page's CSP
+  // (img-src 'self' data:) refuses remote loads too.
+  const PURIFY = {
+    ALLOWED_TAGS: ["p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "strong", "em",
+      "b", "i", "u", "s", "del", "ins", "mark", "sub", "sup", "small", "code", "pre",
+      "kbd", "samp", "blockquote", "ul", "ol", "li", "dl", "dt", "dd", "table",
+      "thead", "tbody", "tfoot", "tr", "th", "td", "caption", "a", "img", "span",
+      "div", "abbr", "details", "summary"],
+    ALLOWED_ATTR: ["href", "title", "alt", "src", "class", "align", "start",
+      "colspan", "rowspan"],
+    ALLOW_DATA_ATTR: false,
+    ALLOW_ARIA_ATTR: false,
+  };
+  const INLINE_IMAGE = /^data:image\/(png|gif|jpeg|webp);/i;
+  DOMPurify.addHook("uponSanitizeAttribute", (node, data) => {
+    if (data.attrName === "src" && !(node.nodeName === "IMG" && INLINE_IMAGE.test(data.attrValue))) {
+      data.keepAttr = false;
+    }
+    // Only Markdown's code languages: no borrowing the page's own classes.
+    if (data.attrName === "class" && !/^language-[\w+-]+$/.test(data.attrValue)) {
+      data.keepAttr = false;
+    }
+  });
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.nodeName === "A") {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer nofollow");
+    }
+  });
+
   // -- models and stored messages -------------------------------------------
   for (const name of page.models) {
     const option = document.createElement("option");
@@ -73,7 +110,7 @@
 
   // -- rendering --------------------------------------------------------------
   function render(markdown) {
-    return DOMPurify.sanitize(marked.parse(markdown, { gfm: true, breaks: true }));
+    return DOMPurify.sanitize(marked.parse(markdown, { gfm: true, breaks: true }), PURIFY);
   }
 
   function addBubble(role, text) {
