@@ -54,30 +54,23 @@ def conversation_turn_record(
     one was not delivered (its socket closed mid-answer), which leaves the
     stored one. A turn sent again after a reconnect is thus stored once,
     whichever of its two records comes first."""
+    turn = {
+        "user": user,
+        "key": key,
+        "conversation": conversation,
+        "messages": messages,
+        "regenerate": regenerate,
+        "answer": answer,
+        "turn_id": turn_id,
+    }
     try:
-        return _turn_stored(
-            user=user,
-            key=key,
-            conversation=conversation,
-            messages=messages,
-            regenerate=regenerate,
-            answer=answer,
-            turn_id=turn_id,
-        )
+        return _turn_stored(**turn)
     except IntegrityError:
         if not turn_id:
             raise
         # The same turn stored at the same moment by its other record (the
         # unique constraints on turn ids refused the second): now it is found.
-        return _turn_stored(
-            user=user,
-            key=key,
-            conversation=conversation,
-            messages=messages,
-            regenerate=regenerate,
-            answer=answer,
-            turn_id=turn_id,
-        )
+        return _turn_stored(**turn)
 
 
 @transaction.atomic

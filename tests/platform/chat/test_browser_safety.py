@@ -277,7 +277,7 @@ def test_a_turn_interrupted_by_a_dropped_socket_is_stored_once(page, live):
                     "role", "finish_reason"
                 )
             )
-            return found if found[-1][1] in ("stop", "length") else None
+            return found if found and found[-1][1] in ("stop", "length") else None
 
         turns = wait_for(stored_again, timeout=60, what="the resent turn stored")
         assert turns == [("user", ""), ("assistant", "length")]
