@@ -220,7 +220,17 @@ class ModelConfigAdmin(admin.ModelAdmin):
             ),
         )
 
-    @admin.action(description="Measure memory of the selected models")
+    def has_requantize_permission(self, request) -> bool:
+        """Requantizing adds a variant (or refreshes one): both permissions."""
+        return self.has_add_permission(request) and self.has_change_permission(request)
+
+    # Each action writes the models it is given (a job's state and what it
+    # finds): it needs the permission to change them; Django's admin neither
+    # offers nor runs an action to a user without it.
+    @admin.action(
+        description="Measure memory of the selected models",
+        permissions=["change"],
+    )
     def measure_memory(self, request, queryset) -> None:
         for model in queryset:
             model_memory_measure_queue(model=model)
@@ -231,7 +241,10 @@ class ModelConfigAdmin(admin.ModelAdmin):
             messages.SUCCESS,
         )
 
-    @admin.action(description="Requantize the selected GGUF models…")
+    @admin.action(
+        description="Requantize the selected GGUF models…",
+        permissions=["requantize"],
+    )
     def requantize(self, request, queryset):
         """An intermediate page to choose the quantization, then a variant of
         each GGUF model queued."""
@@ -308,7 +321,10 @@ class ModelConfigAdmin(admin.ModelAdmin):
             parts.append("no chat template")
         return ", ".join(parts)
 
-    @admin.action(description="Inspect the selected models' files again")
+    @admin.action(
+        description="Inspect the selected models' files again",
+        permissions=["change"],
+    )
     def inspect_again(self, request, queryset) -> None:
         for model in queryset:
             model_inspection_queue(model=model)

@@ -9,6 +9,7 @@ llama.cpp repacks Q4_0 (and a few others) for its fastest matrix kernels, so
 a Q4_1 model requantized to Q4_0 reads prompts about three times faster here
 for a small loss of quality. The comparison lets an operator choose knowingly."""
 
+import hashlib
 import re
 import socket
 from collections.abc import Callable
@@ -38,8 +39,14 @@ def variant_name(original: str, quantization: str) -> str:
 
 
 def variant_path(name: str) -> str:
-    """The variant's file, relative to the models directory."""
-    return f"{VARIANTS_DIR}/{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.gguf"
+    """The variant's file, relative to the models directory: its name, when
+    that is a plain lowercase file name; else the name made one, with a hash
+    of the whole name (`a/b` and `a_b`, or `A` and `a` on a filesystem that
+    ignores case, would otherwise share a file)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    if safe != name.lower():
+        safe += "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
+    return f"{VARIANTS_DIR}/{safe}.gguf"
 
 
 def requantize(

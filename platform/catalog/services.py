@@ -173,8 +173,9 @@ def model_requantize_queue(*, model: ModelConfig, quantization: str) -> ModelCon
     """The model's variant in `quantization`, marked queued, its job queued.
     The variant made by an earlier request is reused (and refreshed by the
     job); a new one starts disabled, until its file exists. ValueError: not a
-    GGUF model or not a known quantization; ValidationError: the variant's
-    name is taken by another model."""
+    GGUF model, not a known quantization, or the variant's file is another
+    model's; ValidationError: the variant's name is taken by another
+    model."""
     from .requantize import variant_name, variant_path
     from .tasks import requantize_model
 
@@ -196,6 +197,13 @@ def model_requantize_queue(*, model: ModelConfig, quantization: str) -> ModelCon
                 **{field: getattr(model, field) for field in VARIANT_COPIED_FIELDS},
             )
             variant.full_clean()
+        owner = _model_using(variant.resolved_path, besides=variant)
+        if owner is not None:  # the job would write over another model's file
+            raise ValueError(
+                f"{model.name}'s variant would be written to {variant.path}, "
+                f"which is {owner.name}'s file"
+            )
+        if variant.pk is None:
             variant.save()
         _job_write(
             variant.pk, requantize_job=JobState.QUEUED, requantize_job_progress="queued"
@@ -206,20 +214,32 @@ def model_requantize_queue(*, model: ModelConfig, quantization: str) -> ModelCon
     return variant
 
 
+def _model_using(path: Path, *, besides: ModelConfig) -> ModelConfig | None:
+    """Another model whose path is this file, however it is spelt."""
+    target = path.resolve()
+    others = ModelConfig.objects.all()
+    if besides.pk is not None:
+        others = others.exclude(pk=besides.pk)
+    return next((o for o in others if o.resolved_path.resolve() == target), None)
+
+
 def model_variant_files_remove(*, models: Iterable[ModelConfig]) -> list[Path]:
     """Remove the files the requantize job wrote for these deleted variants
     (only in the models directory's requantized/ folder, which the job owns;
-    one another model still points at stays); the files removed."""
+    one another model still points at, by any spelling of its path, stays);
+    the files removed."""
     from .requantize import VARIANTS_DIR
 
     folder = (Path(settings.MODELS_DIR) / VARIANTS_DIR).resolve()
+    # The files the models left point at, however their paths are spelt
+    # (absolute, `./`, through a link).
+    kept = {other.resolved_path.resolve() for other in ModelConfig.objects.all()}
     removed = []
     for model in models:
         if model.derived_from_id is None and not model.quantized_to:
             continue
         path = model.resolved_path.resolve()
-        shared = ModelConfig.objects.filter(path=model.path).exists()
-        if path.parent != folder or shared:
+        if path.parent != folder or path in kept:
             continue
         try:
             path.unlink()

@@ -23,6 +23,7 @@ class MessageInline(admin.TabularInline):
         "completion_tokens",
         "first_token_ms",
         "total_ms",
+        "turn_id",
     ]
     readonly_fields = fields
 

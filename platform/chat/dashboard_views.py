@@ -1,6 +1,10 @@
 """The fleet dashboard's page (`/dashboard/`) and an operator's orders from it:
 restart an engine, load or unload a model. Staff only, CSRF-checked POSTs,
-each recorded in the admin's history (LogEntry) of the engine or the model.
+each recorded in the admin's history (LogEntry) of the engine or the model,
+and each needing the permission to change what it records: a restart
+`fleet.change_enginespec`, a load or an unload `catalog.change_modelconfig`
+(403 otherwise; the page shows only the buttons its user may use). A disabled
+model is never loaded, whoever asks.
 
 A restart is asked of the supervisor (it polls the database); a load or an
 unload goes to the running engine at once, in the background: the answer says
@@ -27,11 +31,23 @@ from fleet.services import (
 
 from .dashboard import dashboard_notice
 
+# The permission each order needs: to change what it is recorded on.
+RESTART_PERMISSION = "fleet.change_enginespec"
+PLACE_PERMISSION = "catalog.change_modelconfig"
+
 
 @staff_member_required
 def dashboard_page(request: HttpRequest) -> HttpResponse:
     """GET /dashboard/: the fleet now; the page then follows /ws/dashboard/."""
-    return render(request, "chat/dashboard.html", {"fleet": fleet_overview()})
+    allowed = {
+        "restart": request.user.has_perm(RESTART_PERMISSION),
+        "place": request.user.has_perm(PLACE_PERMISSION),
+    }
+    return render(
+        request,
+        "chat/dashboard.html",
+        {"fleet": fleet_overview(), "allowed": allowed},
+    )
 
 
 def _history(user_id: int, obj: Model, message: str) -> None:
@@ -43,10 +59,16 @@ def _refused(message: str, status: int = 400) -> JsonResponse:
     return JsonResponse({"message": message}, status=status)
 
 
+def _forbidden(what: str, permission: str) -> JsonResponse:
+    return _refused(f"You may not {what}: it needs the permission {permission!r}.", 403)
+
+
 @require_POST
 @staff_member_required
 def engine_restart(request: HttpRequest, name: str) -> HttpResponse:
     """POST /dashboard/engines/<name>/restart/."""
+    if not request.user.has_perm(RESTART_PERMISSION):
+        return _forbidden("restart engines", RESTART_PERMISSION)
     spec = EngineSpec.objects.filter(name=name).first()
     if spec is None:
         return _refused(f"No engine named {name!r}.", 404)
@@ -58,36 +80,52 @@ def engine_restart(request: HttpRequest, name: str) -> HttpResponse:
 
 
 def _ordered(
-    *, user_id: int, engine: str, model: str, message: str
+    *, user_id: int, engine: str, model: str, message: str, loading: bool
 ) -> tuple[EngineSpec, ModelConfig]:
     """The engine and the model of a load or unload order, recorded in the
-    model's history; LookupError for either unknown."""
+    model's history; LookupError for either unknown, ValueError for a load
+    of a disabled model."""
     spec = EngineSpec.objects.filter(name=engine).first()
     if spec is None:
         raise LookupError(f"No engine named {engine!r}.")
     config = ModelConfig.objects.filter(name=model).first()
     if config is None:
         raise LookupError(f"No model named {model!r}.")
+    if loading and not config.enabled:
+        raise ValueError(
+            f"{config.name} is disabled: enable it in the admin to load it."
+        )
     _history(user_id, config, message.format(engine=spec.name))
     return spec, config
 
 
 async def _model_order(
-    request: HttpRequest, name: str, *, recorded: str, carry_out, accepted: str
+    request: HttpRequest,
+    name: str,
+    *,
+    recorded: str,
+    carry_out,
+    accepted: str,
+    loading: bool,
 ) -> HttpResponse:
     """A load or unload order: checked and recorded now (`recorded`, with
     `{engine}`), carried out in the background by `carry_out(engine, model)`;
     202 with `accepted` (with `{engine}` and `{model}`)."""
     user = await request.auser()
+    if not await sync_to_async(user.has_perm)(PLACE_PERMISSION):
+        return _forbidden("load or unload models", PLACE_PERMISSION)
     try:
         spec, model = await sync_to_async(_ordered)(
             user_id=user.pk,
             engine=name,
             model=request.POST.get("model", ""),
             message=recorded,
+            loading=loading,
         )
     except LookupError as missing:
         return _refused(str(missing), 404)
+    except ValueError as refused:
+        return _refused(str(refused))
     said = accepted.format(engine=spec.name, model=model.name)
     spawn(carry_out(spec.name, model.name), said)
     return JsonResponse({"message": said}, status=202)
@@ -103,6 +141,7 @@ async def model_load(request: HttpRequest, name: str) -> HttpResponse:
         recorded="Load on engine {engine} ordered from the dashboard.",
         carry_out=_load,
         accepted="Loading {model} on {engine}…",
+        loading=True,
     )
 
 
@@ -116,6 +155,7 @@ async def model_unload(request: HttpRequest, name: str) -> HttpResponse:
         recorded="Unload from engine {engine} ordered from the dashboard.",
         carry_out=_unload,
         accepted="Unloading {model} from {engine} once it is idle…",
+        loading=False,
     )
 
 

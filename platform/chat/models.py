@@ -29,6 +29,9 @@ class Conversation(models.Model):
     model = models.CharField(max_length=200)
     title = models.CharField(max_length=200, blank=True)
     system_prompt = models.TextField(blank=True)
+    # The client's id of the turn that started it (chat.schemas.TurnId):
+    # a resend of that turn finds it rather than starting another.
+    opening_turn = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True, db_index=True)
 
@@ -38,7 +41,19 @@ class Conversation(models.Model):
             models.CheckConstraint(
                 condition=Q(user__isnull=False) | Q(key__isnull=False),
                 name="conversation_has_an_owner",
-            )
+            ),
+            # One conversation per owner and opening turn, whatever the
+            # records that race to store it (chat.services).
+            models.UniqueConstraint(
+                fields=["user", "opening_turn"],
+                condition=Q(user__isnull=False) & ~Q(opening_turn=""),
+                name="conversation_opening_turn_once_per_user",
+            ),
+            models.UniqueConstraint(
+                fields=["key", "opening_turn"],
+                condition=Q(user__isnull=True) & ~Q(opening_turn=""),
+                name="conversation_opening_turn_once_per_key",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -68,10 +83,21 @@ class Message(models.Model):
     completion_tokens = models.PositiveIntegerField(default=0)
     first_token_ms = models.FloatField(null=True, blank=True)
     total_ms = models.FloatField(null=True, blank=True)
+    # An answer: the client's id of the turn it answers (chat.schemas.TurnId),
+    # empty when it sent none. A turn is answered once per conversation: its
+    # resend replaces the answer (chat.services).
+    turn_id = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["conversation", "turn_id"],
+                condition=~Q(turn_id=""),
+                name="message_turn_answered_once",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"{self.role}: {self.content[:60]}"

@@ -37,6 +37,10 @@ PARAMS = frozenset(
     }
 )
 StreamId = Annotated[str, Field(min_length=1, max_length=64)]
+# A client's id for one turn (what it asks, and its answer), kept when the
+# turn is sent again (after a reconnect, or a retry): the server stores a turn
+# once per conversation and id (chat.services.conversation_turn_record).
+TurnId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 class Auth(Strict):
@@ -61,6 +65,9 @@ class Chat(Strict):
     # one, and no new user message is stored.
     conversation: Annotated[int, Field(ge=1)] | None = None
     regenerate: bool = False
+    # Optional: the same id on a turn sent again replaces its stored answer
+    # instead of adding the turn a second time.
+    turn_id: TurnId | None = None
 
 
 class Cancel(Strict):

@@ -8,7 +8,9 @@ body checked by the REST schema, the model, the key's limits, the engine; its
 connection and leave as `token` messages; the channel layer never sees them.
 
 The answer's turn is stored once it has ended (`done` or `error` sent), and a
-`stored` message then gives its conversation's id.
+`stored` message then gives its conversation's id. A turn sent again with the
+same `turn_id` (the chat page does after a reconnect) streams again and
+replaces the stored answer of that turn rather than adding the turn twice.
 
 Cancelling the task ends the stream: the call's end closes the engine stream,
 which cancels the request in the engine and frees its slot. A cancel the client
@@ -126,6 +128,7 @@ class ChatStream:
         except asyncio.CancelledError:
             if not self.cancel_asked:  # the socket closed: nobody to tell
                 call.hung_up()
+                self.answer.delivered = False
                 await asyncio.shield(self._end())
                 raise
             asyncio.current_task().uncancel()
@@ -266,6 +269,7 @@ class ChatStream:
                 messages=self._messages or [],
                 regenerate=self.chat.regenerate,
                 answer=self.answer,
+                turn_id=self.chat.turn_id or "",
             )
         except Exception:  # the answer reached the caller: keep serving
             log.exception("could not store a chat turn")

@@ -83,7 +83,7 @@ class EngineSpecAdmin(admin.ModelAdmin):
             return f"{state.status} ({state.cooling_reason})"
         return state.status
 
-    @admin.action(description="Restart engine")
+    @admin.action(description="Restart engine", permissions=["change"])
     def restart_engines(self, request: HttpRequest, queryset) -> None:
         specs = list(queryset)
         for spec in specs:

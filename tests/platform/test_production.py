@@ -19,6 +19,7 @@ from collections import Counter
 import pytest
 import redis
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from websockets.sync.client import connect
 
 from batches.models import BatchLine
@@ -136,7 +137,11 @@ def test_a_group_message_from_one_front_reaches_a_socket_of_another(live, orm):
     """A dashboard open on front B; an operator's order posted to front A:
     its notice (a group message A sends) arrives on B's socket."""
     username, password = f"ops-{os.urandom(3).hex()}", os.urandom(12).hex()
-    get_user_model().objects.create_user(username, password=password, is_staff=True)
+    operator = get_user_model().objects.create_user(
+        username, password=password, is_staff=True
+    )
+    # Loading from the dashboard needs the permission to change models.
+    operator.user_permissions.add(Permission.objects.get(codename="change_modelconfig"))
     port_a, port_b = live.port, live.start_front("front-b")
     jar = log_in(port_a, username, password)  # one session, both fronts
     cookies = "; ".join(f"{c.name}={c.value}" for c in jar)

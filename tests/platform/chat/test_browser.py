@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from django.db import connections
 
 from chat.models import Conversation, Message
@@ -225,7 +226,9 @@ def _listening(live) -> bool:
 def test_dashboard_shows_the_engine_and_restarts_it(page, live):
     """The dashboard's card for the engine: ready, its pid, the chat model
     resident with its memory. Restart from it: recorded in the admin's
-    history, and the card shows the new process when it is up."""
+    history, and the card shows the new process when it is up. (The user
+    may change engines: restarting needs it.)"""
+    page.user.user_permissions.add(Permission.objects.get(codename="change_enginespec"))
     page.goto(f"{live.base_url}/dashboard/")
     card = page.locator(f'.card[data-engine="{ENGINE}"]')
     expect(card.locator(".badge")).to_have_text("ready")

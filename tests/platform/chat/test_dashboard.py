@@ -16,6 +16,7 @@ from fleet.models import EngineSpec, EngineState
 from tests.factories import EngineSpecFactory
 from tests.platform.api.test_streams import CHAT
 from tests.platform.chat.test_websocket import Socket, session_cookie
+from tests.platform.test_staff_permissions import CHANGE, staff_member
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -127,12 +128,12 @@ async def test_live_updates_reach_the_dashboard(socket_app, settings, layer):
 
 
 async def test_orders_need_csrf_and_are_recorded_and_carried_out(socket_app, engine):
-    """Restart, unload and load: refused without the CSRF token; with it,
-    recorded in the admin's history, the restart asked of the supervisor,
-    and the unload and load carried out by the engine, every dashboard told
-    how it went."""
+    """Restart, unload and load by a staff member who may change engines and
+    models: refused without the CSRF token; with it, recorded in the admin's
+    history, the restart asked of the supervisor, and the unload and load
+    carried out by the engine, every dashboard told how it went."""
     spec = await sync_to_async(_fleet_rows)()
-    staff, _ = await sync_to_async(session_cookie)("chief", staff=True)
+    staff = await sync_to_async(staff_member)("chief", CHANGE)
     client = AsyncClient(enforce_csrf_checks=True)
     await client.aforce_login(staff)
     url = "/dashboard/engines/streams0/"

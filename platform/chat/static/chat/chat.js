@@ -44,6 +44,43 @@
     storing: null,    // the id of an answer whose turn is being stored
   };
 
+  // -- sanitising ---------------------------------------------------------------
+  // What a rendered answer may hold: Markdown's text, code, lists, tables,
+  // links, and images inlined as data: only. An answer may be steered by what
+  // the model read (a prompt injection): nothing in it may load from
+  // elsewhere, or a URL could carry the conversation away, nor submit or embed
+  // anything. No forms, inputs, buttons, frames, objects, media, SVG, styles;
+  // an image's remote src is dropped (the image shows nothing); links stay,
+  // opened only when clicked, in a new tab without a referrer. The page's CSP
+  // (img-src 'self' data:) refuses remote loads too.
+  const PURIFY = {
+    ALLOWED_TAGS: ["p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "strong", "em",
+      "b", "i", "u", "s", "del", "ins", "mark", "sub", "sup", "small", "code", "pre",
+      "kbd", "samp", "blockquote", "ul", "ol", "li", "dl", "dt", "dd", "table",
+      "thead", "tbody", "tfoot", "tr", "th", "td", "caption", "a", "img", "span",
+      "div", "abbr", "details", "summary"],
+    ALLOWED_ATTR: ["href", "title", "alt", "src", "class", "align", "start",
+      "colspan", "rowspan"],
+    ALLOW_DATA_ATTR: false,
+    ALLOW_ARIA_ATTR: false,
+  };
+  const INLINE_IMAGE = /^data:image\/(png|gif|jpeg|webp);/i;
+  DOMPurify.addHook("uponSanitizeAttribute", (node, data) => {
+    if (data.attrName === "src" && !(node.nodeName === "IMG" && INLINE_IMAGE.test(data.attrValue))) {
+      data.keepAttr = false;
+    }
+    // Only Markdown's code languages: no borrowing the page's own classes.
+    if (data.attrName === "class" && !/^language-[\w+-]+$/.test(data.attrValue)) {
+      data.keepAttr = false;
+    }
+  });
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.nodeName === "A") {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer nofollow");
+    }
+  });
+
   // -- models and stored messages -------------------------------------------
   for (const name of page.models) {
     const option = document.createElement("option");
@@ -73,7 +110,7 @@
 
   // -- rendering --------------------------------------------------------------
   function render(markdown) {
-    return DOMPurify.sanitize(marked.parse(markdown, { gfm: true, breaks: true }));
+    return DOMPurify.sanitize(marked.parse(markdown, { gfm: true, breaks: true }), PURIFY);
   }
 
   function addBubble(role, text) {
@@ -141,7 +178,8 @@
         return;
       }
       if (state.stream) {
-        // The answer so far stays; the turn is sent again once reconnected.
+        // The answer so far stays; the turn is sent again once reconnected,
+        // with its id: the server stores it once.
         const interrupted = state.stream;
         state.stream = null;
         interrupted.bubble.classList.add("failed");
@@ -206,6 +244,14 @@
   }
 
   // -- turns ------------------------------------------------------------------------
+  // A turn's id, kept when it is sent again (after a reconnect or a retry):
+  // the server then replaces its stored answer rather than storing it twice.
+  // getRandomValues, unlike randomUUID, works on plain-HTTP hosts too.
+  function turnId() {
+    const bytes = crypto.getRandomValues(new Uint8Array(12));
+    return "t" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+  }
+
   function params() {
     const out = {};
     const number = (input, name, parse) => {
@@ -239,7 +285,9 @@
     const messages = [];
     if (ui.system.value.trim()) messages.push({ role: "system", content: ui.system.value });
     messages.push(...turn.history);
-    const chat = { type: "chat", id, model: ui.model.value, messages, params: params() };
+    const chat = {
+      type: "chat", id, turn_id: turn.id, model: ui.model.value, messages, params: params(),
+    };
     if (state.conversation) chat.conversation = state.conversation;
     if (turn.regenerate) chat.regenerate = true;
     state.socket.send(JSON.stringify(chat));
@@ -324,7 +372,7 @@
     if (!text.trim() || state.stream) return;
     ui.prompt.value = "";
     addBubble("user", text);
-    start({ history: [...state.history, { role: "user", content: text }] });
+    start({ id: turnId(), history: [...state.history, { role: "user", content: text }] });
   });
   ui.prompt.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) {
@@ -343,7 +391,7 @@
     if (last < 0 || state.history[last].role !== "assistant") return;
     const answers = ui.messages.querySelectorAll(".message.assistant");
     const bubble = answers[answers.length - 1];
-    start({ history: state.history.slice(0, last), regenerate: true, bubble });
+    start({ id: turnId(), history: state.history.slice(0, last), regenerate: true, bubble });
   });
 
   connect();

@@ -11,6 +11,9 @@
   const history = new Map(); // engine -> {t:[], tokens_per_s:[], queue:[], memory_mib:[]}
   const charts = new Map(); // engine -> {series name: uPlot}
   let fleet = JSON.parse($("fleet-data").textContent);
+  // The orders this user may give (the server checks them too): no button
+  // for the others.
+  const allowed = JSON.parse($("allowed-data").textContent);
   let reconnectDelay = 1;
 
   function el(tag, attrs = {}, ...children) {
@@ -107,23 +110,27 @@
       models.append(el("tr", {},
         el("td", {}, model.name), el("td", {}, `${Math.round(model.memory_mib)} MiB`),
         el("td", {}, model.busy), el("td", {}, model.queued),
-        el("td", {}, el("button", {
+        el("td", {}, allowed.place ? el("button", {
           type: "button", class: "unload",
           onclick: () => act(`/dashboard/engines/${engine.name}/unload/`, { model: model.name }, `Unloading ${model.name}`),
-        }, "Unload"))));
+        }, "Unload") : null)));
     }
     if (!engine.models.length) models.append(el("tr", {}, el("td", { colspan: 5 }, "no model resident")));
 
-    const picker = el("select", { "aria-label": `model to load on ${engine.name}` });
-    for (const model of fleet.models) {
-      if (!engine.models.some((m) => m.name === model.name)) picker.append(el("option", { value: model.name }, model.name));
+    const actions = el("div", { class: "actions" });
+    if (allowed.restart) {
+      actions.append(el("button", { type: "button", class: "restart",
+        onclick: () => act(`/dashboard/engines/${engine.name}/restart/`, {}, `Restarting ${engine.name}`) }, "Restart engine"));
     }
-    const actions = el("div", { class: "actions" },
-      el("button", { type: "button", class: "restart",
-        onclick: () => act(`/dashboard/engines/${engine.name}/restart/`, {}, `Restarting ${engine.name}`) }, "Restart engine"),
-      picker,
-      el("button", { type: "button", class: "load",
+    if (allowed.place) {
+      // fleet.models: the enabled models only (a disabled one is never loaded).
+      const picker = el("select", { "aria-label": `model to load on ${engine.name}` });
+      for (const model of fleet.models) {
+        if (!engine.models.some((m) => m.name === model.name)) picker.append(el("option", { value: model.name }, model.name));
+      }
+      actions.append(picker, el("button", { type: "button", class: "load",
         onclick: () => picker.value && act(`/dashboard/engines/${engine.name}/load/`, { model: picker.value }, `Loading ${picker.value}`) }, "Load"));
+    }
 
     const holders = {};
     const charts = el("div", { class: "charts" });
