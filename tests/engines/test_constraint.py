@@ -7,6 +7,7 @@ import json
 import pytest
 
 from engines.client import EngineRequestError
+from engines.generate_request import MAX_TOOLS_CHARS
 from engines.toolcalls import ToolCallStream, template_messages
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine
@@ -235,6 +236,7 @@ def test_a_named_tool_is_called_with_valid_arguments(engine):
     ],
 )
 def test_bad_constraints_are_refused(engine, fields, says):
+    """Each bad constraint is `bad_request`, saying what is wrong."""
     base = (
         {}
         if "prompt_tokens" in fields
@@ -244,6 +246,23 @@ def test_bad_constraints_are_refused(engine, fields, says):
         engine.client().generate(SMOL, max_tokens=4, **base, **fields)
     assert refused.value.code == "bad_request"
     assert says in refused.value.message
+
+
+def test_tools_over_their_total_cap_are_refused_before_rendering(engine):
+    """128 tools, each within its caps, ~2 MiB together: refused by the
+    engine's typed request before any prompt is rendered; the same request
+    with tools under the cap is answered (the control)."""
+    big = [
+        {**WEATHER, "name": f"tool_{i}", "description": "d" * 16_000}
+        for i in range(128)
+    ]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with pytest.raises(EngineRequestError) as refused:
+        engine.client().generate(SMOL, tools=big, **chat)
+    assert refused.value.code == "bad_request"
+    assert f"over the cap of {MAX_TOOLS_CHARS}" in refused.value.message
+    small = [{**tool, "description": "d"} for tool in big[:2]]
+    assert engine.client().generate(SMOL, tools=small, **chat)["finish_reason"]
 
 
 # -- constrained slots in the batch ---------------------------------------------
@@ -261,7 +280,7 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array",
 
 
 def admit(text, schema):
-    message = {"kind": "generate", "token": "t", "model": "m",
+    message = {"kind": "generate", "model": "m",
                "messages": [{"role": "user", "content": text}]}
     if schema:
         message["response_format"] = {"type": "json_schema", "json_schema": schema}
