@@ -14,13 +14,12 @@ import abc
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .constraint import Grammars
+from .constraint import Grammars, MaskJob
 from .generation import GenerationBackend, GenerationRequest, describe_error
 from .prefix_sharing import PrefixSharing
 from .prompts import render_prompt
@@ -227,11 +226,26 @@ class SlotBackend(PrefixSharing, GenerationBackend):
             )
         return self._grammars
 
-    def start_masks(self, sampling: list[Slot]) -> Future | None:
+    def start_masks(self, sampling: list[Slot]) -> MaskJob | None:
         """Start computing the allowed tokens of the constrained slots among
         those that sample after this pass (run while the pass runs)."""
         rows = [(s.matcher, s.index) for s in sampling if s.matcher is not None]
         return self.grammars.start_masks(rows) if rows else None
+
+    def finish_masks(self, job: MaskJob | None) -> None:
+        """Wait for the masks (up to their budget) before sampling; a slot
+        whose mask was late fails alone, bad_request (its grammar is too
+        costly), and the others sample."""
+        if job is None:
+            return
+        for index, why in self.grammars.late_masks(job).items():
+            slot = self.slots[index]
+            if slot.request is not None:
+                self.fail(
+                    slot,
+                    f"the answer's grammar: its next-token mask {why}",
+                    ErrorCode.BAD_REQUEST.value,
+                )
 
     def logprob_entry(self, logprobs: np.ndarray, token: int, top: int) -> dict:
         """The chosen token's log-probability (of the raw logits, before any

@@ -433,8 +433,7 @@ class LlamaBackend(SlotBackend):
                     self.read_prompt_rows(slot, rows)
             firsts += outputs
             running += later
-        if masks is not None:
-            masks.result()
+        self.finish_masks(masks)
         self.sample_each(firsts + running, self._sample_at)
 
     def _sample_at(self, slot: Slot, where: tuple[_Group, int]) -> None:

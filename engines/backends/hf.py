@@ -264,7 +264,7 @@ class TransformersBackend(SlotBackend):
 
     def _sample(self, slots: list[Slot], logits: torch.Tensor) -> None:
         if self._masks is not None:
-            self._masks.result()
+            self.finish_masks(self._masks)
             self._masks = None
         self.sample_each(
             [(slot, logits[row]) for row, slot in enumerate(slots)], self._sample_row
