@@ -23,7 +23,7 @@ import numpy as np
 from .constraint import Grammars, MaskJob
 from .generation import GenerationBackend, GenerationRequest, describe_error
 from .prefix_sharing import PrefixSharing
-from .prompts import render_prompt
+from .prompts import OfferedTools, offered_tools, render_prompt
 from .protocol import ErrorCode
 from .textgen import TextStream
 from .toolcalls import ToolCallStream
@@ -160,13 +160,21 @@ class SlotBackend(PrefixSharing, GenerationBackend):
         """The KV tokens each group's slots hold together."""
         return self.pool_tokens // self.kv_groups
 
-    def render_prompt(self, message: dict[str, Any]) -> str:
+    def render_prompt(
+        self, message: dict[str, Any], *, tools: OfferedTools | None = None
+    ) -> str:
         return render_prompt(
             message,
             template=self.chat_template,
             bos_text=self.bos_text,
             eos_text=self.eos_text,
+            tools=tools,
         )
+
+    def offered_tools(self, message: dict[str, Any]) -> OfferedTools:
+        """The request's tools as this model's prompt offers them (made once
+        for every render of the request)."""
+        return offered_tools(message, template=self.chat_template)
 
     # -- hooks --------------------------------------------------------------------
 
