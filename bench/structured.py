@@ -1,22 +1,25 @@
-"""Structured output's cost: N streams whose answers must match a JSON schema
-against the same N streams unconstrained.
+"""Structured output's cost: N streams whose answers must match a JSON schema,
+and N streams with log-probabilities, against the same N streams free.
 
 Run: .venv/bin/python bench/structured.py [--streams 8] [--tokens 128] [--rounds 3]
 
 The platform runs with the settings a fresh `make run` gives (its own temporary
 run dir, the bundled SmolLM2 with its automatic slots, `manage.py supervise`,
 the front). Each round sends --streams streamed /v1/chat/completions requests
-at once, greedy, --tokens tokens each, twice: unconstrained (the anchor), then
-with `response_format` a JSON schema (an array of at least 40 objects with an
-enum, a string and an integer: an answer that cannot end before --tokens), the
-order alternating between rounds. Every stream is asked a question of its own
-each time (no phase reads another's prompt from the cache).
+at once, greedy, --tokens tokens each, three times: unconstrained (the
+anchor), with `response_format` a JSON schema (an array of at least 40 objects
+with an enum, a string and an integer: an answer that cannot end before
+--tokens), and unconstrained with `logprobs` and `top_logprobs` 20 (each
+token's log-probability and the 20 likeliest beside it, computed over the
+whole vocabulary on the decode thread), the order rotating between rounds.
+Every stream is asked a question of its own each time (no phase reads
+another's prompt from the cache).
 
 Reported: completion tokens per second over each phase, and the p50 time to
-first token; medians over the rounds. Ratio: constrained tokens/s over
-unconstrained (goal >= 0.9). The first constrained request of the run (the
-model's grammar tokenizer built, the schema compiled) is timed on its own
-before the rounds.
+first token; medians over the rounds. Ratios: constrained and logprobs
+tokens/s over unconstrained (goal >= 0.9 each). The first constrained request
+of the run (the model's grammar tokenizer built, the schema compiled) is
+timed on its own before the rounds.
 """
 
 import argparse
@@ -56,6 +59,8 @@ SCHEMA = {
     "required": ["ships"],
     "additionalProperties": False,
 }
+PHASES = ("unconstrained", "constrained", "logprobs")
+TOP_LOGPROBS = 20
 FORMAT = {
     "type": "json_schema",
     "json_schema": {"name": "harbour", "schema": SCHEMA, "strict": True},
@@ -97,6 +102,9 @@ async def phase(client, args, name: str, round_: int) -> dict:
         }
         if name == "constrained":
             body["response_format"] = FORMAT
+        if name == "logprobs":
+            body["logprobs"] = True
+            body["top_logprobs"] = TOP_LOGPROBS
         bodies.append(body)
     start = time.perf_counter()
     results = await asyncio.gather(*(stream(client, body) for body in bodies))
@@ -135,11 +143,10 @@ async def measure(platform: Platform, args) -> dict:
             "response_format": FORMAT,
         },
     )
-    results: dict[str, list[dict]] = {"unconstrained": [], "constrained": []}
+    results: dict[str, list[dict]] = {name: [] for name in PHASES}
     for round_ in range(args.rounds):
-        order = ["unconstrained", "constrained"]
-        if round_ % 2:
-            order.reverse()
+        shift = round_ % len(PHASES)
+        order = [*PHASES[shift:], *PHASES[:shift]]
         for name in order:
             results[name].append(await phase(client, args, name, round_))
     await client.close()
@@ -164,20 +171,19 @@ def report(results: dict, args) -> None:
         f"median of {args.rounds} rounds (make run defaults)\n"
     )
     print(f"{'phase':<16}{'tokens/s':>10}{'p50 TTFT ms':>14}{'tokens':>9}")
-    for name in ("unconstrained", "constrained"):
+    for name in PHASES:
         row = medians[name]
         print(
             f"{name:<16}{row['tokens_per_s']:>10.1f}{row['ttft_ms']:>14.0f}"
             f"{row['tokens']:>9.0f}"
         )
-    ratio = (
-        medians["constrained"]["tokens_per_s"]
-        / medians["unconstrained"]["tokens_per_s"]
-    )
-    print(
-        f"\nconstrained / unconstrained tokens/s: {ratio:.2f}x (goal >= 0.9: "
-        f"{'MET' if ratio >= 0.9 else 'NOT MET'})"
-    )
+    print()
+    for name in PHASES[1:]:
+        ratio = medians[name]["tokens_per_s"] / medians["unconstrained"]["tokens_per_s"]
+        print(
+            f"{name} / unconstrained tokens/s: {ratio:.2f}x (goal >= 0.9: "
+            f"{'MET' if ratio >= 0.9 else 'NOT MET'})"
+        )
     print(
         f"first constrained request (grammar tokenizer built, schema compiled): "
         f"TTFT {results['first_ttft_ms']:.0f} ms; the schema again (cached): "

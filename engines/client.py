@@ -18,6 +18,7 @@ from .protocol import (
     MAX_FRAME_BYTES,
     ErrorCode,
     ProtocolError,
+    auth_frame,
     decode_array,
     decode_message,
     encode_message,
@@ -152,6 +153,11 @@ class _EngineAddress:
         self.name = name or f"port {port}"
         self._token = token
 
+    def _opening(self, message: dict[str, Any]) -> bytes:
+        """What a connection sends first: its auth frame, then the request
+        (one write: the engine reads the request once the token is checked)."""
+        return auth_frame(self._token) + encode_message(message)
+
     @classmethod
     def for_engine(cls, run_dir: Path | str, name: str):
         """A client for a supervised engine, from its connection file."""
@@ -227,7 +233,7 @@ class AsyncEngineClient(_EngineAddress):
         self, message: dict[str, Any]
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Connect and send one request (see `connect_and_send`)."""
-        data = encode_message({**message, "token": self._token})
+        data = self._opening(message)
         try:
             return await connect_and_send(self.port, data, timeout=CONTROL_TIMEOUT_S)
         except (OSError, TimeoutError) as error:
@@ -330,7 +336,7 @@ class EngineClient(_EngineAddress):
         with sock:
             sock.settimeout(limit)
             try:
-                sock.sendall(encode_message({**message, "token": self._token}))
+                sock.sendall(self._opening(message))
                 reply = decode_message(recv_frame(sock))
                 array = recv_frame(sock) if reply.get("encoding") == "npy" else None
             except TimeoutError:
@@ -381,7 +387,7 @@ class EngineClient(_EngineAddress):
         with sock:
             sock.settimeout(timeout or REQUEST_TIMEOUT_S)
             try:
-                sock.sendall(encode_message({**message, "token": self._token}))
+                sock.sendall(self._opening(message))
                 while True:
                     frame = decode_message(recv_frame(sock))
                     _raise_for_error(frame)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import types
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Union, get_args, get_origin
 
@@ -50,6 +51,72 @@ THERMAL_FILE_ENV = "ROUNDHOUSE_THERMAL_FILE"
 # instead of nvidia-smi / sysfs (engines/devices.py FileMemoryProbe). For
 # machines without a GPU and for tests; unset in production.
 DEVICE_MEMORY_FILE_ENV = "ROUNDHOUSE_DEVICE_MEMORY_FILE"
+# What an engine (and a one-shot tool: engines/tools.py) inherits from the
+# process that starts it: only these variables, never the whole environment,
+# which holds the web side's secrets (DATABASE_URL, REDIS_URL and its password,
+# SECRET_KEY, ...). The process basics, the math libraries' thread counts, the
+# GPU runtimes' device selection and the ML libraries' cache and offline
+# settings; the spec's env block and the engine's own variables (its config,
+# token, lifeline) are added on top.
+INHERITED_ENV = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "SYSTEMROOT",  # Windows needs it to start Python at all
+        "LD_LIBRARY_PATH",
+        "PYTHONHASHSEED",
+        "PYTHONUNBUFFERED",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONFAULTHANDLER",
+        "PYTHONWARNINGS",
+        "XDG_CACHE_HOME",
+        "TOKENIZERS_PARALLELISM",
+        "SENTENCE_TRANSFORMERS_HOME",
+        THERMAL_FILE_ENV,
+        DEVICE_MEMORY_FILE_ENV,
+    }
+)
+INHERITED_ENV_PREFIXES = (
+    "LC_",
+    "OMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "CUDA_",
+    "NVIDIA_",
+    "HIP_",
+    "ROCR_",
+    "HSA_",
+    "VK_",
+    "GGML_",
+    "LLAMA_",
+    "TORCH_",
+    "PYTORCH_",
+    "HF_",
+    "TRANSFORMERS_",
+)
+# Hub credentials: engines never reach a hub (OFFLINE_ENV).
+NEVER_INHERITED_ENV = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
+
+
+def inherited_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `base` an engine or a tool is given (INHERITED_ENV)."""
+    return {
+        key: value
+        for key, value in base.items()
+        if (key in INHERITED_ENV or key.startswith(INHERITED_ENV_PREFIXES))
+        and key not in NEVER_INHERITED_ENV
+    }
+
+
 # Backends whose models live in device memory.
 GPU_BACKENDS = frozenset({"cuda", "rocm", "vulkan"})
 

@@ -13,19 +13,29 @@ mask is applied to its slot's logits before sampling, and the matcher takes
 the sampled token.
 
 Grammars are compiled once per grammar text (a schema, a set of tools) and
-cached per model: a request starts from a copy of the cached matcher."""
+cached per model: a request starts from a copy of the cached matcher.
+
+Bounds: the request's own caps (engines/generate_request.py) bound the
+schemas; llguidance's limits (GRAMMAR_LIMITS) bound a grammar's compile and
+each mask step, and a grammar past them is refused (bad_request) or fails
+its request. The decode thread waits for the masks at most MASK_BUDGET_S,
+and a slot whose mask was late or took longer fails alone: the other slots'
+pass goes on."""
 
 import collections
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask
 
 from .generate_request import Function, GenerateRequest, NamedTool
 from .protocol import ErrorCode, ProtocolError
@@ -42,6 +52,29 @@ JSON_STYLE = {
 }
 # Compiled grammars kept per model (least recently used dropped first).
 CACHED_GRAMMARS = 64
+# llguidance's limits, set here rather than left to its defaults. Measured on
+# SmolLM2's vocabulary: 128 tools of 60 integer arguments each (220 Ki
+# characters, near MAX_TOOLS_CHARS) need a grammar size of 55k and compile in
+# ~0.4 s; a 64 KiB schema of 2500 properties 20k. The fuel is llguidance's
+# own measure of work (~50k/ms at compile, ~14k/ms lexing in a mask step,
+# ~20k Earley items/ms): about 20 ms to compile the lexer, 14 + 2.5 ms per
+# mask. A lexer state costs 1-2 KiB: 50k of them bound a grammar's lexer to
+# ~100 MiB (llguidance's default, 250k, to ~500 MiB, per cached grammar).
+GRAMMAR_LIMITS = dict(
+    max_items_in_row=2000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=50_000,
+    max_grammar_size=100_000,
+)
+# The longest the decode thread waits for a pass's masks, and the longest one
+# slot's mask may take: past it that slot's request fails (bad_request) and
+# the pass goes on without it. Masks take well under a millisecond and the
+# limits above bound a step to ~20 ms; this is the last line (a slow machine,
+# a vocabulary walk the fuel does not count), generous against a descheduled
+# helper thread on a loaded host.
+MASK_BUDGET_S = 1.0
 
 
 def _with_style(schema: dict[str, Any]) -> dict[str, Any]:
@@ -114,6 +147,16 @@ def _call_rule(tools: list[Function], special_tags: bool) -> tuple[str, str]:
     return opening, f'"\\n" %json {schema} "\\n" {closing}'
 
 
+@dataclass
+class MaskJob:
+    """A pass's masks being computed: the slots' rows, and how long each row
+    took once done (written by the helper thread)."""
+
+    rows: list[int]
+    took: dict[int, float] = field(default_factory=dict)
+    future: Future = field(init=False)
+
+
 class Grammars:
     """A model's constraint machinery: its llguidance tokenizer (built on
     first use: about a second for a large vocabulary), its compiled grammars
@@ -125,7 +168,11 @@ class Grammars:
         *,
         n_slots: int,
         n_vocab: int,
+        limits: dict[str, int] | None = None,
+        mask_budget_s: float = MASK_BUDGET_S,
     ) -> None:
+        self.limits = dict(GRAMMAR_LIMITS if limits is None else limits)
+        self.mask_budget_s = mask_budget_s
         self._make_tokenizer = make_tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
@@ -133,7 +180,6 @@ class Grammars:
         self.n_vocab = n_vocab
         self._bits: np.ndarray | None = None
         self._n_slots = n_slots
-        self._executor: llguidance.LLExecutor | None = None
         self._special_tags: bool | None = None
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="masks")
 
@@ -151,7 +197,6 @@ class Grammars:
                 self._bits = np.full(
                     (self._n_slots, (width + 31) // 32), -1, dtype=np.int32
                 )
-                self._executor = llguidance.LLExecutor(1)
                 self._tokenizer = tokenizer
             return self._tokenizer
 
@@ -186,7 +231,12 @@ class Grammars:
             if cached is not None:
                 self._compiled.move_to_end(grammar)
         if cached is None:
-            cached = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            cached = llguidance.LLMatcher(
+                self.tokenizer,
+                grammar,
+                log_level=0,
+                limits=llguidance.LLParserLimits(**self.limits),
+            )
             if cached.is_error():
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST,
@@ -201,15 +251,49 @@ class Grammars:
 
     # -- masks (the decode thread) ---------------------------------------------
 
-    def start_masks(self, rows: list[tuple[Any, int]]) -> Future | None:
+    def start_masks(self, rows: list[tuple[Any, int]]) -> MaskJob | None:
         """Compute the allowed-token masks of these (matcher, slot index)
-        pairs in the helper thread; wait on the returned future before
-        applying them."""
+        pairs in the helper thread, one after the other, timing each; pass
+        the job to `late_masks` before applying them."""
         if not rows or self._bits is None:  # no matcher without the tokenizer
             return None
-        return self._helper.submit(
-            fill_next_token_bitmask_par, self._executor, rows, self._bits
-        )
+        bits = self._bits
+        job = MaskJob([row for _, row in rows])
+
+        def compute() -> None:
+            for matcher, row in rows:
+                start = time.perf_counter()
+                fill_next_token_bitmask(matcher, bits, row)
+                job.took[row] = time.perf_counter() - start
+
+        job.future = self._helper.submit(compute)
+        return job
+
+    def late_masks(self, job: MaskJob) -> dict[int, str]:
+        """Wait for a job's masks, up to the budget; the rows whose mask was
+        not ready then, or took longer, each with what happened. A late job
+        is left to finish on its own, into a buffer no longer read: the
+        masks that were ready are carried into a fresh one, and later jobs
+        run in a fresh helper thread."""
+        budget = self.mask_budget_s
+        try:
+            job.future.result(timeout=budget)
+        except FutureTimeout:
+            done = dict(job.took)  # these rows are written: copied below
+            log.warning("grammar masks not ready in %g s: slots fail", budget)
+            self._bits = self._bits.copy()
+            self._helper.shutdown(wait=False)
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="masks")
+        else:
+            done = job.took
+        late = {}
+        for row in job.rows:
+            took = done.get(row)
+            if took is None:
+                late[row] = f"was not ready in {budget:g} s"
+            elif took > budget:
+                late[row] = f"took {took:.3g} s, over the budget of {budget:g} s"
+        return late
 
     def allowed(self, row: int) -> np.ndarray:
         """The mask of a slot as one bool per vocabulary entry."""

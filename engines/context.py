@@ -37,6 +37,7 @@ def fit_prompt(
 ) -> Prompt:
     """The request's prompt tokens, fitted to the backend's context."""
     context = backend.ctx_per_slot
+    tools = None
     if message.get("prompt_tokens") is not None:
         tokens = list(message["prompt_tokens"])
         vocabulary = backend.vocabulary_size()
@@ -46,7 +47,9 @@ def fit_prompt(
                 f"prompt_tokens: this model's token ids are below {vocabulary}",
             )
     else:
-        tokens = backend.tokenize(backend.render_prompt(message))
+        # The tools are made into prompt text once, however many renders.
+        tools = backend.offered_tools(message)
+        tokens = backend.tokenize(backend.render_prompt(message, tools=tools))
     # At least one token of answer must fit after the prompt.
     if len(tokens) < context - 1 and (
         policy != DROP_OLDEST or len(tokens) + _room(params, context) <= context
@@ -73,7 +76,9 @@ def fit_prompt(
     def tokens_without(dropped: int) -> list[int]:
         if dropped not in counted:
             trimmed = messages[:first] + messages[first + dropped :]
-            rendered = backend.render_prompt({**message, "messages": trimmed})
+            rendered = backend.render_prompt(
+                {**message, "messages": trimmed}, tools=tools
+            )
             counted[dropped] = backend.tokenize(rendered)
         return counted[dropped]
 

@@ -27,6 +27,23 @@ MAX_TOOLS = 128
 MAX_SCHEMA_CHARS = 64 * 1024
 # Prompt token ids a request may send instead of text.
 MAX_PROMPT_TOKENS = 256 * 1024
+# The offered tools together (`tools_chars`: each tool's name, description and
+# parameters as JSON): they are rendered into the prompt of every choice and
+# compiled into one grammar. 128 tools of 64 KiB schemas and 256 Ki-character
+# descriptions would be ~40 MiB; 256 Ki characters is ~64k tokens, more than
+# most models' whole context, and 60 tools of 4 KiB each (a large MCP server's
+# set) are under a quarter of it.
+MAX_TOOLS_CHARS = 256 * 1024
+# A whole generate request as it travels (`request_bytes`: its compact UTF-8
+# JSON). The largest the per-field caps mean to allow alone is
+# under 2 MiB (MAX_PROMPT_TOKENS ids of 6 digits, or a MAX_PROMPT_CHARS
+# prompt with escapes, plus the tools); their sum is not (1024 turns with
+# 256 Ki-character tool-call arguments), and no context holds that.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# What the front's pipeline adds to the fields a request body gives (kind,
+# model, request_id, priority): the front holds those fields to
+# MAX_REQUEST_BYTES less this, so that what it passes the engine takes.
+ENVELOPE_BYTES = 1024
 # OpenAI's rule for function names.
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 TOOL_CHOICES = ("auto", "none", "required")
@@ -97,7 +114,6 @@ class GenerateRequest(Wire):
     answer (a response format, or tools to call)."""
 
     kind: Literal["generate", "generate_stream"]
-    token: str
     model: str
     request_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     priority: Priority | None = None
@@ -145,9 +161,42 @@ class GenerateRequest(Wire):
         return (fmt is not None and fmt.type != "text") or self.offers_tools
 
 
-def check_generate(message: dict[str, Any]) -> GenerateRequest:
+def tools_chars(tools: list[dict[str, Any]]) -> int:
+    """The size of offered tools as MAX_TOOLS_CHARS counts it: the JSON
+    (`json.dumps`' defaults) of each tool's name, description and parameters."""
+    return sum(
+        len(
+            json.dumps(
+                [
+                    tool.get("name"),
+                    tool.get("description") or "",
+                    tool.get("parameters"),
+                ]
+            )
+        )
+        for tool in tools
+    )
+
+
+def request_bytes(fields: dict[str, Any]) -> int:
+    """The size of a generate request as MAX_REQUEST_BYTES counts it: its
+    compact UTF-8 JSON, as a frame carries it."""
+    text = json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_generate(
+    message: dict[str, Any], *, size: int | None = None
+) -> GenerateRequest:
     """A generate request's fields, typed; bad_request naming the first bad
-    field otherwise (an unknown one included)."""
+    field otherwise (an unknown one included). `size`: the request's bytes as
+    they arrived (its frame's payload), else measured here."""
+    size = request_bytes(message) if size is None else size
+    if size > MAX_REQUEST_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"the request is {size} bytes, over the cap of {MAX_REQUEST_BYTES}",
+        )
     sources = sum(message.get(key) is not None for key in ("prompt", "messages"))
     sources += message.get("prompt_tokens") is not None
     if sources != 1:
@@ -189,6 +238,13 @@ def _check_sizes(request: GenerateRequest) -> None:
             )
     for index, tool in enumerate(request.tools or ()):
         schemas.append((f"tools[{index}].parameters", tool.parameters))
+    if request.tools:
+        size = tools_chars([tool.model_dump() for tool in request.tools])
+        if size > MAX_TOOLS_CHARS:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"tools: {size} characters together, over the cap of {MAX_TOOLS_CHARS}",
+            )
     for where, schema in schemas:
         if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
             raise ProtocolError(

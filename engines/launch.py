@@ -17,12 +17,10 @@ from .config import (
     TOKEN_ENV,
     EngineConfig,
     env_problems,
+    inherited_environment,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# Never handed to an engine: it needs none of the web side's secrets.
-SCRUBBED_ENV = ("SECRET_KEY", "DATABASE_URL", "ROUNDHOUSE_ADMIN_PASSWORD")
 
 
 class SpawnError(ValueError):
@@ -45,15 +43,12 @@ def engine_environment(
     base: Mapping[str, str] | None = None,
     config_file: Path | None = None,
 ) -> dict[str, str]:
-    """The engine's environment: the parent's (secrets removed), offline hub
+    """The engine's environment: what it uses of the parent's (the allow-list
+    config.INHERITED_ENV: none of the web side's secrets), offline hub
     settings, the spec's env block on top (empty values kept), then its config
     (or the path of the file holding it) and token. SpawnError when exec would
     refuse it."""
-    env = {
-        key: value
-        for key, value in (os.environ if base is None else base).items()
-        if key not in SCRUBBED_ENV
-    }
+    env = inherited_environment(os.environ if base is None else base)
     for key, value in OFFLINE_ENV.items():
         env.setdefault(key, value)
     env.update(spec_env or {})

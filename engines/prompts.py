@@ -2,6 +2,7 @@
 model's chat template, with the tools it offers (rendered by the template
 where it knows tools, else described in a system message: engines/toolcalls.py)."""
 
+from dataclasses import dataclass
 from typing import Any
 
 from .generate_request import Function
@@ -15,11 +16,39 @@ from .toolcalls import (
 )
 
 
+@dataclass(frozen=True)
+class OfferedTools:
+    """A request's tools as its prompt offers them, made once per request
+    (a chat whose oldest turns are dropped is rendered several times):
+    their schemas for a template that renders tools, else the system text
+    that describes them."""
+
+    schemas: list[dict[str, Any]]
+    instructions: str = ""
+
+
+def offered_tools(message: dict[str, Any], *, template: str) -> OfferedTools:
+    """The tools a request offers, as the model's template takes them."""
+    tools = _functions(message)
+    if not tools:
+        return OfferedTools([])
+    if template_knows_tools(template):
+        return OfferedTools([tool_schema(tool) for tool in tools])
+    parallel = message.get("parallel_tool_calls", True)
+    return OfferedTools([], tools_instructions(tools, parallel=parallel))
+
+
 def render_prompt(
-    message: dict[str, Any], *, template: str, bos_text: str, eos_text: str
+    message: dict[str, Any],
+    *,
+    template: str,
+    bos_text: str,
+    eos_text: str,
+    tools: OfferedTools | None = None,
 ) -> str:
-    """The prompt text of a generate request; bad_request when the model
-    cannot serve it (a chat without a chat template)."""
+    """The prompt text of a generate request (its `tools`, when made
+    already: offered_tools); bad_request when the model cannot serve it (a
+    chat without a chat template)."""
     if "messages" in message:
         if not template:
             raise ProtocolError(
@@ -30,24 +59,21 @@ def render_prompt(
         messages = validate_messages(message["messages"])
         knows_tools = template_knows_tools(template)
         messages = template_messages(messages, knows_tools=knows_tools)
-        tools = _functions(message)
-        offered = [tool_schema(tool) for tool in tools]
-        if offered and not knows_tools:
-            text = tools_instructions(
-                tools, parallel=message.get("parallel_tool_calls", True)
-            )
+        if tools is None:
+            tools = offered_tools(message, template=template)
+        text = tools.instructions
+        if text:
             if messages[0]["role"] == "system":
                 first = messages[0]["content"]
                 messages[0] = {"role": "system", "content": f"{first}\n\n{text}"}
             else:
                 messages.insert(0, {"role": "system", "content": text})
-            offered = []
         return render_chat(
             template,
             messages,
             bos_token=bos_text,
             eos_token=eos_text,
-            tools=offered or None,
+            tools=tools.schemas or None,
         )
     prompt = message.get("prompt")
     if not isinstance(prompt, str) or not prompt:

@@ -5,25 +5,42 @@ one frame holding a UTF-8 JSON object. An array (embeddings) travels either insi
 the JSON as lists, or as one extra frame right after its message holding a `.npy`
 payload written with allow_pickle=False. Nothing is ever pickled. Every length is
 checked against the cap from the header alone, before a buffer is allocated.
+
+A connection opens with an auth frame (`Auth`: {"kind": "auth", "token": ...}),
+read under a cap of MAX_AUTH_FRAME_BYTES: until its token is checked, the
+engine reads nothing larger, so a caller without the token cannot make it
+read or decode a large frame. A wrong or missing one is answered
+`unauthorized` and the connection closed. Requests follow on the same
+connection without a token of their own (clients send the auth frame and the
+request in one write: no round trip is added).
 """
 
 import asyncio
 import enum
+import hmac
 import io
 import json
 import math
 import socket
 import struct
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 HEADER = struct.Struct(">Q")
 
 # Caps. A frame whose header announces more than MAX_FRAME_BYTES closes the
 # connection unread: a client cannot make the engine allocate what it likes.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+# A connection's first frame, its auth frame: a token (the supervisor's are 43
+# characters) and its kind fit many times over.
+MAX_AUTH_FRAME_BYTES = 4096
+MAX_TOKEN_CHARS = 1024
+# How long a new connection may take to send its auth frame (clients send it
+# with their request, at once): a caller that sends nothing is dropped.
+AUTH_TIMEOUT_S = 10.0
 MAX_TEXTS_PER_REQUEST = 10_000
 MAX_PROMPT_CHARS = 256 * 1024
 MAX_MESSAGES = 1024
@@ -105,6 +122,36 @@ class FrameTooLarge(ProtocolError):
 
 def error_frame(code: ErrorCode | str, message: str) -> dict[str, str]:
     return {"status": "error", "code": str(code), "message": message}
+
+
+class Auth(BaseModel):
+    """A connection's first frame: the engine's token (unknown keys refused)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["auth"]
+    token: str = Field(min_length=1, max_length=MAX_TOKEN_CHARS)
+
+
+UNAUTHORIZED_MESSAGE = "missing or wrong token"
+
+
+def auth_frame(token: str) -> bytes:
+    """The frame a connection opens with."""
+    # Not validated here: a bad token is the engine's to refuse.
+    message = {"kind": "auth", "token": token}
+    return encode_message(message, max_bytes=MAX_AUTH_FRAME_BYTES)
+
+
+def check_auth(payload: bytes, token: bytes) -> None:
+    """A connection's first frame's payload holds `token`; `unauthorized`
+    otherwise (whatever is wrong with it: the caller learns nothing more)."""
+    try:
+        auth = Auth.model_validate(decode_message(payload))
+    except (ProtocolError, ValidationError):
+        raise ProtocolError(ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE) from None
+    if not hmac.compare_digest(auth.token.encode("utf-8"), token):
+        raise ProtocolError(ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
 
 
 # -- encoding ---------------------------------------------------------------

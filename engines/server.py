@@ -3,7 +3,6 @@ number of connections, with the models resident in this process."""
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import threading
@@ -25,10 +24,14 @@ from .devices import DeviceMemory, default_memory_probes
 from .generate_request import check_generate
 from .generation import GenerationRunner
 from .protocol import (
+    AUTH_TIMEOUT_S,
+    MAX_AUTH_FRAME_BYTES,
     MAX_FRAME_BYTES,
+    UNAUTHORIZED_MESSAGE,
     ErrorCode,
     FrameTooLarge,
     ProtocolError,
+    check_auth,
     decode_message,
     encode_array,
     encode_message,
@@ -159,6 +162,8 @@ class EngineServer:
         self._writers.add(writer)
         self._connections.add(asyncio.current_task())
         try:
+            if not await self._authenticated(reader, writer):
+                return
             while not self._stop.is_set():
                 try:
                     payload = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
@@ -192,10 +197,9 @@ class EngineServer:
         try:
             try:
                 message = decode_message(payload)
-                self._authenticate(message)
                 kind = validate_request(message)
                 if kind in ("generate", "generate_stream"):
-                    typed = check_generate(message)
+                    typed = check_generate(message, size=len(payload))
                     received = time.perf_counter()
                     async with self.residency.using(message["model"]) as model:
                         await serve_generation(
@@ -234,12 +238,35 @@ class EngineServer:
             if after is not None:
                 after()
 
-    def _authenticate(self, message: dict[str, Any]) -> None:
-        token = message.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(
-            token.encode("utf-8"), self._token
-        ):
-            raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong token")
+    async def _authenticated(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Whether the connection's first frame is an auth frame with our
+        token. It is read under the small cap: a caller without the token
+        never gets a larger frame read (its header alone is refused), nor
+        anything decoded but those few bytes. Otherwise answered
+        `unauthorized`; the caller then closes the connection."""
+        try:
+            async with asyncio.timeout(AUTH_TIMEOUT_S):
+                payload = await read_frame(reader, max_bytes=MAX_AUTH_FRAME_BYTES)
+            if payload is None:
+                return False
+            check_auth(payload, self._token)
+            return True
+        except (ConnectionError, OSError, TimeoutError):
+            return False
+        except FrameTooLarge as error:
+            log.warning("refusing a connection before its token: %s", error.message)
+        except ProtocolError:
+            pass
+        with contextlib.suppress(ConnectionError, OSError):
+            writer.write(
+                encode_message(
+                    error_frame(ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+                )
+            )
+            await writer.drain()
+        return False
 
     # -- health -----------------------------------------------------------------
 

@@ -14,13 +14,13 @@ No ML library is imported here: the web side imports this module."""
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .config import OFFLINE_ENV, Limits
+from .config import OFFLINE_ENV, Limits, inherited_environment
 
 # The quantizations the catalog offers (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 Quantization = Literal[
@@ -40,6 +40,17 @@ EVALUATION_PROMPTS = (
 MIB = 2**20
 # Set for every tool: weights come from the models directory, never a hub.
 TOOL_ENV = dict(OFFLINE_ENV)
+
+
+def tool_environment(base: Mapping[str, str], *, root: str) -> dict[str, str]:
+    """A tool's environment: what it uses of `base` (the engines' allow-list,
+    engines/config.py: none of the web side's secrets), the project `root` on
+    its path and TOOL_ENV."""
+    env = inherited_environment(base)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, base.get("PYTHONPATH")]))
+    env.update(TOOL_ENV)
+    return env
+
 
 _DEFAULT_LIMITS = Limits()
 

@@ -433,8 +433,7 @@ class LlamaBackend(SlotBackend):
                     self.read_prompt_rows(slot, rows)
             firsts += outputs
             running += later
-        if masks is not None:
-            masks.result()
+        self.finish_masks(masks)
         self.sample_each(firsts + running, self._sample_at)
 
     def _sample_at(self, slot: Slot, where: tuple[_Group, int]) -> None:
@@ -463,11 +462,11 @@ class LlamaBackend(SlotBackend):
         self.accept(slot, token, entry)
 
     def _logprobs(self, ctx, index: int) -> np.ndarray:
+        """A copy of an output row's raw logits (float32), for its
+        log-probabilities: a grammar's mask then changes llama.cpp's row in
+        place before sampling."""
         pointer = llama_cpp.llama_get_logits_ith(ctx, index)
-        logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
-        logits = logits.astype(np.float64)
-        peak = logits.max()
-        return logits - (peak + np.log(np.exp(logits - peak).sum()))
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
 
     def close(self) -> None:
         self.cancel_all()

@@ -219,7 +219,7 @@ class TransformersBackend(SlotBackend):
             every_row=scoring,
         )
         if scoring:  # each row gives the next prompt token's log-probability
-            rows = torch.log_softmax(logits[0].double(), dim=-1).cpu().numpy()
+            rows = logits[0].float().cpu().numpy()
             self.read_prompt_rows(
                 slot, [(start + offset, row) for offset, row in enumerate(rows)]
             )
@@ -264,7 +264,7 @@ class TransformersBackend(SlotBackend):
 
     def _sample(self, slots: list[Slot], logits: torch.Tensor) -> None:
         if self._masks is not None:
-            self._masks.result()
+            self.finish_masks(self._masks)
             self._masks = None
         self.sample_each(
             [(slot, logits[row]) for row, slot in enumerate(slots)], self._sample_row
@@ -277,7 +277,7 @@ class TransformersBackend(SlotBackend):
             raise ValueError("the model produced non-finite logits (NaN or inf)")
         entry_logprobs = None
         if params.logprobs:  # of the raw logits, before the grammar's mask
-            entry_logprobs = torch.log_softmax(raw.double(), dim=-1).cpu().numpy()
+            entry_logprobs = raw.cpu().numpy()
         if slot.matcher is not None:
             allowed = torch.from_numpy(self.grammars.allowed(slot.index))
             raw = raw.masked_fill(~allowed.to(raw.device), -float("inf"))

@@ -14,7 +14,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engines.generate_request import MAX_PROMPT_TOKENS, MAX_TOOLS
+from engines.generate_request import (
+    ENVELOPE_BYTES,
+    MAX_PROMPT_TOKENS,
+    MAX_REQUEST_BYTES,
+    MAX_TOOLS,
+    MAX_TOOLS_CHARS,
+    request_bytes,
+    tools_chars,
+)
 from engines.protocol import (
     MAX_MESSAGES,
     MAX_PROMPT_CHARS,
@@ -162,6 +170,24 @@ class Sampling(Strict):
         """Each prompt's own engine fields."""
         raise NotImplementedError
 
+    def _within_request_cap(self) -> None:
+        """Each engine request this body makes fits the engines' cap on a
+        whole request (less the room the pipeline's own fields take); over
+        it, the error names the field that holds most of it."""
+        shared = self.engine_fields()
+        limit = MAX_REQUEST_BYTES - ENVELOPE_BYTES
+        for prompt in self.engine_prompts():
+            fields = {**shared, **prompt}
+            size = request_bytes(fields)
+            if size > limit:
+                largest = max(fields, key=lambda key: request_bytes({key: fields[key]}))
+                field = "prompt" if largest == "prompt_tokens" else largest
+                raise field_error(
+                    field,
+                    f"the request is {size} bytes as the engine gets it, over the "
+                    f"cap of {limit}",
+                )
+
     def engine_fields(self) -> dict[str, Any]:
         """The engine fields every prompt's requests share."""
         raise NotImplementedError
@@ -206,6 +232,14 @@ class ChatCompletionRequest(Sampling):
             raise field_error(
                 "response_format", "a JSON answer cannot be asked for with tools"
             )
+        if self.tools:
+            size = tools_chars(self.engine_fields()["tools"])
+            if size > MAX_TOOLS_CHARS:
+                raise field_error(
+                    "tools",
+                    f"{size} characters together, over the cap of {MAX_TOOLS_CHARS}",
+                )
+        self._within_request_cap()
         return self
 
     def engine_prompts(self) -> list[dict[str, Any]]:
@@ -271,6 +305,7 @@ class CompletionRequest(Sampling):
             raise field_error(
                 "n", f"prompts times n must be at most {MAX_CHOICES} choices"
             )
+        self._within_request_cap()
         return self
 
     @property

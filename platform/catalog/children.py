@@ -14,32 +14,14 @@ from typing import TypeVar
 from django.conf import settings
 from pydantic import ValidationError
 
-from engines.tools import TOOL_ENV, Message
+from engines.tools import Message, tool_environment
 
 log = logging.getLogger("roundhouse.catalog")
 
-# Never handed to a tool: it needs none of the web side's secrets.
-SCRUBBED_ENV = (
-    "SECRET_KEY",
-    "DATABASE_URL",
-    "REDIS_URL",
-    "ROUNDHOUSE_ADMIN_PASSWORD",
-    "ROUNDHOUSE_ENGINE_TOKEN",
-)
 # How much of a failed tool's last words (stderr) its problem quotes.
 STDERR_TAIL = 300
 
 Result = TypeVar("Result", bound=Message)
-
-
-def tool_environment() -> dict[str, str]:
-    """This process's environment without its secrets, the project on the
-    path and the tools' own settings."""
-    env = {key: value for key, value in os.environ.items() if key not in SCRUBBED_ENV}
-    root = str(settings.BASE_DIR)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    env.update(TOOL_ENV)
-    return env
 
 
 def run_tool(
@@ -50,7 +32,9 @@ def run_tool(
     process = subprocess.Popen(
         [sys.executable, "-m", module],
         cwd=settings.BASE_DIR,
-        env=tool_environment(),
+        # Only what a tool uses of this process's environment: none of the
+        # web side's secrets (engines/config.py INHERITED_ENV).
+        env=tool_environment(os.environ, root=str(settings.BASE_DIR)),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

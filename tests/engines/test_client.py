@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from engines.client import AsyncEngineClient, EngineUnreachable
-from engines.protocol import decode_message, recv_frame
+from engines.protocol import MAX_AUTH_FRAME_BYTES, decode_message, recv_frame
 
 
 @pytest.fixture
@@ -20,11 +20,13 @@ def listener():
     server.close()
 
 
-def received(server: socket.socket) -> dict:
+def received(server: socket.socket) -> tuple[dict, dict]:
+    """The auth frame and the request a connection opened with."""
     connection, _ = server.accept()
     with connection:
         connection.settimeout(10)
-        return decode_message(recv_frame(connection))
+        auth = decode_message(recv_frame(connection, max_bytes=MAX_AUTH_FRAME_BYTES))
+        return auth, decode_message(recv_frame(connection))
 
 
 async def test_the_request_is_sent_before_the_first_yield(listener):
@@ -35,7 +37,7 @@ async def test_the_request_is_sent_before_the_first_yield(listener):
     opening = asyncio.ensure_future(client._open({"kind": "ping"}))
     await asyncio.sleep(0)  # the task's first step runs before this returns
     listener.settimeout(1)
-    assert received(listener) == {"kind": "ping", "token": "t0ken"}
+    assert received(listener) == ({"kind": "auth", "token": "t0ken"}, {"kind": "ping"})
     _, writer = await opening
     writer.close()
 
@@ -66,24 +68,24 @@ async def test_a_full_listen_queue_waits_for_the_handshake():
         loop = asyncio.get_running_loop()
         accepted = []
 
-        def accept_all() -> dict:
+        def accept_all() -> tuple[dict, dict]:
             server.settimeout(5)
             while True:
                 connection, _ = server.accept()
                 accepted.append(connection)
                 connection.settimeout(0.5)
                 try:
-                    frame = recv_frame(connection)
+                    auth = decode_message(recv_frame(connection))
+                    message = decode_message(recv_frame(connection))
                 except (TimeoutError, OSError):
                     continue
-                message = decode_message(frame)
                 if message.get("kind") == "ping":
-                    return message
+                    return auth, message
 
-        message = await loop.run_in_executor(None, accept_all)
+        opened = await loop.run_in_executor(None, accept_all)
         _, writer = await asyncio.wait_for(opening, 5)
         writer.close()
-        assert message == {"kind": "ping", "token": "t0ken"}
+        assert opened == ({"kind": "auth", "token": "t0ken"}, {"kind": "ping"})
     finally:
         for probe in fillers:
             probe.close()

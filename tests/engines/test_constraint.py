@@ -7,6 +7,7 @@ import json
 import pytest
 
 from engines.client import EngineRequestError
+from engines.generate_request import MAX_TOOLS_CHARS
 from engines.toolcalls import ToolCallStream, template_messages
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine
@@ -235,6 +236,7 @@ def test_a_named_tool_is_called_with_valid_arguments(engine):
     ],
 )
 def test_bad_constraints_are_refused(engine, fields, says):
+    """Each bad constraint is `bad_request`, saying what is wrong."""
     base = (
         {}
         if "prompt_tokens" in fields
@@ -244,6 +246,23 @@ def test_bad_constraints_are_refused(engine, fields, says):
         engine.client().generate(SMOL, max_tokens=4, **base, **fields)
     assert refused.value.code == "bad_request"
     assert says in refused.value.message
+
+
+def test_tools_over_their_total_cap_are_refused_before_rendering(engine):
+    """128 tools, each within its caps, ~2 MiB together: refused by the
+    engine's typed request before any prompt is rendered; the same request
+    with tools under the cap is answered (the control)."""
+    big = [
+        {**WEATHER, "name": f"tool_{i}", "description": "d" * 16_000}
+        for i in range(128)
+    ]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with pytest.raises(EngineRequestError) as refused:
+        engine.client().generate(SMOL, tools=big, **chat)
+    assert refused.value.code == "bad_request"
+    assert f"over the cap of {MAX_TOOLS_CHARS}" in refused.value.message
+    small = [{**tool, "description": "d"} for tool in big[:2]]
+    assert engine.client().generate(SMOL, tools=small, **chat)["finish_reason"]
 
 
 # -- constrained slots in the batch ---------------------------------------------
@@ -261,7 +280,7 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array",
 
 
 def admit(text, schema):
-    message = {"kind": "generate", "token": "t", "model": "m",
+    message = {"kind": "generate", "model": "m",
                "messages": [{"role": "user", "content": text}]}
     if schema:
         message["response_format"] = {"type": "json_schema", "json_schema": schema}
@@ -317,3 +336,101 @@ def test_constrained_and_free_slots_share_every_pass(models_dir):
         with pytest.raises(ValueError):
             json.loads(report["answers"][index])
     assert report["compiled"] == 1
+
+
+# -- grammar limits and the mask budget ------------------------------------------
+
+LIMITS = """
+import json
+from engines.backends.gguf import LlamaBackend
+from engines.constraint import GRAMMAR_LIMITS, MASK_BUDGET_S
+from engines.generate_request import check_generate
+from engines.generation import GenerationRequest
+from engines.protocol import ProtocolError
+from engines.textgen import SamplingParams
+
+backend = LlamaBackend(MODEL, n_slots=2, context_length=512, n_threads=2)
+grammars = backend.grammars
+report = {}
+
+WIDE = {"type": "object",
+        "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
+wide = check_generate({"kind": "generate", "model": "m", "prompt": "x",
+    "response_format": {"type": "json_schema", "json_schema": WIDE}})
+grammars.limits = {**GRAMMAR_LIMITS, "max_grammar_size": 1000}
+try:
+    grammars.matcher_for(wide)
+except ProtocolError as error:
+    report["refused"] = [error.code, error.message]
+grammars.limits = dict(GRAMMAR_LIMITS)
+report["wide_compiles"] = grammars.matcher_for(wide) is not None
+
+# The densest tools near the cap (128 tools of 60 integer arguments) compile
+# under the engine's own limits.
+tools = [{"name": f"tool_{i}", "parameters": {"type": "object",
+          "properties": {f"a{j}": {"type": "integer"} for j in range(60)}}}
+         for i in range(128)]
+dense = check_generate({"kind": "generate", "model": "m",
+    "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+    "tool_choice": "required"})
+report["dense_tools_compile"] = not grammars.matcher_for(dense).is_error()
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}},
+          "required": ["n"]}
+
+
+def admit(text, schema):
+    message = {"kind": "generate", "model": "m",
+               "messages": [{"role": "user", "content": text}]}
+    if schema:
+        message["response_format"] = {"type": "json_schema", "json_schema": schema}
+    typed = check_generate(message)
+    events = []
+    request = GenerationRequest(
+        backend.tokenize(backend.render_prompt(message)),
+        SamplingParams(temperature=0.0, max_tokens=20),
+        events.append,
+        matcher=grammars.matcher_for(typed),
+    )
+    backend.admit(request)
+    return events
+
+
+def run(budget):
+    grammars.mask_budget_s = budget
+    constrained, free = admit("Pick a number.", SCHEMA), admit("Say hello.", None)
+    while backend.active():
+        backend.step()
+    return {"constrained": constrained[-1], "free": free[-1],
+            "text": "".join(e.get("text", "") for e in constrained)}
+
+
+report["tiny"] = run(1e-9)
+report["normal"] = run(MASK_BUDGET_S)
+print(json.dumps(report))
+"""
+
+
+def test_grammar_limits_and_the_mask_budget(models_dir):
+    """A grammar past llguidance's limits is refused with the library's
+    reason; the engine's own limits take the densest tools the caps allow.
+    A constrained request whose mask exceeds its budget fails alone
+    (bad_request, saying so) while a free request in the same batch
+    completes; with the normal budget the same request succeeds (the
+    control)."""
+    model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    result = run_python(f"MODEL = {str(model)!r}\n{LIMITS}", timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    code, message = report["refused"]
+    assert code == "bad_request"
+    assert "grammar size (number of symbols) too big" in message
+    assert report["wide_compiles"] and report["dense_tools_compile"]
+    tiny, normal = report["tiny"], report["normal"]
+    assert tiny["constrained"]["event"] == "error", report
+    assert tiny["constrained"]["code"] == "bad_request"
+    assert "next-token mask" in tiny["constrained"]["message"]
+    assert tiny["free"]["event"] == "done"
+    assert normal["constrained"]["event"] == "done", report
+    assert isinstance(json.loads(normal["text"])["n"], int)
+    assert normal["free"]["event"] == "done"

@@ -2,9 +2,12 @@
 with the counts (context_length_exceeded), or, where the model's setting says
 so, answered with its oldest turns dropped, which the answer reports."""
 
+import json
+
 import pytest
 
 from engines.client import EngineRequestError
+from tests.conftest import run_python
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
 
@@ -121,3 +124,42 @@ def test_what_cannot_fit_even_with_every_turn_dropped_is_refused(engine):
         engine.client().generate(DROPPING, messages=messages, max_tokens=4)
     assert error.value.code == "context_length_exceeded"
     assert "context holds 256" in error.value.message
+
+
+ONCE = """
+import json
+import engines.prompts as prompts
+from engines.backends.gguf import LlamaBackend
+from engines.context import fit_prompt
+from engines.textgen import SamplingParams
+
+backend = LlamaBackend(MODEL, n_slots=1, context_length=256, n_threads=2)
+made, renders = [], []
+for name, log in (("tool_schema", made), ("tools_instructions", made),
+                  ("render_chat", renders)):
+    def counted(*args, _original=getattr(prompts, name), _log=log, **kwargs):
+        _log.append(1)
+        return _original(*args, **kwargs)
+    setattr(prompts, name, counted)
+message = {"messages": MESSAGES, "tools": [TOOL]}
+prompt = fit_prompt(backend, message, SamplingParams(max_tokens=8),
+                    policy="drop_oldest")
+print(json.dumps({"dropped": prompt.dropped_messages, "renders": len(renders),
+                  "made": len(made)}))
+"""
+
+
+def test_tools_are_made_into_prompt_text_once_per_request(models_dir):
+    """A chat with tools whose oldest turns are dropped is rendered several
+    times; its tools are made into prompt text once (the control: the
+    renders are several)."""
+    tool = {"name": "ferry_times", "description": "Times", "parameters": {}}
+    script = (
+        f"MODEL = {str(models_dir / FILE)!r}\n"
+        f"MESSAGES = {long_conversation(12)!r}\nTOOL = {tool!r}\n{ONCE}"
+    )
+    result = run_python(script, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["dropped"] > 0 and report["renders"] > 2, report
+    assert report["made"] == 1, report

@@ -114,6 +114,36 @@ def test_a_configuration_too_large_for_the_environment_goes_through_a_file(
     assert CONFIG_ENV in environ and CONFIG_FILE_ENV not in environ
 
 
+SECRETS = {
+    "REDIS_URL": "redis://:hunter2@127.0.0.1:6379/0",
+    "DATABASE_URL": "postgres://roundhouse:hunter2@127.0.0.1:5432/roundhouse",
+    "SECRET_KEY": "not-for-engines",
+    "ROUNDHOUSE_ADMIN_PASSWORD": "hunter2",
+    "HF_TOKEN": "hf_not_for_engines",
+    "SOME_OTHER_SERVICE_PASSWORD": "hunter2",
+}
+
+
+def test_an_engine_gets_only_the_environment_it_uses(engines, monkeypatch):
+    """The supervisor's environment holds the web side's secrets: a spawned
+    engine's environment (as the OS holds it: /proc/<pid>/environ) has none
+    of them, while what it uses of it (PATH, the thread counts) and the
+    spec's env block arrive. The control: the secrets are set in the parent."""
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert all(os.environ[name] == value for name, value in SECRETS.items())
+    spec_env = {"ROUNDHOUSE_PROBE": "", "MKL_NUM_THREADS": "1", "MY_SPEC_VAR": "v"}
+    engine = engines(small_config(), spec_env=spec_env)
+    engine.wait_ready()
+    environ = psutil.Process(engine.process.pid).environ()
+    assert not set(SECRETS) & set(environ)
+    assert environ["PATH"] == os.environ["PATH"]
+    assert environ["OMP_NUM_THREADS"] == "2"
+    assert {name: environ[name] for name in spec_env} == spec_env
+    assert environ["HF_HUB_OFFLINE"] == "1"
+
+
 def test_an_environment_exec_would_refuse_is_refused_before_spawning(tmp_path):
     """A NUL in a value is named in the error; no process is started."""
     before = {child.pid for child in psutil.Process().children()}

@@ -19,19 +19,54 @@ from engines.client import (
 )
 from engines.protocol import (
     HEADER,
+    MAX_AUTH_FRAME_BYTES,
     MAX_FRAME_BYTES,
+    auth_frame,
     decode_message,
     encode_message,
     recv_frame,
 )
 from tests.engines.conftest import EMBEDDER, start_engine
 
+UNAUTHORIZED = {
+    "status": "error",
+    "code": "unauthorized",
+    "message": "missing or wrong token",
+}
 
-def raw_exchange(port: int, data: bytes) -> dict:
+
+def raw_exchange(port: int, data: bytes, *, timeout: float = 5) -> dict:
     """Send raw bytes, return the one reply message."""
-    with socket.create_connection(("127.0.0.1", port), 5) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout) as sock:
         sock.sendall(data)
         return decode_message(recv_frame(sock))
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the peer sent before closing (or resetting: it closed with our
+    bytes unread) the connection within `seconds`; None if it did not."""
+    sock.settimeout(seconds)
+    deadline = time.monotonic() + seconds
+    received = b""
+    try:
+        while time.monotonic() < deadline:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                return received
+            received += chunk
+    except ConnectionResetError:
+        return received
+    except TimeoutError:
+        return None
+    return None
+
+
+def refused(sent: bytes | None) -> bool:
+    """Whether a connection was closed, after an unauthorized answer if that
+    reached us before the reset."""
+    if sent is None:
+        return False
+    return not sent or decode_message(sent[HEADER.size :]) == UNAUTHORIZED
 
 
 def test_embed_round_trip_matches_in_process_encoding(embed_engine, reference_embedder):
@@ -82,18 +117,58 @@ def test_unknown_model(embed_engine):
     ids=["missing", "empty", "wrong", "short", "same-length", "number", "list"],
 )
 def test_bad_tokens_are_unauthorized(embed_engine, token):
-    """Every request without the exact token is refused as unauthorized."""
-    message = {"kind": "ping"}
+    """A connection whose auth frame lacks the exact token is refused as
+    unauthorized, and the request after it is not answered."""
+    auth = {"kind": "auth"}
     if token is not None:
-        message["token"] = token
-    reply = raw_exchange(embed_engine.port, encode_message(message))
-    assert reply == {
-        "status": "error",
-        "code": "unauthorized",
-        "message": "missing or wrong token",
-    }
+        auth["token"] = token
+    data = encode_message(auth) + encode_message({"kind": "ping"})
+    assert raw_exchange(embed_engine.port, data) == UNAUTHORIZED
     with pytest.raises(EngineUnauthorized):
         EngineClient(port=embed_engine.port, token="wrong").ping()
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        {"kind": "ping", "token": "see-fixture"},  # the old shape: no auth frame
+        {"kind": "auth", "token": "see-fixture", "extra": 1},
+    ],
+    ids=["request-first", "unknown-key"],
+)
+def test_a_connection_must_open_with_an_auth_frame(embed_engine, first):
+    """The right token outside an auth frame of the exact shape is refused."""
+    first = {**first, "token": embed_engine.token}
+    assert raw_exchange(embed_engine.port, encode_message(first)) == UNAUTHORIZED
+
+
+def test_an_unauthenticated_connection_never_gets_a_large_frame_read(embed_engine):
+    """A first frame announcing 60 MiB is refused from its header, with only
+    a few KiB of its body sent: the engine answers unauthorized and closes
+    the connection without waiting for the rest (nor allocating it). After
+    a wrong token, a large frame is not read either."""
+    process = psutil.Process(embed_engine.process.pid)
+    before = process.memory_info().rss
+    port = embed_engine.port
+    huge = struct.pack(">Q", 60 * 2**20) + b"x" * 4096
+    for opening in (huge, auth_frame("wrong") + huge):
+        with socket.create_connection(("127.0.0.1", port), 5) as sock:
+            sock.sendall(opening)
+            assert refused(closed_within(sock, 10))
+    assert process.memory_info().rss - before < 8 * 2**20
+    assert f"exceeds the {MAX_AUTH_FRAME_BYTES} cap" in embed_engine.log()
+    assert embed_engine.client().ping()["status"] == "ok"
+
+
+def test_an_authenticated_connection_sends_large_frames(embed_engine):
+    """With the right token, a request far over the auth frame's cap (a
+    megabyte of texts) is read and answered (the control of the test above)."""
+    texts = [f"text {i} " + "word " * 2200 for i in range(100)]
+    message = {"kind": "embed", "model": EMBEDDER, "texts": texts, "encoding": "json"}
+    data = auth_frame(embed_engine.token) + encode_message(message)
+    assert len(data) > 2**20
+    reply = raw_exchange(embed_engine.port, data, timeout=120)
+    assert reply["status"] == "ok" and reply["shape"] == [100, 384]
 
 
 @pytest.mark.parametrize(
@@ -107,7 +182,8 @@ def test_bad_tokens_are_unauthorized(embed_engine, token):
 )
 def test_malformed_frames_are_bad_requests(embed_engine, payload, needle):
     """Undecodable payloads get `bad_request`; the engine keeps serving."""
-    reply = raw_exchange(embed_engine.port, HEADER.pack(len(payload)) + payload)
+    data = auth_frame(embed_engine.token) + HEADER.pack(len(payload)) + payload
+    reply = raw_exchange(embed_engine.port, data)
     assert reply["code"] == "bad_request" and needle in reply["message"]
     assert embed_engine.client().ping()["status"] == "ok"
 
@@ -145,7 +221,7 @@ def test_oversized_header_closes_the_connection_unread(embed_engine):
     before = process.memory_info().rss
     for size in (MAX_FRAME_BYTES + 1, 2**40, 2**64 - 1):
         with socket.create_connection(("127.0.0.1", embed_engine.port), 5) as sock:
-            sock.sendall(struct.pack(">Q", size))
+            sock.sendall(auth_frame(embed_engine.token) + struct.pack(">Q", size))
             sock.settimeout(5)
             assert sock.recv(1) == b""  # closed, no reply
     after = process.memory_info().rss

@@ -17,6 +17,13 @@ from api.schemas import (
     EmbeddingRequest,
     parse,
 )
+from engines.generate_request import (
+    ENVELOPE_BYTES,
+    MAX_REQUEST_BYTES,
+    MAX_TOOLS_CHARS,
+    request_bytes,
+    tools_chars,
+)
 from engines.protocol import (
     MAX_PENALTY,
     MAX_PROMPT_CHARS,
@@ -146,6 +153,77 @@ def test_chat_messages_are_capped_in_total():
     assert refusal(raw, ChatCompletionRequest).param == "messages"
     raw = json.dumps({"model": "m", "messages": messages[:1]}).encode()
     assert parse(ChatCompletionRequest, raw)
+
+
+def tools_of_size(total: int, count: int = 4) -> list[dict]:
+    """`count` tools whose size, as the engines count it (tools_chars), is
+    `total` characters."""
+    tools = [
+        {"name": f"tool_{i}", "description": "", "parameters": {"type": "object"}}
+        for i in range(count)
+    ]
+    spare = total - tools_chars(tools)
+    for i, tool in enumerate(tools):
+        tool["description"] = "d" * (spare // count + (i < spare % count))
+    assert tools_chars(tools) == total
+    return [{"type": "function", "function": tool} for tool in tools]
+
+
+def test_tools_are_capped_in_total():
+    """Tools each under their own caps, together over MAX_TOOLS_CHARS: a 400
+    on `tools`; at the cap exactly, accepted (the control)."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    over = json.dumps({**chat, "tools": tools_of_size(MAX_TOOLS_CHARS + 1)})
+    error = refusal(over.encode(), ChatCompletionRequest)
+    assert error.param == "tools"
+    assert f"over the cap of {MAX_TOOLS_CHARS}" in error.message
+    at = json.dumps({**chat, "tools": tools_of_size(MAX_TOOLS_CHARS)})
+    assert len(parse(ChatCompletionRequest, at.encode()).tools) == 4
+
+
+def calls_history(size: int) -> list[dict]:
+    """A chat whose earlier turns' tool calls make its engine request `size`
+    bytes (each turn's own caps kept: calls' arguments are not prompt text)."""
+
+    def chat(arguments: list[str]) -> list[dict]:
+        turns = [
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": f"c{i}",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": text},
+                    }
+                ],
+            }
+            for i, text in enumerate(arguments)
+        ]
+        return [*turns, {"role": "user", "content": "hi"}]
+
+    def engine_size(messages: list[dict]) -> int:
+        raw = json.dumps({"model": "m", "messages": messages}).encode()
+        return request_bytes(parse(ChatCompletionRequest, raw).engine_requests()[0])
+
+    pieces = ["a" * MAX_PROMPT_CHARS] * (size // MAX_PROMPT_CHARS)
+    pieces.append("")
+    # Measured short of the cap; one more "a" is one more byte.
+    pieces[-1] = "a" * (size - engine_size(chat(pieces)))
+    return chat(pieces)
+
+
+def test_a_whole_request_is_capped():
+    """Fields each within their caps, the engine request they make over
+    MAX_REQUEST_BYTES (less the pipeline's room): a 400 naming the field
+    that holds most of it; at that size exactly, accepted (the control)."""
+    limit = MAX_REQUEST_BYTES - ENVELOPE_BYTES
+    raw = json.dumps({"model": "m", "messages": calls_history(limit + 1)}).encode()
+    error = refusal(raw, ChatCompletionRequest)
+    assert error.param == "messages"
+    assert f"over the cap of {limit}" in error.message
+    raw = json.dumps({"model": "m", "messages": calls_history(limit)}).encode()
+    request = parse(ChatCompletionRequest, raw)
+    assert request_bytes(request.engine_requests()[0]) == limit
 
 
 # -- the document states the rules -----------------------------------------------
