@@ -117,6 +117,9 @@ class GenerateRequest(Wire):
     model: str
     request_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     priority: Priority | None = None
+    # Who asked, as the front's limits know them (an opaque id): a model's
+    # free slots go first to the callers with the fewest requests in slots.
+    caller: Annotated[str, Field(min_length=1, max_length=64)] | None = None
     prompt: str | None = None
     messages: Annotated[list[Turn], Field(max_length=MAX_MESSAGES)] | None = None
     prompt_tokens: (

@@ -6,7 +6,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,9 @@ class GenerationRequest:
     finished: bool = False
     # A batch line (priority "batch"): it yields to interactive requests.
     background: bool = False
+    # Who asked (the front's id of the caller; "" for none: a caller of its
+    # own). Free slots go first to the callers with the fewest in slots.
+    caller: str = ""
     # The grammar the answer is held to (an llguidance matcher,
     # engines/constraint.py), and whether tool calls are read out of it.
     matcher: Any = None
@@ -217,6 +220,8 @@ class GenerationRunner:
         self._pending: deque[GenerationRequest] = deque()
         self._cancels: set[str] = set()
         self._known: set[str] = set()
+        # Requests in slots that named their caller: request id -> caller.
+        self._callers: dict[str, str] = {}
         self._stopping = False
         self._closed = threading.Event()
         self.steps = 0
@@ -375,10 +380,10 @@ class GenerationRunner:
         """Refuse every queued interactive request past its queue timeout
         (whether or not a slot is free; a batch request waits as long as it
         must, its worker keeping few in the queue), then admit the oldest
-        ones into the free slots, FIFO, interactive requests before batch
-        ones; batch requests leave a quarter of the slots free, so that an
-        interactive request never waits behind them for a slot (caller holds
-        the lock)."""
+        ones into the free slots, interactive requests before batch ones
+        (interactive ones shared fairly between callers: `_fairly`); batch
+        requests leave a quarter of the slots free, so that an interactive
+        request never waits behind them for a slot (caller holds the lock)."""
         if self.queue_timeout_s > 0 and self._pending:
             now = time.monotonic()
             overdue = [
@@ -399,13 +404,37 @@ class GenerationRunner:
         free = min(self.backend.free_slots(), self._decoder.parallel_left())
         if not free or not self._pending:
             return []
-        taken = [r for r in self._pending if not r.background][:free]
+        taken = self._fairly([r for r in self._pending if not r.background], free)
         background_room = self.backend.free_slots() - len(taken) - self._reserve()
         if background_room > 0 and len(taken) < free:
             room = min(background_room, free - len(taken))
             taken += [r for r in self._pending if r.background][:room]
         for request in taken:
             self._pending.remove(request)
+            if request.caller:
+                self._callers[request.id] = request.caller
+        return taken
+
+    def _fairly(
+        self, waiting: list[GenerationRequest], count: int
+    ) -> list[GenerationRequest]:
+        """Up to `count` of the waiting requests: each in turn the oldest of
+        the caller with the fewest requests in slots (those already taken
+        included), so that one caller's many choices cannot hold every slot
+        while others wait; FIFO among equals, and among requests with no
+        caller."""
+        held = Counter(self._callers.values())
+        taken: list[GenerationRequest] = []
+        left = list(waiting)
+        while left and len(taken) < count:
+            best = min(
+                range(len(left)),
+                key=lambda i: (held[left[i].caller] if left[i].caller else 0, i),
+            )
+            request = left.pop(best)
+            if request.caller:
+                held[request.caller] += 1
+            taken.append(request)
         return taken
 
     def _reserve(self) -> int:
@@ -435,6 +464,8 @@ class GenerationRunner:
         with self._wake:
             waiting = {request.id for request in self._pending}
             self._known &= waiting | running
+            for request_id in set(self._callers) - running:
+                del self._callers[request_id]
 
 
 def describe_error(error: BaseException) -> str:

@@ -124,6 +124,7 @@ async def serve_generation(
         params=params,
         emit=emit,
         background=message.get("priority") == "batch",
+        caller=typed.caller or "",
         matcher=matcher,
         tool_calls=typed.offers_tools,
         prompt_logprobs=typed.echo and params.logprobs,

@@ -40,6 +40,9 @@ class Call:
     user: Any = None
     # A batch line: admitted in its key's batch budget (api.limits).
     batch: bool = False
+    # Whose limits admitted it (api.limits.Allowance.scope); engines share
+    # their slots fairly between callers.
+    caller: str = ""
     model: str = ""
     engine: str = ""
     prompt_tokens: int = 0

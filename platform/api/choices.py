@@ -26,16 +26,21 @@ def finish_reason(reason: str) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
 
 
-def engine_requests(payload: Payload, priority: Priority) -> list[dict[str, Any]]:
+def engine_requests(
+    payload: Payload, priority: Priority, *, caller: str
+) -> list[dict[str, Any]]:
     """The engine requests of the answer's choices, in choice order: the
     body's fields, our own request id (unique across engines and their
-    restarts, which engine ids are not) and the priority (a batch line yields
-    to interactive requests in the engine)."""
+    restarts, which engine ids are not), the priority (a batch line yields
+    to interactive requests in the engine) and the caller (whose limits
+    admitted it: the engine shares its slots fairly between callers)."""
     requests = payload.engine_requests()
     for fields in requests:
         fields["request_id"] = uuid.uuid4().hex
         if priority != "interactive":
             fields["priority"] = priority
+        if caller:
+            fields["caller"] = caller
     return requests
 
 

@@ -163,17 +163,10 @@ class TooHeavy(LimitExceeded):
 
 
 def _admit(allowance: Allowance, weight: int) -> _Slot | None:
-    """Count the request in the caller's minute, then take `weight` of its
-    concurrency: the slot taken (None when it has no concurrency limit), or
+    """Count the request in the caller's minute (a request refused as too
+    heavy counts too: a flood of them turns into 429s), then take `weight` of
+    its concurrency: the slot taken (None when it has no concurrency limit), or
     LimitExceeded (nothing taken)."""
-    if allowance.max_concurrent and weight > allowance.max_concurrent:
-        raise TooHeavy(
-            f"This request opens {weight} engine requests; {allowance.who} may "
-            f"have at most {allowance.max_concurrent} in flight. Ask for fewer "
-            "choices (n).",
-            1,
-            code="concurrency_limit_exceeded",
-        )
     if allowance.rpm_limit:
         retry_after_s = _rate_count(allowance)
         if retry_after_s is not None:
@@ -182,6 +175,14 @@ def _admit(allowance: Allowance, weight: int) -> _Slot | None:
                 f"requests per minute. Try again in {retry_after_s} s.",
                 retry_after_s,
             )
+    if allowance.max_concurrent and weight > allowance.max_concurrent:
+        raise TooHeavy(
+            f"This request opens {weight} engine requests; {allowance.who} may "
+            f"have at most {allowance.max_concurrent} in flight. Ask for fewer "
+            "choices (n).",
+            1,
+            code="concurrency_limit_exceeded",
+        )
     if not allowance.max_concurrent:
         return None
     slot = _slot_take(allowance, weight)

@@ -129,6 +129,7 @@ async def admit(call: Call, *, weight: int = 1) -> None:
         allowance = await in_db_thread(user_allowance)(user_id=call.user.pk)
     else:
         raise errors.unauthorized("No API key or logged-in user to admit.")
+    call.caller = allowance.scope
     try:
         await call.held.enter_async_context(admission(allowance, weight=weight))
     except TooHeavy as heavy:

@@ -153,11 +153,11 @@ class ChatStream:
                 authorization=f"Bearer {self._presented_key}", client=self._client
             )
         request = chat_request(chat)
-        requests = engine_requests(request, "interactive")
         if chat.conversation is not None:
             await self._check_conversation(chat.conversation)
         route, snapshot = await model_route(call, request.model)
-        await admit(call, weight=len(requests))
+        await admit(call, weight=request.weight)
+        requests = engine_requests(request, "interactive", caller=call.caller)
         opened, tally = await choices_open(
             call, route, snapshot, requests, per_prompt=request.choices_per_prompt
         )

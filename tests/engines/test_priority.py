@@ -1,6 +1,7 @@
 """Batch requests (priority "batch": Batch API lines) yield to interactive
 ones in the engine: admitted after them, a quarter of the slots left to them,
-and out of the pass while an interactive prompt is read."""
+and out of the pass while an interactive prompt is read. Interactive requests
+share the free slots fairly between their callers."""
 
 import json
 import threading
@@ -101,6 +102,36 @@ def test_an_interactive_request_goes_ahead_of_queued_batch_ones(engine):
         for thread in [running, live, *batch]:
             thread.join(120)
         assert [name for name, _ in finished[:2]] == ["first", "live"], finished
+    finally:
+        client.call("configure", config={"limits": {"max_parallel_requests": 16}})
+
+
+def test_a_free_slot_goes_to_the_caller_with_fewest_in_slots(engine):
+    """Two requests at a time, both caller a's; a's third and then b's one
+    wait. When a's shorter one ends, the slot goes to b (none in slots), not
+    to a's third, queued first (a still has one in a slot): b ends second.
+    FIFO admission (the control) would end a's third before b."""
+    client = engine.client()
+    client.call("configure", config={"limits": {"max_parallel_requests": 2}})
+    try:
+        finished: list = []
+        greedy = {"ignore_eos": True, "temperature": 0.0, "caller": "a"}
+        first = in_background(engine, finished, "a1", max_tokens=30, **greedy)
+        second = in_background(engine, finished, "a2", max_tokens=200, **greedy)
+        wait_until(lambda: state(engine)["busy"] == 2)
+        third = in_background(engine, finished, "a3", max_tokens=30, **greedy)
+        wait_until(lambda: state(engine)["queued"] == 1)
+        other = in_background(
+            engine, finished, "b", max_tokens=4, temperature=0.0, caller="b"
+        )
+        wait_until(lambda: state(engine)["queued"] == 2)
+        for thread in [first, second, third, other]:
+            thread.join(300)
+        names = [name for name, _ in finished]
+        assert names[:2] == ["a1", "b"], finished
+        assert sorted(finished) == sorted(
+            (name, "done") for name in ("a1", "a2", "a3", "b")
+        )
     finally:
         client.call("configure", config={"limits": {"max_parallel_requests": 16}})
 
