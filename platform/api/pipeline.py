@@ -10,6 +10,7 @@ metrics. Every refusal is an `ApiError` from the one table in api.errors; the
 transports only turn it into an HTTP answer or a WebSocket error message.
 """
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -35,6 +36,7 @@ from .services import DATABASE_OUTAGE, api_key_allows, api_key_authenticate
 
 __all__ = [
     "ENDPOINT_TASKS",
+    "admission_hold",
     "admit",
     "authenticate",
     "database_failed",
@@ -130,8 +132,16 @@ async def admit(call: Call, *, weight: int = 1) -> None:
     else:
         raise errors.unauthorized("No API key or logged-in user to admit.")
     call.caller = allowance.scope
+    await admission_hold(call.held, allowance, weight=weight)
+
+
+async def admission_hold(
+    held: contextlib.AsyncExitStack, allowance: Allowance, *, weight: int = 1
+) -> None:
+    """Admit one request of `allowance` until `held` closes; its refusals as
+    ApiErrors (429 over a limit, 400 heavier than the whole allowance)."""
     try:
-        await call.held.enter_async_context(admission(allowance, weight=weight))
+        await held.enter_async_context(admission(allowance, weight=weight))
     except TooHeavy as heavy:
         raise errors.invalid_request(
             heavy.message, param="n", code=heavy.code

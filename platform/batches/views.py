@@ -17,10 +17,9 @@ from django.views.decorators.csrf import csrf_exempt
 from pydantic import Field, StringConstraints
 
 from api import errors
-from api.exceptions import LimitExceeded
-from api.limits import key_admission
+from api.limits import Allowance
 from api.models import ApiKey
-from api.pipeline import authenticate, database_failed
+from api.pipeline import admission_hold, authenticate, database_failed
 from api.schema_base import Strict
 from api.schemas import parse
 from api.selectors import in_db_thread
@@ -74,12 +73,7 @@ async def _api(request: HttpRequest, handlers: dict[str, Handler]) -> HttpRespon
         )
         async with contextlib.AsyncExitStack() as held:
             if request.method != "GET":
-                try:
-                    await held.enter_async_context(key_admission(key))
-                except LimitExceeded as over:
-                    raise errors.rate_limited(
-                        over.message, over.retry_after_s, code=over.code
-                    ) from None
+                await admission_hold(held, Allowance.of_key(key))
             return await handler(request, key)
     except errors.ApiError as error:
         return _refused(error)
