@@ -31,7 +31,7 @@ from .exceptions import KeyCheckUnavailable, KeyRejected, LimitExceeded
 from .gateway import GATEWAY
 from .limits import Allowance, TooHeavy, admission
 from .models import ApiKey
-from .selectors import in_db_thread, user_allowance
+from .selectors import in_db_thread, user_allowance, user_allowance_remembered
 from .services import DATABASE_OUTAGE, api_key_allows, api_key_authenticate
 
 __all__ = [
@@ -128,7 +128,9 @@ async def admit(call: Call, *, weight: int = 1) -> None:
             else Allowance.of_key(call.key)
         )
     elif call.user is not None:
-        allowance = await in_db_thread(user_allowance)(user_id=call.user.pk)
+        allowance = user_allowance_remembered(
+            user_id=call.user.pk
+        ) or await in_db_thread(user_allowance)(user_id=call.user.pk)
     else:
         raise errors.unauthorized("No API key or logged-in user to admit.")
     call.caller = allowance.scope

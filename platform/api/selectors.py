@@ -75,14 +75,25 @@ _USER_LIMITS_KEPT = 10_000  # users remembered at most (then forgotten at once)
 _user_allowances: dict[int, tuple[float, Allowance]] = {}
 
 
+def user_allowance_remembered(*, user_id: int) -> Allowance | None:
+    """A user's limits as read less than USER_LIMITS_FRESH_S ago (None:
+    read them with user_allowance). Reads no database: callable from the
+    event loop, so a chat message costs no thread hop most of the time."""
+    found = _user_allowances.get(user_id)
+    if found is not None and time.monotonic() - found[0] < USER_LIMITS_FRESH_S:
+        return found[1]
+    return None
+
+
 def user_allowance(*, user_id: int) -> Allowance:
     """A logged-in user's limits across all their sockets: their override, or
     the defaults (UserLimits). Remembered for USER_LIMITS_FRESH_S; while the
     database fails, the last one read (db.Error when there is none)."""
+    remembered = user_allowance_remembered(user_id=user_id)
+    if remembered is not None:
+        return remembered
     now = time.monotonic()
     found = _user_allowances.get(user_id)
-    if found is not None and now - found[0] < USER_LIMITS_FRESH_S:
-        return found[1]
     try:
         limits = (
             UserLimitOverride.objects.filter(user_id=user_id).first()
