@@ -62,6 +62,13 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (front, supervisor, worker) share one SQLite file: wait
     # for a writer instead of failing at once with "database is locked".
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # A transaction takes the write lock when it begins (BEGIN IMMEDIATE), so it
+    # waits for the timeout above. A deferred one that read first and writes
+    # after another process committed cannot wait: SQLite refuses its write at
+    # once ("database is locked"; its snapshot is out of date), which reached
+    # callers as a 503 (an upload's quota check then insert, under a worker
+    # recording answers).
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
     # Write-ahead logging: readers and the one writer do not block each other,
     # and a commit appends to the log without an fsync (synchronous=NORMAL; the
     # log is synced at checkpoints). The default rollback journal syncs the disk
