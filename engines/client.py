@@ -68,6 +68,8 @@ def _raise_for_error(reply: dict[str, Any]) -> None:
     message = str(reply.get("message", "engine error"))
     if code == ErrorCode.UNAUTHORIZED:
         raise EngineUnauthorized(code, message)
+    if code == ErrorCode.UNREACHABLE:
+        raise EngineUnreachable(message)
     raise EngineRequestError(code, message)
 
 

@@ -97,6 +97,9 @@ class ErrorCode(enum.StrEnum):
     COOLING = "cooling"
     CANCELLED = "cancelled"
     INTERNAL = "internal"
+    # A node's relay could not reach the engine named (engines/link.py): the
+    # request never started there, and the caller tries another replica.
+    UNREACHABLE = "unreachable"
 
 
 class ProtocolError(Exception):

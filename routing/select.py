@@ -5,10 +5,18 @@ Only enabled engines that are up and whose capabilities (from the one table in
 that yields a candidate wins:
 
 1. pin: the engine the model is pinned to;
-2. resident: an engine that already holds the model (the least loaded of them);
-3. default: the default engine from server settings;
-4. least-loaded: the candidate with the lowest queue depth + slots in use,
+2. resident: an engine that already holds the model: the one whose prompt
+   cache holds the conversation's prefix (`affinity`, rule "affinity") unless
+   it is more than AFFINITY_SLACK requests busier than the least loaded; else
+   the least loaded of them (replicas are balanced here);
+3. placed: an engine a replica is placed on (routing.placement) that is
+   still loading it, the least loaded;
+4. default: the default engine from server settings;
+5. least-loaded: the candidate with the lowest queue depth + slots in use,
    cooling engines last, ties to the model's owner, then engine order, then name.
+Load is what the snapshot recorded or, when higher, what this front has in
+flight there now (`in_flight`): the snapshot is up to a second old, and a
+burst would otherwise all go to the engine that was idle then.
 
 A pin that cannot be honoured is logged once per (model, engine) per Router,
 then the next rule applies. No candidate at all raises `NoEngine`, whose message
@@ -22,13 +30,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
 from routing import compat
+from routing.placement import Holder, NodeRoute, Wanted, place
 
-Rule = Literal["pin", "resident", "default", "least-loaded"]
+Rule = Literal["pin", "affinity", "resident", "placed", "default", "least-loaded"]
+
+# The engine holding a conversation's prefix is chosen while it has at most
+# this many more requests than the least loaded replica: reading the prefix
+# again elsewhere costs less than waiting behind that many.
+AFFINITY_SLACK = 2
 
 LOGGER_NAME = "roundhouse.routing"
 
@@ -56,6 +70,8 @@ class EngineStatus:
     queue_depth: int = 0
     slots_in_use: int = 0
     cooling: bool = False
+    node: str = ""  # "" on a one-host platform
+    memory_mib: float = 0.0
 
     @property
     def load(self) -> int:
@@ -89,6 +105,10 @@ class ModelRoute:
     pin: str = ""
     task: str = ""  # chat, completion or embedding: which endpoints may use it
     created: int = 0  # when it was configured (Unix time), for model listings
+    replicas: int = 1
+    node_labels: frozenset[str] = frozenset()
+    avoid_labels: frozenset[str] = frozenset()
+    memory_mib: float = 0.0  # measured; 0: unknown
 
 
 @dataclass(frozen=True)
@@ -99,6 +119,7 @@ class Snapshot:
     models: Mapping[str, ModelRoute]
     default_engine: str = ""
     taken_at: float = 0.0
+    nodes: Mapping[str, NodeRoute] = field(default_factory=dict)
 
     def owners(self) -> dict[str, str]:
         """Model name -> owner engine name, computed once per snapshot."""
@@ -113,6 +134,38 @@ class Snapshot:
         # cached_property writes the instance __dict__ directly, so it works on a
         # frozen dataclass; a race between threads only computes the same value twice.
         return assign_owners(self.models.values(), self.engines, self.default_engine)
+
+    def placed(self, model_name: str) -> tuple[str, ...]:
+        """The engines a model's replicas are placed on, best first."""
+        return self._placement.get(model_name, ())
+
+    @cached_property
+    def _placement(self) -> Mapping[str, tuple[str, ...]]:
+        models = [
+            Wanted(
+                name=m.name,
+                format=m.format,
+                replicas=m.replicas,
+                pin=m.pin,
+                node_labels=m.node_labels,
+                avoid_labels=m.avoid_labels,
+                memory_mib=m.memory_mib,
+            )
+            for m in self.models.values()
+        ]
+        engines = {
+            e.name: Holder(
+                name=e.name,
+                node=e.node,
+                capabilities=e.capabilities,
+                enabled=e.enabled,
+                order=e.order,
+                resident=e.resident,
+                memory_mib=e.memory_mib,
+            )
+            for e in self.engines.values()
+        }
+        return place(models, engines, self.nodes, default_engine=self.default_engine)
 
     @cached_property
     def engine_views(self) -> Mapping[str, compat.EngineView]:
@@ -180,13 +233,22 @@ class Router:
         self._reported: set[tuple[str, str]] = set()
         self._reported_lock = threading.Lock()
 
-    def choose(self, model: ModelRoute, snapshot: Snapshot) -> Choice:
-        """The engine that serves `model` now, by pin, residency, default or load."""
+    def choose(
+        self,
+        model: ModelRoute,
+        snapshot: Snapshot,
+        *,
+        affinity: str = "",
+        in_flight: Mapping[str, int] | None = None,
+    ) -> Choice:
+        """The engine that serves `model` now, by pin, residency (and the
+        prompt cache's affinity), placement, default or load."""
         engines = snapshot.engines
         fmt = model.format
         if model.pin:
             if self._pin_usable(model, snapshot):
                 return Choice(model.pin, "pin")
+        load = _load_with(in_flight or {})
         resident = [
             e
             for e in engines.values()
@@ -194,13 +256,30 @@ class Router:
         ]
         owner = snapshot.owner_of(model.name)
         if resident:
-            return Choice(self._least_loaded(resident, owner).name, "resident")
+            least = self._least_loaded(resident, owner, load)
+            held = engines.get(affinity)
+            if (
+                held is not None
+                and held in resident
+                and not held.cooling
+                and load(held) <= load(least) + AFFINITY_SLACK
+            ):
+                return Choice(held.name, "affinity")
+            return Choice(least.name, "resident")
+        placed = [
+            engines[name]
+            for name in snapshot.placed(model.name)
+            if name in engines and engines[name].usable_for(fmt)
+        ]
+        if placed:
+            return Choice(self._least_loaded(placed, owner, load).name, "placed")
         default = engines.get(snapshot.default_engine)
         if default is not None and default.usable_for(fmt):
             return Choice(default.name, "default")
         candidates = [e for e in engines.values() if e.usable_for(fmt)]
         if candidates:
-            return Choice(self._least_loaded(candidates, owner).name, "least-loaded")
+            least = self._least_loaded(candidates, owner, load)
+            return Choice(least.name, "least-loaded")
         raise NoEngine(_no_engine_message(fmt, engines))
 
     def _pin_usable(self, model: ModelRoute, snapshot: Snapshot) -> bool:
@@ -229,13 +308,21 @@ class Router:
 
     @staticmethod
     def _least_loaded(
-        engines: Iterable[EngineStatus], owner: str | None
+        engines: Iterable[EngineStatus],
+        owner: str | None,
+        load: Callable[[EngineStatus], int] = lambda e: e.load,
     ) -> EngineStatus:
         # A cooling engine holds new decode steps, so any warm engine beats it.
         return min(
             engines,
-            key=lambda e: (e.cooling, e.load, e.name != owner, e.order, e.name),
+            key=lambda e: (e.cooling, load(e), e.name != owner, e.order, e.name),
         )
+
+
+def _load_with(in_flight: Mapping[str, int]) -> Callable[[EngineStatus], int]:
+    """An engine's load: as recorded, or this front's requests in flight there
+    when more."""
+    return lambda engine: max(engine.load, in_flight.get(engine.name, 0))
 
 
 def _no_engine_message(model_format: str, engines: Mapping[str, EngineStatus]) -> str:

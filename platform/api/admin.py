@@ -109,6 +109,7 @@ class UsageAdmin(admin.ModelAdmin):
         "user",
         "endpoint",
         "model",
+        "node",
         "engine",
         "status",
         "prompt_tokens",
@@ -117,7 +118,7 @@ class UsageAdmin(admin.ModelAdmin):
         "latency_ms",
         "error_code",
     ]
-    list_filter = ["key", "model", "engine", "status", "endpoint"]
+    list_filter = ["key", "model", "node", "engine", "status", "endpoint"]
     list_select_related = ["key", "user"]
     date_hierarchy = "created_at"
     # Usage grows with every request: skip counting the whole table per page.

@@ -40,7 +40,7 @@ async def generation_answer(
     """Generate every choice on the routed engine (each in a slot of its
     batch); the answer's body and the first choice's engine reply (ApiError
     when any fails: the others are cancelled)."""
-    requests = engine_requests(payload, priority, caller=call.caller)
+    requests = engine_requests(payload, priority, call=call)
     created = int(time.time())
 
     async def one(fields: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,10 @@ class Call:
     caller: str = ""
     model: str = ""
     engine: str = ""
+    node: str = ""  # the engine's node ("" on a one-host platform)
+    # A chat's message prefixes (routing.affinity.prefix_keys): the engine
+    # whose prompt cache holds the longest is preferred.
+    prefixes: tuple[str, ...] = ()
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # Prompt tokens the engine took from a slot's cache instead of evaluating.
@@ -89,6 +93,7 @@ class Call:
         measured = reply.get("timings") or {}
         return {
             "engine": self.engine,
+            "node": self.node,
             "engine_first_token_ms": measured.get("first_token_ms"),
             "engine_total_ms": measured.get("total_ms"),
         }
@@ -131,6 +136,7 @@ class Call:
                 user=self.user,
                 model=self.model,
                 engine=self.engine,
+                node=self.node,
                 endpoint=self.endpoint,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from routing.affinity import prefix_keys
 from routing.select import ModelRoute, Snapshot
 
 from .calls import Call
@@ -27,20 +28,23 @@ def finish_reason(reason: str) -> str:
 
 
 def engine_requests(
-    payload: Payload, priority: Priority, *, caller: str
+    payload: Payload, priority: Priority, *, call: Call
 ) -> list[dict[str, Any]]:
-    """The engine requests of the answer's choices, in choice order: the
+    """The engine requests of the call's choices, in choice order: the
     body's fields, our own request id (unique across engines and their
     restarts, which engine ids are not), the priority (a batch line yields
     to interactive requests in the engine) and the caller (whose limits
-    admitted it: the engine shares its slots fairly between callers)."""
+    admitted it: the engine shares its slots fairly between callers). A
+    chat's message prefixes go on the call, for cache-aware routing."""
     requests = payload.engine_requests()
     for fields in requests:
         fields["request_id"] = uuid.uuid4().hex
         if priority != "interactive":
             fields["priority"] = priority
-        if caller:
-            fields["caller"] = caller
+        if call.caller:
+            fields["caller"] = call.caller
+    if requests and requests[0].get("messages"):
+        call.prefixes = prefix_keys(requests[0]["messages"])
     return requests
 
 

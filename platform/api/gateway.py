@@ -1,18 +1,25 @@
 """How the front reaches engines: a routing snapshot at most a second old, the
-router's choice, and a client built from the engine's connection file."""
+router's choice, and a client: for an engine of this host, built from the
+engine's connection file; for one of another node, over the link to that
+node's relay (engines/link.py), authenticated by this host's node secret."""
 
 import asyncio
 import dataclasses
 import logging
 import os
 import time
+import weakref
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from django import db
 from django.conf import settings
 
-from engines.client import AsyncEngineClient, connection_file
+from cluster.identity import NodeIdentity, identity_read
+from engines.client import AsyncEngineClient, EngineUnreachable, connection_file
+from engines.link import LinkPool, Peer, RemoteEngineClient
 from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
+from routing.affinity import AffinityMap
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
 
 from .services import DATABASE_OUTAGE
@@ -50,6 +57,15 @@ class Gateway:
         # the current one began, and the last one's (start, end).
         self._outage_began: float | None = None
         self.last_outage: tuple[float, float] | None = None
+        # Cluster: this host's identity (read from the run dir; looked for
+        # again every IDENTITY_RECHECK_S while there is none), one link pool
+        # per event loop, prompt-cache affinity and this front's requests in
+        # flight per engine.
+        self._identity: NodeIdentity | None = None
+        self._identity_checked = -float("inf")
+        self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.affinity = AffinityMap()
+        self.in_flight: Counter[str] = Counter()
 
     def close(self) -> None:
         """Close the loader thread's database connection (it reconnects when
@@ -131,9 +147,16 @@ class Gateway:
             self._refreshing.add_done_callback(_log_failure)
 
     def choose(
-        self, model: ModelRoute, snapshot: Snapshot, *, excluding: set[str]
+        self,
+        model: ModelRoute,
+        snapshot: Snapshot,
+        *,
+        excluding: set[str],
+        prefixes: tuple[str, ...] = (),
     ) -> Choice:
-        """The router's choice, with engines that just failed taken for down."""
+        """The router's choice, with engines that just failed taken for down,
+        the engine holding the longest of `prefixes` preferred (cache-aware
+        routing) and this front's requests in flight counted as load."""
         if excluding:
             engines = {
                 name: dataclasses.replace(engine, up=False)
@@ -142,9 +165,73 @@ class Gateway:
                 for name, engine in snapshot.engines.items()
             }
             snapshot = dataclasses.replace(snapshot, engines=engines)
-        return self.router.choose(model, snapshot)
+        affinity = self.affinity.lookup(prefixes) if prefixes else ""
+        return self.router.choose(
+            model, snapshot, affinity=affinity, in_flight=self.in_flight
+        )
 
-    def client(self, engine: str) -> AsyncEngineClient:
+    # -- nodes ------------------------------------------------------------------
+
+    IDENTITY_RECHECK_S = 5.0
+
+    @property
+    def identity(self) -> NodeIdentity | None:
+        """This host's node identity (None on a one-host platform, or before
+        this host's supervisor joined)."""
+        now = time.monotonic()
+        if self._identity is None and now - self._identity_checked > (
+            self.IDENTITY_RECHECK_S
+        ):
+            self._identity_checked = now
+            self._identity = identity_read(settings.RUN_DIR)
+        return self._identity
+
+    def node_of(self, engine: str, snapshot: Snapshot) -> str:
+        status = snapshot.engines.get(engine)
+        return status.node if status is not None else ""
+
+    def is_local(self, node: str) -> bool:
+        """Whether an engine of `node` listens on this host's loopback."""
+        identity = self.identity
+        return not node or (identity is not None and identity.name == node)
+
+    def client(
+        self, engine: str, snapshot: Snapshot | None = None
+    ) -> AsyncEngineClient:
+        """A client for `engine`: on this host, from its connection file; on
+        another node (as `snapshot` says), over the link to that node."""
+        node = self.node_of(engine, snapshot) if snapshot is not None else ""
+        if not self.is_local(node):
+            return self._remote_client(engine, node, snapshot)
+        return self._local_client(engine)
+
+    def _remote_client(
+        self, engine: str, node: str, snapshot: Snapshot
+    ) -> AsyncEngineClient:
+        identity = self.identity
+        route = snapshot.nodes.get(node)
+        if identity is None:
+            raise EngineUnreachable(
+                f"engine {engine} runs on node {node}, and this host has not "
+                "joined the cluster (no node identity in its run dir)"
+            )
+        if route is None:
+            raise EngineUnreachable(f"engine {engine}: node {node} is unknown")
+        loop = asyncio.get_running_loop()
+        pool = self._pools.get(loop)
+        if pool is None:
+            pool = self._pools[loop] = LinkPool(
+                node=identity.name, secret=identity.secret
+            )
+        peer = Peer(
+            node=node,
+            host=route.host,
+            port=route.relay_port,
+            tls_fingerprint=route.tls_fingerprint,
+        )
+        return RemoteEngineClient(name=engine, pool=pool, peer=peer)
+
+    def _local_client(self, engine: str) -> AsyncEngineClient:
         """A client for a supervised engine (EngineUnreachable without its file).
 
         The connection file is read again only when it changed (the supervisor

@@ -146,6 +146,9 @@ class Usage(models.Model):
         help_text="The model the client asked for (empty: refused before it said).",
     )
     engine = models.CharField(max_length=64, blank=True)
+    node = models.CharField(
+        max_length=64, blank=True, help_text="The engine's node (cluster)."
+    )
     endpoint = models.CharField(max_length=32, choices=Endpoint.choices)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)

@@ -18,6 +18,7 @@ from typing import Any
 from django import db
 
 from engines.client import (
+    EngineDied,
     EngineError,
     EngineRequestError,
     EngineTimeout,
@@ -160,29 +161,60 @@ async def with_engine(
     snapshot: Snapshot,
     attempt: Callable[[Any], Awaitable[Any]],
 ) -> Any:
-    """Run `attempt(client)` on the routed engine; an engine that cannot be
-    reached is skipped for the next choice. Engine failures become ApiErrors."""
+    """Run `attempt(client)` on the routed engine, of this host or another
+    node. An engine that cannot be reached, or whose connection dropped before
+    any of its answer arrived (its engine or its whole node died, or the node
+    was cut off), is skipped for the next choice: the request had not started
+    there as far as the caller can tell, so nothing is lost and nothing is
+    answered twice. Engine failures become ApiErrors."""
     tried: set[str] = set()
+    died: EngineDied | None = None
     while True:
         try:
-            choice = GATEWAY.choose(route, snapshot, excluding=tried)
+            choice = GATEWAY.choose(
+                route, snapshot, excluding=tried, prefixes=call.prefixes
+            )
         except NoEngine as none:
+            if died is not None:  # no other engine: the failure as it was
+                raise engine_failure(died) from None
             raise errors.from_mapping(
                 errors.NO_ENGINE, none.message, code="no_engine"
             ) from None
-        call.engine = choice.engine
+        engine = call.engine = choice.engine
+        call.node = GATEWAY.node_of(engine, snapshot)
+        GATEWAY.in_flight[engine] += 1
         try:
-            return await attempt(GATEWAY.client(choice.engine))
-        except EngineUnreachable as error:
-            log.warning("engine %s unreachable: %s", choice.engine, error)
-            tried.add(choice.engine)
+            result = await attempt(GATEWAY.client(engine, snapshot))
+        except (EngineUnreachable, EngineDied) as error:
+            _landed(engine)
+            log.warning("engine %s failed before answering: %s", engine, error)
+            tried.add(engine)
             GATEWAY.cache.invalidate()
+            if isinstance(error, EngineDied):
+                died = error
             if len(tried) >= MAX_ENGINE_TRIES:
+                if died is not None:
+                    raise engine_failure(died) from None
                 raise errors.from_mapping(
                     errors.NO_ENGINE, str(error), code="engine_unreachable"
                 ) from None
-        except EngineError as error:
-            raise engine_failure(error) from None
+            continue
+        except BaseException as error:
+            _landed(engine)
+            if isinstance(error, EngineError):
+                raise engine_failure(error) from None
+            raise
+        call.held.callback(_landed, engine)
+        if call.prefixes:
+            GATEWAY.affinity.remember(call.prefixes, engine)
+        return result
+
+
+def _landed(engine: str) -> None:
+    """A request sent to `engine` ended: one fewer in flight there."""
+    GATEWAY.in_flight[engine] -= 1
+    if GATEWAY.in_flight[engine] <= 0:
+        del GATEWAY.in_flight[engine]
 
 
 def engine_failure(error: EngineError) -> errors.ApiError:

@@ -55,7 +55,7 @@ async def generation_stream(
 ) -> StreamingHttpResponse:
     """The streamed answer; its headers leave once every choice has a slot
     (a refusal before that is the answer's error status)."""
-    requests = engine_requests(payload, "interactive", caller=call.caller)
+    requests = engine_requests(payload, "interactive", call=call)
     created = int(time.time())
     opened, tally = await choices_open(
         call, route, snapshot, requests, per_prompt=payload.choices_per_prompt

@@ -36,6 +36,7 @@ def usage_build(
     engine: str,
     endpoint: str,
     prompt_tokens: int,
+    node: str = "",
     completion_tokens: int,
     latency_ms: float,
     status: int,
@@ -49,6 +50,7 @@ def usage_build(
         # Clients choose the model name; an over-long one is cut, not refused.
         model=model[: Usage._meta.get_field("model").max_length],
         engine=engine[: Usage._meta.get_field("engine").max_length],
+        node=node[: Usage._meta.get_field("node").max_length],
         endpoint=endpoint,
         prompt_tokens=prompt_tokens or 0,
         completion_tokens=completion_tokens or 0,

@@ -51,6 +51,10 @@ from .sse import dropped_header, generation_stream
 
 log = logging.getLogger("roundhouse.api")
 
+# Which engine, on which node, served an answer.
+ENGINE_HEADER = "X-Roundhouse-Engine"
+NODE_HEADER = "X-Roundhouse-Node"
+
 
 async def _authenticated(request: HttpRequest) -> ApiKey:
     """The request's live key (api.pipeline.authenticate) from its header."""
@@ -98,6 +102,10 @@ async def _serve(
         log.exception("%s failed", endpoint)
         internal = errors.engine_error("internal", "Internal error.")
         response = call.failed(internal)
+    if call.engine:  # who served it (on a cluster, from any node's front)
+        response[ENGINE_HEADER] = call.engine
+        if call.node:
+            response[NODE_HEADER] = call.node
     if isinstance(response, StreamingHttpResponse):
         # The stream ends the call when it ends, however it ends.
         response.streaming_content = Relay(response.streaming_content, call)

@@ -63,6 +63,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
         "format",
         "task",
         "engine_pin",
+        "replicas",
         "enabled",
         "measured_memory_mib",
         "measured_device_memory_mib",
@@ -78,7 +79,10 @@ class ModelConfigAdmin(admin.ModelAdmin):
     actions = ["inspect_again", "measure_memory", "requantize"]
     fieldsets = [
         (None, {"fields": ["name", "format", "task", "path", "enabled"]}),
-        ("Placement", {"fields": ["engine_pin"]}),
+        (
+            "Placement",
+            {"fields": ["engine_pin", "replicas", "node_labels", "avoid_labels"]},
+        ),
         (
             "Serving",
             {

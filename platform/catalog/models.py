@@ -4,11 +4,20 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator, RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
 from engines.protocol import ProtocolError, check_sampling
 from engines.tools import QUANTIZATIONS
+from routing.placement import label_problem
+
+
+def validate_labels(value: object) -> None:
+    """A list of node labels (routing.placement.LABEL)."""
+    problem = label_problem(value)
+    if problem is not None:
+        raise ValidationError(problem)
+
 
 MODEL_NAME_VALIDATOR = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
@@ -93,6 +102,26 @@ class ModelConfig(models.Model):
         max_length=64,
         blank=True,
         help_text="Engine that should serve this model. Empty: chosen by routing.",
+    )
+    replicas = models.PositiveSmallIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text="Engines that keep this model loaded, spread over the nodes; "
+        "requests are balanced over them. A pin still wins.",
+    )
+    node_labels = models.JSONField(
+        "run only on nodes labelled",
+        default=list,
+        blank=True,
+        validators=[validate_labels],
+        help_text='Every label a node must have to hold a replica, e.g. ["gpu"].',
+    )
+    avoid_labels = models.JSONField(
+        "never on nodes labelled",
+        default=list,
+        blank=True,
+        validators=[validate_labels],
+        help_text="No replica on a node with any of these labels.",
     )
     context_length = models.PositiveIntegerField(
         null=True,

@@ -157,7 +157,7 @@ class ChatStream:
             await self._check_conversation(chat.conversation)
         route, snapshot = await model_route(call, request.model)
         await admit(call, weight=request.weight)
-        requests = engine_requests(request, "interactive", caller=call.caller)
+        requests = engine_requests(request, "interactive", call=call)
         opened, tally = await choices_open(
             call, route, snapshot, requests, per_prompt=request.choices_per_prompt
         )

@@ -44,6 +44,7 @@ class EngineSpecAdmin(admin.ModelAdmin):
     form = EngineSpecForm
     list_display = [
         "name",
+        "node",
         "backend",
         "enabled",
         "order",
@@ -53,13 +54,13 @@ class EngineSpecAdmin(admin.ModelAdmin):
         "resident",
         "capability_list",
     ]
-    list_filter = ["backend", "enabled", "state__status"]
+    list_filter = ["node", "backend", "enabled", "state__status"]
     search_fields = ["name", "devices"]
-    list_select_related = ["state"]
+    list_select_related = ["state", "node"]
     inlines = [EngineStateInline]
     actions = ["restart_engines"]
     fieldsets = [
-        (None, {"fields": ["name", "backend", "enabled", "order", "port"]}),
+        (None, {"fields": ["name", "node", "backend", "enabled", "order", "port"]}),
         (
             "Devices and environment",
             {"fields": ["devices", "cpus", "env", "capabilities"]},
@@ -156,11 +157,16 @@ class PlacedModelConfigAdmin(ModelConfigAdmin):
     list_display = _inserted_after(
         ModelConfigAdmin.list_display, "engine_pin", "pin_status", "owner"
     )
-    readonly_fields = [*ModelConfigAdmin.readonly_fields, "owner_engine", "resident_on"]
+    readonly_fields = [
+        *ModelConfigAdmin.readonly_fields,
+        "owner_engine",
+        "placed_on",
+        "resident_on",
+    ]
     fieldsets = [
         (
             name,
-            {"fields": [*options["fields"], "owner_engine", "resident_on"]}
+            {"fields": [*options["fields"], "owner_engine", "placed_on", "resident_on"]}
             if name == "Placement"
             else options,
         )
@@ -198,6 +204,23 @@ class PlacedModelConfigAdmin(ModelConfigAdmin):
         if model.pk is None:
             return "—"
         return routing_snapshot().owners().get(model.name, "—")
+
+    @admin.display(description="replicas placed on")
+    def placed_on(self, model: ModelConfig) -> str:
+        """The engines its replicas are placed on (routing.placement), with
+        their nodes."""
+        if model.pk is None:
+            return "—"
+        snapshot = routing_snapshot()
+        placed = snapshot.placed(model.name)
+        if not placed:
+            return "no eligible engine (format, labels, nodes)"
+        return ", ".join(
+            f"{name} (node {snapshot.engines[name].node})"
+            if snapshot.engines[name].node
+            else name
+            for name in placed
+        )
 
     @admin.display(description="resident on")
     def resident_on(self, model: ModelConfig) -> str:

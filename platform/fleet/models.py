@@ -125,6 +125,15 @@ class EngineSpec(models.Model):
         "its compute threads default to one per core it may use. Empty: all. "
         "Leaving a core to the front keeps it from slowing the engine down.",
     )
+    node = models.ForeignKey(
+        "cluster.Node",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="engines",
+        help_text="The host that runs this engine (its `manage.py supervise --node "
+        "NAME`). Empty: the supervisor started without --node (one host).",
+    )
     enabled = models.BooleanField(default=True)
     order = models.PositiveIntegerField(
         default=0, help_text="The first enabled engine by order is the primary."
@@ -162,7 +171,10 @@ class EngineSpec(models.Model):
             raise ValidationError(
                 {field: f"Base port {base_port} + order {self.order} is past 65535."}
             )
-        others = EngineSpec.objects.filter(enabled=True).exclude(pk=self.pk)
+        # Ports are per host: engines of other nodes listen on their own loopback.
+        others = EngineSpec.objects.filter(enabled=True, node_id=self.node_id).exclude(
+            pk=self.pk
+        )
         for other in others:
             if other.port_with(base_port) == mine:
                 raise ValidationError(
@@ -352,21 +364,22 @@ class ServerSettings(SingletonModel):
 
     def clean(self) -> None:
         """Refuse a base port that gives two enabled engines one port."""
-        taken: dict[int, EngineSpec] = {}
+        taken: dict[tuple[int | None, int], EngineSpec] = {}
         for spec in EngineSpec.objects.filter(enabled=True):
             port = spec.port_with(self.base_port)
+            host = (spec.node_id, port)  # ports are per host
             if port > PORT_VALIDATORS[1].limit_value:
                 raise ValidationError(
                     {"base_port": f"Engine {spec.name!r} would get port {port}."}
                 )
-            if port in taken:
+            if host in taken:
                 raise ValidationError(
                     {
-                        "base_port": f"Engines {taken[port].name!r} and "
+                        "base_port": f"Engines {taken[host].name!r} and "
                         f"{spec.name!r} would both get port {port}."
                     }
                 )
-            taken[port] = spec
+            taken[host] = spec
 
 
 def check_thresholds(errors: dict, *, high: float, resume: float, field: str) -> None:

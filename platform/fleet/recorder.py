@@ -72,8 +72,11 @@ class Desired:
 class Recorder:
     """start() / record() / memory() / desired / close()."""
 
-    def __init__(self, *, read_every: float, retry_every: float = 1.0) -> None:
+    def __init__(
+        self, *, read_every: float, retry_every: float = 1.0, node: str | None = None
+    ) -> None:
         self.read_every = read_every
+        self.node = node  # whose engines to read (None: a one-host platform's)
         self.retry_every = retry_every
         self.desired: Desired | None = None  # the latest successful read
         self._states: dict[int, dict] = {}
@@ -142,7 +145,7 @@ class Recorder:
             cap_gib = ServerSettings.load().host_ram_cap_gib
             version = self.desired.version + 1 if self.desired else 1
             return Desired(
-                engines=tuple(engines_desired()),
+                engines=tuple(engines_desired(node=self.node)),
                 ram_cap_mib=cap_gib * 1024 if cap_gib else None,
                 version=version,
             )

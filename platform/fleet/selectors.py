@@ -10,9 +10,11 @@ from django.utils import timezone
 
 from catalog.models import ModelConfig
 from catalog.selectors import models_servable_by
+from cluster.selectors import NodeView, nodes_now
 from engines.config import EngineConfig, Limits, ModelSpec
 from routing import select as routes
 from routing.compat import EngineView
+from routing.placement import NodeRoute
 
 from .models import (
     ConcurrencySettings,
@@ -145,10 +147,17 @@ def engine_config(
     )
 
 
-def engines_desired() -> list[DesiredEngine]:
-    """Every enabled engine with the configuration it should be running."""
+def engines_desired(*, node: str | None = None) -> list[DesiredEngine]:
+    """Every enabled engine of `node` (None: the engines of no node, on a
+    one-host platform) with the configuration it should be running."""
     server = ServerSettings.load()
     thermal = thermal_thresholds()
+    specs = EngineSpec.objects.filter(enabled=True)
+    specs = (
+        specs.filter(node__isnull=True)
+        if node is None
+        else specs.filter(node__name=node)
+    )
     return [
         DesiredEngine(
             spec_id=spec.pk,
@@ -159,7 +168,7 @@ def engines_desired() -> list[DesiredEngine]:
             restart_requested_at=spec.restart_requested_at,
             config=engine_config(spec=spec, server=server, thermal=thermal),
         )
-        for spec in EngineSpec.objects.filter(enabled=True).order_by("order", "name")
+        for spec in specs.order_by("order", "name")
     ]
 
 
@@ -178,15 +187,24 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
     now = timezone.now()
     stale_after_s = HEARTBEAT_STALE_S + heartbeat_grace_s
     states = {state.spec_id: state for state in EngineState.objects.all()}
+    nodes = nodes_now()
     engines = {}
-    for spec in EngineSpec.objects.order_by("order", "name"):
+    for spec in EngineSpec.objects.select_related("node").order_by("order", "name"):
         state = states.get(spec.pk)
         fresh = (
             state is not None
             and state.heartbeat_at is not None
             and (now - state.heartbeat_at).total_seconds() < stale_after_s
         )
-        up = spec.enabled and fresh and state.status in routes.SERVING_STATES
+        node = nodes.get(spec.node.name) if spec.node else None
+        # An engine of a node that is not ready (unreachable, draining,
+        # revoked...) takes no new requests, whatever it last reported.
+        up = (
+            spec.enabled
+            and fresh
+            and state.status in routes.SERVING_STATES
+            and (spec.node is None or (node is not None and node.status == "ready"))
+        )
         engines[spec.name] = routes.EngineStatus(
             name=spec.name,
             backend=spec.backend,
@@ -198,6 +216,8 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
             queue_depth=state.queue_depth if state else 0,
             slots_in_use=state.slots_in_use if state else 0,
             cooling=bool(state and state.cooling_reason),
+            node=spec.node.name if spec.node else "",
+            memory_mib=float(state.memory_mib or 0) if state else 0.0,
         )
     models = {
         model.name: routes.ModelRoute(
@@ -206,6 +226,10 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
             pin=model.engine_pin,
             task=model.task,
             created=int(model.created_at.timestamp()),
+            replicas=model.replicas,
+            node_labels=frozenset(model.node_labels),
+            avoid_labels=frozenset(model.avoid_labels),
+            memory_mib=float(model.measured_memory_mib or 0),
         )
         for model in ModelConfig.objects.filter(enabled=True)
     }
@@ -215,6 +239,20 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
         models=models,
         default_engine=default.name if default else "",
         taken_at=time.monotonic(),
+        nodes={name: node_route(node) for name, node in nodes.items()},
+    )
+
+
+def node_route(node: NodeView) -> NodeRoute:
+    """A node as routing sees it."""
+    return NodeRoute(
+        name=node.name,
+        status=str(node.status),
+        host=node.address,
+        relay_port=node.relay_port,
+        tls_fingerprint=node.tls_fingerprint,
+        labels=node.labels,
+        ram_mib=float(node.hardware.get("ram_mib") or 0),
     )
 
 

@@ -45,12 +45,16 @@ from engines.client import (
 from engines.launch import spawn_engine
 
 from .leftovers import engine_leftovers_end
+from .membership import Membership
 from .models import EngineStatus
 from .recorder import Recorder, resident_models_of
 from .selectors import DesiredEngine
 from .supervisor_lock import SupervisorLock
 
 log = logging.getLogger("roundhouse.supervisor")
+
+# A model placed on an engine whose load failed is tried again after this long.
+PLACED_LOAD_RETRY_S = 10.0
 
 # What `configure` changes in a running engine; the rest needs a restart.
 LIVE_SETTINGS = ("limits", "models", "thermal", "devices")
@@ -100,7 +104,8 @@ class RunningEngine:
     poll: Future | None = None
     operation: Future | None = None  # stop, restart, replace or kill
     after_operation: Callable[[], None] | None = None
-    request: Future | None = None  # configure or unload
+    request: Future | None = None  # configure, unload or load
+    next_placed_load: float = 0.0
     after_request: Callable[[bool], None] | None = None
 
     @property
@@ -111,11 +116,17 @@ class RunningEngine:
 class Supervisor:
     """startup() / run() / shutdown(); SIGINT and SIGTERM make run() return."""
 
-    def __init__(self, *, run_dir: Path, timing: Timing | None = None) -> None:
+    def __init__(
+        self, *, run_dir: Path, timing: Timing | None = None, node: str | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.timing = timing or Timing()
         self.lock = SupervisorLock(self.run_dir)
-        self.recorder = Recorder(read_every=self.timing.reconcile)
+        self.recorder = Recorder(read_every=self.timing.reconcile, node=node)
+        # On a cluster: this host's node (join, heartbeat, relay, placement).
+        self.membership = (
+            Membership(name=node, run_dir=self.run_dir) if node is not None else None
+        )
         self.workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine")
         self.engines: dict[int, RunningEngine] = {}
         self.stopping = threading.Event()
@@ -133,6 +144,13 @@ class Supervisor:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stopping.set())
         log.info("supervisor %s started (run dir %s)", os.getpid(), self.run_dir)
+        if self.membership is not None:
+            try:
+                self.membership.join()  # NodeRefused, ClusterUnavailable
+                self.membership.start()
+            except BaseException:
+                self.lock.release()
+                raise
         engine_leftovers_end(self.run_dir, grace_s=self.timing.drain)
         self.recorder.start()
 
@@ -152,6 +170,9 @@ class Supervisor:
             self.reconcile(desired.engines)
         for engine in list(self.engines.values()):
             self._advance(engine, now)
+            self._load_placed(engine, now)
+        if self.membership is not None and self.membership.revoked.is_set():
+            self.stopping.set()
         if now >= self._next_ram_check:
             self._next_ram_check = now + self.timing.poll
             self._enforce_ram_cap()
@@ -174,6 +195,8 @@ class Supervisor:
         self.engines.clear()
         if not self.recorder.close(timeout=self.timing.flush):
             log.warning("database unavailable: the engines' last state is not saved")
+        if self.membership is not None:
+            self.membership.stop()
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.lock.release()
         log.info("supervisor stopped")
@@ -386,6 +409,26 @@ class Supervisor:
             log.error("engine pid %s survives SIGKILL", process.pid)
 
     # -- requests: beside the polls ------------------------------------------------
+
+    def _load_placed(self, engine: RunningEngine, now: float) -> None:
+        """On a cluster, load a model placed on this engine that it does not
+        hold yet (one at a time; a failed load is tried again later)."""
+        if (
+            self.membership is None
+            or engine.request is not None
+            or engine.operation is not None
+            or engine.ready_since is None
+            or now < engine.next_placed_load
+        ):
+            return
+        held = {item["name"] for item in engine.last_state.get("models", [])}
+        missing = sorted(self.membership.placed.get(engine.desired.name, ()) - held)
+        if missing:
+            engine.next_placed_load = now + PLACED_LOAD_RETRY_S
+            log.info(
+                "engine %s: loading %s (placed here)", engine.desired.name, missing[0]
+            )
+            self._ask(engine, "load", lambda ok: None, model=missing[0])
 
     def _ask(
         self,

@@ -98,6 +98,7 @@ INSTALLED_APPS = [
     "django_celery_results",
     "django_celery_beat",
     "fleet",
+    "cluster",
     "catalog",
     "api",
     "chat",
@@ -291,3 +292,21 @@ ROUNDHOUSE_ADMIN_PASSWORD = env.str("ROUNDHOUSE_ADMIN_PASSWORD", default="")
 
 # ROUNDHOUSE_PORT / ROUNDHOUSE_HOST (read by roundhouse/serve.py, not here): where
 # the front listens, default 127.0.0.1:8000.
+
+# -- cluster (cluster/, fleet/membership.py) ----------------------------------------
+# A host joins with `manage.py supervise --node NAME`; its identity lives in the
+# run dir (node.json, 0600). ROUNDHOUSE_JOIN_TOKEN: the one-time join token the
+# admin shows with the node's join command, read once at the first start (an
+# environment variable, never an argument: argv is visible to every user).
+ROUNDHOUSE_JOIN_TOKEN = env.str("ROUNDHOUSE_JOIN_TOKEN", default="")
+# ROUNDHOUSE_CLUSTER_TLS: the node's relay speaks TLS with a certificate it makes
+# itself at first start (run dir, 0600 key); other nodes pin its SHA-256, which
+# the node publishes in the database. Off: plain TCP, authenticated by the
+# calling node's secret only (a trusted network).
+ROUNDHOUSE_CLUSTER_TLS = env.bool("ROUNDHOUSE_CLUSTER_TLS", default=True)
+# ROUNDHOUSE_RELAY_BIND: the address the relay listens on. Default: the node's
+# address as set in the admin (behind NAT, set the host's own address here).
+ROUNDHOUSE_RELAY_BIND = env.str("ROUNDHOUSE_RELAY_BIND", default="")
+# ROUNDHOUSE_DEVICE_MEMORY_FILE: GPU memory read from a JSON file instead of
+# nvidia-smi / sysfs (tests); the node reports its cards from the same probes.
+ROUNDHOUSE_DEVICE_MEMORY_FILE = env.str("ROUNDHOUSE_DEVICE_MEMORY_FILE", default="")

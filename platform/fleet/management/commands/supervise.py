@@ -3,6 +3,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from cluster.services import ClusterUnavailable, NodeRefused
 from fleet.services import FleetStartError, fleet_ensure
 from fleet.supervisor import Supervisor
 from fleet.supervisor_lock import SupervisorRunning
@@ -26,8 +27,18 @@ class Command(BaseCommand):
         parser.add_argument(
             "--timeout", type=float, default=180.0, help="--ensure: seconds to wait."
         )
+        parser.add_argument(
+            "--node",
+            help="Run this host as the cluster node NAME: join it (the first time, "
+            "with ROUNDHOUSE_JOIN_TOKEN from the admin's join command), heartbeat, "
+            "run its relay, and supervise its engines only. Needs PostgreSQL.",
+        )
 
-    def handle(self, *args, ensure: bool, timeout: float, **options) -> None:
+    def handle(
+        self, *args, ensure: bool, timeout: float, node: str | None, **options
+    ) -> None:
+        if ensure and node:
+            raise CommandError("--ensure starts a one-host supervisor: no --node")
         if ensure:
             try:
                 outcome = fleet_ensure(timeout_s=timeout)
@@ -35,11 +46,13 @@ class Command(BaseCommand):
                 raise CommandError(str(error)) from error
             self.stdout.write(f"supervisor {outcome}")
             return
-        supervisor = self.supervisor_class(run_dir=settings.RUN_DIR)
+        supervisor = self.supervisor_class(run_dir=settings.RUN_DIR, node=node)
         try:
             supervisor.startup()
-        except SupervisorRunning as error:
+        except (SupervisorRunning, ClusterUnavailable, OSError) as error:
             raise CommandError(str(error)) from error
+        except NodeRefused as refused:
+            raise CommandError(refused.message) from refused
         try:
             supervisor.run()
         finally:

@@ -1,0 +1,216 @@
+"""Admin for nodes (Fleet -> Nodes): adding one shows its join command once;
+actions drain, take back, revoke, and issue a new join command."""
+
+from django.conf import settings
+from django.contrib import admin, messages
+from django.db import connection
+from django.http import HttpRequest
+from django.utils.html import format_html
+from django.utils.timezone import now
+
+from .models import ClusterSettings, Node
+from .selectors import node_status, nodes_now
+from .services import (
+    node_drain,
+    node_join_token_issue,
+    node_revoke,
+)
+
+SQLITE_NOTICE = (
+    "This platform runs on {vendor}: it stays one node. Cluster mode needs "
+    "PostgreSQL shared by every host (DATABASE_URL)."
+)
+
+
+def database_url_shown() -> str:
+    """The database URL for a join command, its password hidden: the operator
+    fills it in (it is never shown by the admin)."""
+    db = settings.DATABASES["default"]
+    user = db.get("USER") or "USER"
+    password = ":PASSWORD" if db.get("PASSWORD") else ""
+    host = db.get("HOST") or "DB-HOST"
+    port = f":{db['PORT']}" if db.get("PORT") else ""
+    return f"postgres://{user}{password}@{host}{port}/{db.get('NAME')}"
+
+
+def join_command(node: Node, token: str) -> str:
+    """What to run on the new host, from the repository's folder there."""
+    redis = " REDIS_URL=redis://REDIS-HOST:6379/0" if settings.REDIS_URL else ""
+    return (
+        f"ROUNDHOUSE_JOIN_TOKEN={token} DATABASE_URL={database_url_shown()}{redis} "
+        f".venv/bin/python manage.py supervise --node {node.name}"
+    )
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = [
+        "name",
+        "node_status",
+        "relay",
+        "label_list",
+        "engine_list",
+        "heartbeat_age",
+        "hardware_summary",
+        "version",
+        "link_security",
+    ]
+    search_fields = ["name", "address"]
+    fields = ["name", "address", "relay_port", "labels"]
+    readonly_fields = []
+    actions = ["drain", "undrain", "revoke", "new_join_command"]
+
+    def get_readonly_fields(self, request, obj=None):
+        if obj is None:
+            return []
+        return [
+            "node_status",
+            "joined_at",
+            "last_heartbeat",
+            "hardware",
+            "version",
+            "tls_fingerprint",
+            "engine_list",
+            "revoked_at",
+        ]
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return self.fields
+        return [*self.fields, *self.get_readonly_fields(request, obj)]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return connection.vendor == "postgresql" and super().has_add_permission(request)
+
+    def changelist_view(self, request: HttpRequest, extra_context=None):
+        if connection.vendor != "postgresql":
+            self.message_user(
+                request,
+                SQLITE_NOTICE.format(vendor=connection.vendor),
+                messages.WARNING,
+            )
+        # One read of every node's status for the whole list.
+        self._statuses = {name: view.status.label for name, view in nodes_now().items()}
+        return super().changelist_view(request, extra_context)
+
+    def save_model(self, request, obj: Node, form, change) -> None:
+        super().save_model(request, obj, form, change)
+        if not change:
+            self._show_join_command(request, obj, node_join_token_issue(node=obj))
+
+    def _show_join_command(self, request, node: Node, token: str) -> None:
+        """The join command, shown this once (only its hash is kept)."""
+        self.message_user(
+            request,
+            format_html(
+                "Run this on the new host, in Roundhouse's folder after "
+                "<code>make setup</code> (shown once; valid for {} minutes, "
+                "one use): <pre>{}</pre>",
+                round(ClusterSettings.load().join_token_ttl_s / 60),
+                join_command(node, token),
+            ),
+            messages.SUCCESS,
+        )
+
+    @admin.display(description="status")
+    def node_status(self, node: Node) -> str:
+        status = getattr(self, "_statuses", {}).get(node.name)
+        if status is None and node.pk is not None:  # the change form: read it
+            status = node_status(node=node).label
+        return status or "—"
+
+    @admin.display(description="relay")
+    def relay(self, node: Node) -> str:
+        return f"{node.address}:{node.relay_port}"
+
+    @admin.display(description="labels")
+    def label_list(self, node: Node) -> str:
+        return ", ".join(node.labels)
+
+    @admin.display(description="engines")
+    def engine_list(self, node: Node) -> str:
+        return ", ".join(node.engines.values_list("name", flat=True)) or "—"
+
+    @admin.display(description="last heartbeat")
+    def heartbeat_age(self, node: Node) -> str:
+        if node.last_heartbeat is None:
+            return "never"
+        return f"{(now() - node.last_heartbeat).total_seconds():.0f} s ago"
+
+    @admin.display(description="hardware")
+    def hardware_summary(self, node: Node) -> str:
+        hw = node.hardware or {}
+        if not hw:
+            return "—"
+        text = f"{hw.get('cores', '?')} cores, {hw.get('ram_mib', 0) / 1024:.0f} GiB"
+        for gpu in hw.get("gpus", []):
+            text += f", {gpu.get('vendor', 'gpu')} {gpu.get('memory_mib', 0)} MiB"
+        return text
+
+    @admin.display(description="link")
+    def link_security(self, node: Node) -> str:
+        return "TLS (pinned)" if node.tls_fingerprint else "plain TCP"
+
+    @admin.action(
+        description="Drain: no new requests, move its replicas", permissions=["change"]
+    )
+    def drain(self, request: HttpRequest, queryset) -> None:
+        for node in queryset:
+            node_drain(node=node)
+            self.log_change(request, node, "Drained.")
+        self.message_user(
+            request,
+            "Drained: no new requests reach its engines; streams in flight "
+            "finish; its replicas are placed and loaded on other nodes.",
+            messages.SUCCESS,
+        )
+
+    @admin.action(description="Take back from draining", permissions=["change"])
+    def undrain(self, request: HttpRequest, queryset) -> None:
+        for node in queryset:
+            node_drain(node=node, draining=False)
+            self.log_change(request, node, "Taken back from draining.")
+        self.message_user(request, "The nodes take new requests again.")
+
+    @admin.action(
+        description="Revoke: its secret stops working now", permissions=["change"]
+    )
+    def revoke(self, request: HttpRequest, queryset) -> None:
+        for node in queryset:
+            node_revoke(node=node)
+            self.log_change(request, node, "Revoked.")
+        self.message_user(
+            request,
+            "Revoked: the other nodes' relays refuse its links and close the "
+            "open ones; its supervisor stops. Its database credentials are not "
+            "revoked by this: change them if the host is not trusted any more.",
+            messages.WARNING,
+        )
+
+    @admin.action(description="New join command", permissions=["change"])
+    def new_join_command(self, request: HttpRequest, queryset) -> None:
+        for node in queryset:
+            if node.revoked_at is not None:
+                self.message_user(
+                    request, f"{node.name} is revoked: add it again.", messages.ERROR
+                )
+                continue
+            self._show_join_command(request, node, node_join_token_issue(node=node))
+            self.log_change(request, node, "New join token issued.")
+
+
+@admin.register(ClusterSettings)
+class ClusterSettingsAdmin(admin.ModelAdmin):
+    """The one row of cluster settings (made on first read)."""
+
+    fields = ["grace_s", "join_token_ttl_s"]
+
+    def changelist_view(self, request: HttpRequest, extra_context=None):
+        ClusterSettings.load()
+        return super().changelist_view(request, extra_context)
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False

@@ -1,0 +1,126 @@
+"""Nodes: the hosts of a cluster. A node joins with a one-time token, then
+proves itself with its own secret (both stored here only as SHA-256 hashes),
+heartbeats through the database, and is drained or revoked from the admin.
+Its status is derived from those facts when read (`Node.status_at`), never
+written by one host about another: no coordinator decides who is down."""
+
+from datetime import datetime, timedelta
+
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+
+from catalog.models import validate_labels
+
+PORT_VALIDATORS = [MinValueValidator(1), MaxValueValidator(65535)]
+
+# A node whose last heartbeat is older than this is unreachable: it heartbeats
+# every 2 s, so three missed beats; readers refresh their view every second,
+# which keeps the whole detection within 10 s.
+UNREACHABLE_AFTER_S = 6.0
+
+
+class NodeStatus(models.TextChoices):
+    """What a node is now, derived from its row and the database's clock."""
+
+    PENDING = "pending", "pending (not joined yet)"
+    READY = "ready"
+    DRAINING = "draining"
+    UNREACHABLE = "unreachable"
+    DOWN = "down"
+    REVOKED = "revoked"
+
+
+class Node(models.Model):
+    """One host of the cluster: where its relay listens, what it has, how it
+    proves itself, and the operator's orders (drain, revoke)."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    address = models.CharField(
+        max_length=255,
+        help_text="Host name or IP address the other nodes reach this node's relay at.",
+    )
+    relay_port = models.PositiveIntegerField(
+        default=8765,
+        validators=PORT_VALIDATORS,
+        help_text="The port of its node relay (the supervisor runs it).",
+    )
+    labels = models.JSONField(
+        default=list,
+        blank=True,
+        validators=[validate_labels],
+        help_text='Labels models may require or avoid, e.g. ["gpu", "zone-a"].',
+    )
+    draining = models.BooleanField(
+        default=False,
+        editable=False,
+        help_text="Drained: no new requests, streams finish, its replicas move.",
+    )
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    join_token_hash = models.CharField(max_length=64, blank=True, editable=False)
+    join_token_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
+    secret_hash = models.CharField(max_length=64, blank=True, editable=False)
+    joined_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_heartbeat = models.DateTimeField(null=True, blank=True, editable=False)
+    hardware = models.JSONField(default=dict, blank=True, editable=False)
+    version = models.CharField(max_length=64, blank=True, editable=False)
+    tls_fingerprint = models.CharField(
+        "TLS certificate SHA-256",
+        max_length=64,
+        blank=True,
+        editable=False,
+        help_text="The relay's certificate, pinned by every other node. Empty: "
+        "the relay speaks plain TCP.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def status_at(self, now: datetime, *, grace_s: float) -> NodeStatus:
+        """The node's status at `now` (the database's clock): unreachable once
+        its heartbeats stopped UNREACHABLE_AFTER_S ago, down `grace_s` later."""
+        if self.revoked_at is not None:
+            return NodeStatus.REVOKED
+        if self.joined_at is None or self.last_heartbeat is None:
+            return NodeStatus.PENDING
+        silent = now - self.last_heartbeat
+        if silent > timedelta(seconds=UNREACHABLE_AFTER_S + grace_s):
+            return NodeStatus.DOWN
+        if silent > timedelta(seconds=UNREACHABLE_AFTER_S):
+            return NodeStatus.UNREACHABLE
+        if self.draining:
+            return NodeStatus.DRAINING
+        return NodeStatus.READY
+
+
+class ClusterSettings(models.Model):
+    """Cluster-wide settings (one row)."""
+
+    grace_s = models.FloatField(
+        "grace period (s)",
+        default=60.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="How long an unreachable node keeps its replicas before they "
+        "are placed and loaded elsewhere.",
+    )
+    join_token_ttl_s = models.PositiveIntegerField(
+        "join token valid for (s)",
+        default=3600,
+        validators=[MinValueValidator(60)],
+        help_text="A node's one-time join command works this long after it is shown.",
+    )
+
+    class Meta:
+        verbose_name = verbose_name_plural = "cluster settings"
+
+    def __str__(self) -> str:
+        return "Cluster settings"
+
+    @classmethod
+    def load(cls) -> "ClusterSettings":
+        row, _ = cls.objects.get_or_create(pk=1)
+        return row

@@ -1,0 +1,81 @@
+"""Cache-aware routing: which engine last served a conversation's prefix.
+
+An engine keeps a finished request's KV in its slot, and a later request
+sharing that prefix evaluates only the rest (engines/prefix_sharing.py). With
+replicas on several engines that saving is had only if the conversation's
+next turn goes back to the same engine. Each front remembers, for every
+prefix of the messages it routed (messages[:1], messages[:2], ... as chained
+hashes), the engine it sent them to; a new request looks its own prefixes up,
+longest first. A chat's next turn carries the previous turn's messages as a
+prefix, so it finds the engine whose cache holds them (and the answer after
+them). The router takes that engine unless it is much busier than another
+replica (routing.select.AFFINITY_SLACK).
+"""
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# Prefixes remembered per front (about 100 bytes each).
+MAX_PREFIXES = 200_000
+# Only this many of a conversation's prefixes are remembered and looked up:
+# the longest ones (a cache holds the latest turns), and the first (a shared
+# system prompt).
+MAX_PREFIXES_PER_REQUEST = 16
+
+
+def prefix_keys(messages: Sequence[Any]) -> tuple[str, ...]:
+    """The keys of `messages[:1]`, `messages[:2]`, ... (each a hash chained on
+    the one before), longest first, at most MAX_PREFIXES_PER_REQUEST of them:
+    the longest ones and the first."""
+    keys: list[str] = []
+    digest = b""
+    for message in messages:
+        text = json.dumps(message, sort_keys=True, separators=(",", ":"), default=str)
+        digest = hashlib.blake2b(digest + text.encode(), digest_size=16).digest()
+        keys.append(digest.hex())
+    keys.reverse()
+    if len(keys) > MAX_PREFIXES_PER_REQUEST:
+        keys = keys[: MAX_PREFIXES_PER_REQUEST - 1] + keys[-1:]
+    return tuple(keys)
+
+
+class AffinityMap:
+    """Prefix key -> the engine last sent that prefix; least recently used
+    forgotten first. Thread-safe."""
+
+    def __init__(self, capacity: int = MAX_PREFIXES) -> None:
+        self.capacity = capacity
+        self._engines: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def lookup(self, keys: Iterable[str]) -> str:
+        """The engine of the longest prefix remembered, or ""."""
+        with self._lock:
+            for key in keys:
+                engine = self._engines.get(key)
+                if engine is not None:
+                    self._engines.move_to_end(key)
+                    return engine
+        return ""
+
+    def remember(self, keys: Iterable[str], engine: str) -> None:
+        """These prefixes were just sent to `engine`."""
+        with self._lock:
+            for key in keys:
+                self._engines[key] = engine
+                self._engines.move_to_end(key)
+            while len(self._engines) > self.capacity:
+                self._engines.popitem(last=False)
+
+    def forget_engine(self, engine: str) -> None:
+        """Forget an engine (gone, or its caches lost when it restarted)."""
+        with self._lock:
+            for key in [k for k, v in self._engines.items() if v == engine]:
+                del self._engines[key]
