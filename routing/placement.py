@@ -100,7 +100,15 @@ def eligible(model: Wanted, engine: Holder, nodes: Mapping[str, NodeRoute]) -> b
     node = nodes.get(engine.node)
     if node is None or not node.holding:
         return False
-    return model.node_labels <= node.labels and not (model.avoid_labels & node.labels)
+    return labels_allow(model.node_labels, model.avoid_labels, node.labels)
+
+
+def labels_allow(
+    required: frozenset[str], avoided: frozenset[str], labels: frozenset[str]
+) -> bool:
+    """Whether a node with `labels` may hold a model that requires and avoids
+    these."""
+    return required <= labels and not (avoided & labels)
 
 
 def place(

@@ -35,7 +35,7 @@ from functools import cached_property
 from typing import Literal
 
 from routing import compat
-from routing.placement import Holder, NodeRoute, Wanted, place
+from routing.placement import Holder, NodeRoute, Wanted, labels_allow, place
 
 Rule = Literal["pin", "affinity", "resident", "placed", "default", "least-loaded"]
 
@@ -249,11 +249,14 @@ class Router:
             if self._pin_usable(model, snapshot):
                 return Choice(model.pin, "pin")
         load = _load_with(in_flight or {})
-        resident = [
-            e
-            for e in engines.values()
-            if e.usable_for(fmt) and model.name in e.resident
-        ]
+        # Only engines on nodes with the labels the model requires and none it
+        # avoids, whatever the rule.
+        allowed = {
+            name: engine
+            for name, engine in engines.items()
+            if engine.usable_for(fmt) and labels_fit(model, engine, snapshot.nodes)
+        }
+        resident = [e for e in allowed.values() if model.name in e.resident]
         owner = snapshot.owner_of(model.name)
         if resident:
             least = self._least_loaded(resident, owner, load)
@@ -267,19 +270,18 @@ class Router:
                 return Choice(held.name, "affinity")
             return Choice(least.name, "resident")
         placed = [
-            engines[name]
-            for name in snapshot.placed(model.name)
-            if name in engines and engines[name].usable_for(fmt)
+            allowed[name] for name in snapshot.placed(model.name) if name in allowed
         ]
         if placed:
             return Choice(self._least_loaded(placed, owner, load).name, "placed")
-        default = engines.get(snapshot.default_engine)
-        if default is not None and default.usable_for(fmt):
-            return Choice(default.name, "default")
-        candidates = [e for e in engines.values() if e.usable_for(fmt)]
+        if snapshot.default_engine in allowed:
+            return Choice(snapshot.default_engine, "default")
+        candidates = list(allowed.values())
         if candidates:
             least = self._least_loaded(candidates, owner, load)
             return Choice(least.name, "least-loaded")
+        if any(engine.usable_for(fmt) for engine in engines.values()):
+            raise NoEngine(_no_fitting_node_message(model))
         raise NoEngine(_no_engine_message(fmt, engines))
 
     def _pin_usable(self, model: ModelRoute, snapshot: Snapshot) -> bool:
@@ -319,10 +321,34 @@ class Router:
         )
 
 
+def labels_fit(
+    model: ModelRoute, engine: EngineStatus, nodes: Mapping[str, NodeRoute]
+) -> bool:
+    """Whether the engine's node has every label the model requires and none
+    it avoids (an engine of no node has no labels)."""
+    if not (model.node_labels or model.avoid_labels):
+        return True
+    node = nodes.get(engine.node)
+    labels = node.labels if node is not None else frozenset()
+    return labels_allow(model.node_labels, model.avoid_labels, labels)
+
+
 def _load_with(in_flight: Mapping[str, int]) -> Callable[[EngineStatus], int]:
     """An engine's load: as recorded, or this front's requests in flight there
     when more."""
     return lambda engine: max(engine.load, in_flight.get(engine.name, 0))
+
+
+def _no_fitting_node_message(model: ModelRoute) -> str:
+    wants = []
+    if model.node_labels:
+        wants.append(f"labelled {', '.join(sorted(model.node_labels))}")
+    if model.avoid_labels:
+        wants.append(f"not labelled {', '.join(sorted(model.avoid_labels))}")
+    return (
+        f"no engine that can serve {model.name} is running on a node "
+        f"{' and '.join(wants)}"
+    )
 
 
 def _no_engine_message(model_format: str, engines: Mapping[str, EngineStatus]) -> str:
@@ -362,6 +388,10 @@ class SnapshotCache:
         # One attribute holding (snapshot, loaded_at), so the lock-free read below
         # never sees a snapshot paired with another snapshot's time.
         self._cached: tuple[Snapshot, float] | None = None
+        # invalidate() was called since the last load: not fresh, however
+        # young (the snapshot is kept: while the database is down, it is all
+        # there is).
+        self.invalidated = False
 
     def peek(self) -> tuple[Snapshot, float] | None:
         """The cached snapshot, however old, with its age in seconds; never loads
@@ -372,9 +402,10 @@ class SnapshotCache:
         return cached[0], self._clock() - cached[1]
 
     def fresh(self) -> Snapshot | None:
-        """The cached snapshot if younger than max_age_s, else None; never loads."""
+        """The cached snapshot if younger than max_age_s and not invalidated,
+        else None; never loads."""
         peeked = self.peek()
-        if peeked is not None and peeked[1] < self._max_age_s:
+        if peeked is not None and peeked[1] < self._max_age_s and not self.invalidated:
             return peeked[0]
         return None
 
@@ -392,9 +423,15 @@ class SnapshotCache:
             started = self._clock()
             snapshot = self._loader()
             self._cached = (snapshot, started)
+            self.invalidated = False
             return snapshot
 
-    def invalidate(self) -> None:
-        """Make the next `get` load a fresh snapshot."""
+    def clear(self) -> None:
+        """Forget the snapshot (a process that never read one)."""
         with self._lock:
             self._cached = None
+
+    def invalidate(self) -> None:
+        """Make the next `get` load a fresh snapshot (`peek` still shows the
+        last one)."""
+        self.invalidated = True

@@ -163,6 +163,12 @@ def database_unavailable(message: str) -> ApiError:
     return from_mapping(DATABASE_UNAVAILABLE, message, code="database_unavailable")
 
 
+def cluster_unconfirmed(message: str) -> ApiError:
+    """503: a node cut off from the cluster's database does not serve what it
+    can no longer confirm is its to serve."""
+    return from_mapping(DATABASE_UNAVAILABLE, message, code="cluster_unconfirmed")
+
+
 def method_not_allowed(method: str, path: str) -> ApiError:
     return from_mapping(
         METHOD_NOT_ALLOWED, f"Use {method} for {path}.", code="method_not_allowed"

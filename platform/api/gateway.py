@@ -16,12 +16,14 @@ from django import db
 from django.conf import settings
 
 from cluster.identity import NodeIdentity, identity_read
+from cluster.models import UNREACHABLE_AFTER_S
 from engines.client import AsyncEngineClient, EngineUnreachable, connection_file
 from engines.link import LinkPool, Peer, RemoteEngineClient
 from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
 from routing.affinity import AffinityMap
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
 
+from . import errors
 from .services import DATABASE_OUTAGE
 
 log = logging.getLogger("roundhouse.api")
@@ -119,8 +121,13 @@ class Gateway:
             return current
         peeked = self.cache.peek()
         if peeked is not None and self._failed_recently():
-            return peeked[0]
-        if fresh or peeked is None or peeked[1] > STALE_LIMIT_S:
+            return self._confirmed(*peeked)
+        if (
+            fresh
+            or peeked is None
+            or peeked[1] > STALE_LIMIT_S
+            or self.cache.invalidated  # an engine just failed: read again
+        ):
             try:
                 snapshot = await self._get()
             except db.DatabaseError as error:
@@ -128,10 +135,24 @@ class Gateway:
                 if peeked is None:
                     raise
                 DATABASE_OUTAGE.failed("reading the fleet", error)
-                return peeked[0]
+                return self._confirmed(*peeked)
             DATABASE_OUTAGE.worked()  # an outage seen here ends here too
             return snapshot
         return peeked[0]
+
+    def _confirmed(self, snapshot: Snapshot, age_s: float) -> Snapshot:
+        """The last snapshot, read again from the database in vain. One host
+        alone keeps serving on it however old it is; a node of a cluster does
+        only while it can confirm that the engines it routes to are still
+        placed and up (UNREACHABLE_AFTER_S: by then the other nodes take this
+        one for unreachable and its work is theirs)."""
+        if snapshot.nodes and age_s > UNREACHABLE_AFTER_S:
+            raise errors.cluster_unconfirmed(
+                f"This node has not reached the cluster's database for "
+                f"{age_s:.0f} s: it cannot confirm where models are served, and "
+                "serves none until it can. Try another node's address."
+            )
+        return snapshot
 
     def _failed_recently(self) -> bool:
         now = asyncio.get_running_loop().time()

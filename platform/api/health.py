@@ -8,7 +8,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from fleet.selectors import engine_counters
 from routing.select import Snapshot
 
-from . import metrics
+from . import errors, metrics
 from .gateway import GATEWAY
 from .selectors import in_db_thread
 from .services import DATABASE_OUTAGE
@@ -24,6 +24,8 @@ async def _fleet_or_last() -> Snapshot | None:
     except db.Error as error:
         DATABASE_OUTAGE.failed("reading the fleet", error)
         return None
+    except errors.ApiError:  # a node cut off from its cluster: it shows nothing
+        return None
 
 
 async def healthz(request: HttpRequest) -> HttpResponse:
@@ -33,6 +35,7 @@ async def healthz(request: HttpRequest) -> HttpResponse:
     engines = {
         name: {
             "ready": engine.up,
+            "node": engine.node,
             "cooling": engine.cooling,
             "resident_models": sorted(engine.resident),
         }
@@ -41,10 +44,12 @@ async def healthz(request: HttpRequest) -> HttpResponse:
     }
     ready = any(engine["ready"] for engine in engines.values())
     GATEWAY.refresh_later()
-    return JsonResponse(
-        {"status": "ok", "engines_ready": ready, "engines": engines},
-        status=200,
-    )
+    body = {"status": "ok", "engines_ready": ready, "engines": engines}
+    if snapshot is not None and snapshot.nodes:
+        identity = GATEWAY.identity
+        body["node"] = identity.name if identity else ""
+        body["nodes"] = {name: node.status for name, node in snapshot.nodes.items()}
+    return JsonResponse(body, status=200)
 
 
 async def metrics_view(request: HttpRequest) -> HttpResponse:

@@ -60,10 +60,11 @@ USAGE = {
 }
 TIMINGS = {
     "type": "object",
-    "description": "Roundhouse's addition: the engine that answered and its own "
-    "times from the request's arrival.",
+    "description": "Roundhouse's addition: the engine that answered (and its "
+    "node, on a cluster) and its own times from the request's arrival.",
     "properties": {
         "engine": {"type": "string"},
+        "node": {"type": "string"},
         "engine_first_token_ms": {"type": ["number", "null"]},
         "engine_total_ms": {"type": ["number", "null"]},
     },

@@ -169,14 +169,20 @@ async def with_engine(
     answered twice. Engine failures become ApiErrors."""
     tried: set[str] = set()
     died: EngineDied | None = None
+    unreachable: EngineUnreachable | None = None
     while True:
         try:
             choice = GATEWAY.choose(
                 route, snapshot, excluding=tried, prefixes=call.prefixes
             )
         except NoEngine as none:
-            if died is not None:  # no other engine: the failure as it was
+            # No other engine: the failure met, else why there is none.
+            if died is not None:
                 raise engine_failure(died) from None
+            if unreachable is not None:
+                raise errors.from_mapping(
+                    errors.NO_ENGINE, str(unreachable), code="engine_unreachable"
+                ) from None
             raise errors.from_mapping(
                 errors.NO_ENGINE, none.message, code="no_engine"
             ) from None
@@ -192,6 +198,8 @@ async def with_engine(
             GATEWAY.cache.invalidate()
             if isinstance(error, EngineDied):
                 died = error
+            else:
+                unreachable = error
             if len(tried) >= MAX_ENGINE_TRIES:
                 if died is not None:
                     raise engine_failure(died) from None

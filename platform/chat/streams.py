@@ -173,6 +173,7 @@ class ChatStream:
                 "id": chat.id,
                 "model": route.name,
                 "engine": call.engine,
+                "node": call.node,
                 "dropped_messages": int(start.get("dropped_messages") or 0),
             }
         )

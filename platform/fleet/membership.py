@@ -152,8 +152,11 @@ class Membership:
     def stop(self) -> None:
         self._stopping.set()
         if self._loop is not None and self._relay is not None:
-            with contextlib.suppress(RuntimeError):  # the loop already ended
-                asyncio.run_coroutine_threadsafe(self._relay.close(), self._loop)
+            with contextlib.suppress(RuntimeError, TimeoutError):  # loop ended
+                closing = asyncio.run_coroutine_threadsafe(
+                    self._relay.close(), self._loop
+                )
+                closing.result(5)
                 self._loop.call_soon_threadsafe(self._loop.stop)
         for thread in self._threads:
             thread.join(10)

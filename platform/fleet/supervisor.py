@@ -422,7 +422,9 @@ class Supervisor:
         ):
             return
         held = {item["name"] for item in engine.last_state.get("models", [])}
-        missing = sorted(self.membership.placed.get(engine.desired.name, ()) - held)
+        missing = sorted(
+            self.membership.placed.get(engine.desired.name, frozenset()) - held
+        )
         if missing:
             engine.next_placed_load = now + PLACED_LOAD_RETRY_S
             log.info(

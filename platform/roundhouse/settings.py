@@ -58,6 +58,22 @@ DATABASES = {
         "DATABASE_URL", default=f"sqlite:///{RUN_DIR / 'roundhouse.sqlite3'}"
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # A database that stops answering (its host down, or this one cut off from
+    # it) fails a connection attempt or a query within seconds instead of the
+    # kernel's minutes: a node of a cluster must notice that it can no longer
+    # confirm its place (cluster/, api.gateway), and one host's outage
+    # handling (the last fleet read, the usage rows kept) starts sooner.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "connect_timeout": 5,
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 2,
+            "tcp_user_timeout": 5000,  # ms unacknowledged before it gives up
+        }
+    )
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (front, supervisor, worker) share one SQLite file: wait
     # for a writer instead of failing at once with "database is locked".

@@ -1,0 +1,350 @@
+"""A real cluster on one machine: hosts in network namespaces (tests/cluster/
+netns.py), each running `manage.py supervise --node NAME` (which joins with
+the admin's one-time token, heartbeats, runs the node's relay and its
+engine) and a front, all on the test database (PostgreSQL, reached through
+the bridge) and a Redis database of their own.
+
+Runs where the test database is PostgreSQL and the tests run as root (CI's
+PostgreSQL pass); elsewhere these tests are skipped, unless
+ROUNDHOUSE_REQUIRE_NETNS=1 (set by .ci/run) makes that a failure."""
+
+import json
+import os
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+from django.db import connection
+
+from api.models import ApiKey, Usage
+from catalog.models import ModelConfig
+from cluster.models import ClusterSettings, Node
+from cluster.services import node_create
+from fleet.models import EngineSpec, EngineState, ServerSettings
+from tests.cluster.netns import Host, Network, netns_available
+from tests.conftest import ROOT
+from tests.factories import ApiKeyFactory
+from tests.platform.live import live_database, wait_for
+
+SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FRONT_PORT = 8000
+ENGINE_PORT = 8780  # each host has its own loopback: every engine may use it
+GRACE_S = 5.0  # ClusterSettings.grace_s for these tests
+
+
+def _unavailable() -> str | None:
+    if connection.vendor != "postgresql":
+        return "cluster tests need PostgreSQL (DATABASE_URL; CI's second pass)"
+    return netns_available()
+
+
+@pytest.fixture(scope="module")
+def cluster_database(django_db_setup, django_db_blocker):
+    why = _unavailable()
+    if why is not None:
+        if os.environ.get("ROUNDHOUSE_REQUIRE_NETNS") == "1":
+            pytest.fail(f"multi-host tests cannot run: {why}")
+        pytest.skip(why)
+    with live_database(django_db_blocker):
+        yield
+
+
+@pytest.fixture
+def orm(django_db_blocker):
+    with django_db_blocker.unblock():
+        yield
+
+
+def http(url: str, *, body: dict | None = None, key: str = "", timeout=120):
+    """(status, headers, parsed body) of a GET, or a POST of `body`."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json"}
+        | ({"Authorization": f"Bearer {key}"} if key else {}),
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.headers, json.loads(reply.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, json.loads(error.read() or b"null")
+
+
+@dataclass
+class TestNode:
+    """One host of the test cluster and its processes."""
+
+    name: str
+    host: Host
+    run_dir: Path
+    env: dict
+    engine: str
+    log_dir: Path
+    processes: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host.address}:{FRONT_PORT}"
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120
+        )
+
+    def start(self, *, join_token: str = "") -> None:
+        env = dict(self.env)
+        if join_token:
+            env["ROUNDHOUSE_JOIN_TOKEN"] = join_token
+        python = sys.executable
+        self.processes["supervisor"] = self.host.spawn(
+            [python, "manage.py", "supervise", "--node", self.name],
+            env=env,
+            log=self.log_dir / f"{self.name}-supervisor.log",
+            cwd=ROOT,
+        )
+        self.processes["front"] = self.host.spawn(
+            [python, "-m", "roundhouse.serve", "--host", "0.0.0.0"]
+            + ["--port", str(FRONT_PORT)],
+            env=self.env,
+            log=self.log_dir / f"{self.name}-front.log",
+            cwd=ROOT,
+        )
+
+    def log(self, process: str = "supervisor") -> str:
+        path = self.log_dir / f"{self.name}-{process}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+class Cluster:
+    """The test's hosts, their rows and their processes."""
+
+    def __init__(self, network: Network, tmp: Path, redis_url: str) -> None:
+        self.network = network
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.nodes: dict[str, TestNode] = {}
+        self.tokens: dict[str, str] = {}  # each node's join token, used once
+        self.key = ApiKeyFactory(name="cluster").plaintext
+
+    def database_url(self) -> str:
+        db = connection.settings_dict
+        auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+        port = db["PORT"] or 5432
+        return f"postgres://{auth}@{self.network.gateway}:{port}/{db['NAME']}"
+
+    def add_node(self, name: str, *, labels: list[str]) -> TestNode:
+        """A new host, its Node row (join token), its engine; started, and
+        waited for until its engine is ready."""
+        host = self.network.add_host(name)
+        node, token = node_create(name=name, address=host.address, labels=labels)
+        self.tokens[name] = token
+        EngineSpec.objects.create(
+            name=f"e{name}", node=node, backend="cpu", capabilities=["gguf"], order=0
+        )
+        run_dir = self.tmp / name / "run"
+        run_dir.mkdir(parents=True, mode=0o700)
+        env = {
+            **os.environ,
+            "DATABASE_URL": self.database_url(),
+            "REDIS_URL": self.redis_url,
+            "ROUNDHOUSE_RUN_DIR": str(run_dir),
+            "ROUNDHOUSE_MODELS_DIR": os.environ.get(
+                "ROUNDHOUSE_MODELS_DIR", str(ROOT / "var" / "models")
+            ),
+            "SECRET_KEY": "cluster-tests-not-secret",
+            "ALLOWED_HOSTS": "*",
+            "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
+        }
+        env.pop("ROUNDHOUSE_JOIN_TOKEN", None)
+        test_node = TestNode(
+            name=name,
+            host=host,
+            run_dir=run_dir,
+            env=env,
+            engine=f"e{name}",
+            log_dir=self.tmp,
+        )
+        self.nodes[name] = test_node
+        test_node.start(join_token=token)
+        self.wait_ready(test_node)
+        return test_node
+
+    def wait_ready(self, node: TestNode, timeout: float = 180) -> None:
+        def ready() -> bool:
+            row = Node.objects.get(name=node.name)
+            state = EngineState.objects.filter(spec__name=node.engine).first()
+            return (
+                row.last_heartbeat is not None
+                and state is not None
+                and state.status == "ready"
+                and _up(node)
+            )
+
+        try:
+            wait_for(ready, timeout=timeout, what=f"node {node.name} to be ready")
+        except AssertionError:
+            raise AssertionError(
+                f"node {node.name} did not get ready:\n{node.log()[-3000:]}\n"
+                f"{node.log('front')[-2000:]}"
+            ) from None
+
+    def remove_node(self, name: str) -> None:
+        node = self.nodes.pop(name)
+        node.host.stop_all(timeout=30)
+        self.network.remove_host(name)
+        EngineSpec.objects.filter(node__name=name).delete()
+        Node.objects.filter(name=name).delete()
+
+    def close(self) -> None:
+        for name in list(self.nodes):
+            self.remove_node(name)
+
+
+def _up(node: TestNode) -> bool:
+    try:
+        with urllib.request.urlopen(f"{node.url}/healthz", timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def models_rows() -> None:
+    """The models the cluster serves: `smol` with a replica on each of two
+    nodes, `smol-b` only where a node has the label zone-b."""
+    ModelConfig.objects.create(
+        name="smol",
+        format="gguf",
+        task="chat",
+        path=SMOL,
+        context_length=1024,
+        slots=2,
+        replicas=2,
+        keep_alive_s=0,
+    )
+    ModelConfig.objects.create(
+        name="smol-b",
+        format="gguf",
+        task="chat",
+        path=SMOL,
+        context_length=1024,
+        slots=2,
+        node_labels=["zone-b"],
+        keep_alive_s=0,
+    )
+
+
+def wait_resident(model: str, engines: set[str], timeout: float = 120) -> None:
+    """Until each of `engines` holds `model` (as its supervisor recorded)."""
+
+    def held() -> bool:
+        holding = {
+            state.spec.name
+            for state in EngineState.objects.select_related("spec")
+            if model in state.resident_model_names
+        }
+        return engines <= holding
+
+    wait_for(held, timeout=timeout, what=f"{model} resident on {sorted(engines)}")
+
+
+def node_status(name: str) -> str:
+    from cluster.selectors import nodes_now
+
+    return str(nodes_now()[name].status)
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_database, django_db_blocker, tmp_path_factory):
+    """Nodes a (label zone-a) and b (zone-b), an engine each; `smol` placed on
+    both, `smol-b` on b; started and ready."""
+    tmp = tmp_path_factory.mktemp("cluster")
+    redis_url_db = random.randint(8, 15)
+    network = Network().open()
+    with django_db_blocker.unblock():
+        for model in (Usage, ApiKey, ModelConfig, EngineSpec, Node):
+            model.objects.all().delete()
+        server = ServerSettings.load()
+        server.base_port, server.default_engine = ENGINE_PORT, None
+        server.save()
+        settings_row = ClusterSettings.load()
+        settings_row.grace_s = GRACE_S
+        settings_row.save()
+        models_rows()
+        redis.Redis(host="127.0.0.1", port=6379, db=redis_url_db).flushdb()
+        built = Cluster(network, tmp, f"redis://{network.gateway}:6379/{redis_url_db}")
+    try:
+        with django_db_blocker.unblock():
+            built.add_node("a", labels=["zone-a", "spare"])
+            built.add_node("b", labels=["zone-b", "spare"])
+            wait_resident("smol", {"ea", "eb"})
+            wait_resident("smol-b", {"eb"})
+        yield built
+    finally:
+        with django_db_blocker.unblock():
+            built.close()
+            for model in (Usage, ApiKey, ModelConfig, EngineSpec, Node):
+                model.objects.all().delete()
+        network.close()
+
+
+def deadline_loop(timeout: float):
+    """Yield until `timeout` seconds have passed (a bounded poll)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        yield
+        time.sleep(0.2)
+
+
+class EventStream:
+    """A streamed chat answer read event by event (SSE), closable mid-way."""
+
+    def __init__(self, node: TestNode, body: dict, key: str) -> None:
+        import http.client
+
+        self._connection = http.client.HTTPConnection(
+            node.host.address, FRONT_PORT, timeout=120
+        )
+        self._connection.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps({**body, "stream": True}),
+            headers={
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {key}",
+            },
+        )
+        self.response = self._connection.getresponse()
+        self.headers = self.response.headers
+        if self.response.status != 200:
+            raise AssertionError(
+                f"stream refused: {self.response.status} {self.response.read()!r}"
+            )
+
+    def events(self):
+        """Each `data:` event's JSON, until [DONE] or the end."""
+        for raw in self.response:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return
+            yield json.loads(line[6:])
+
+    def close(self) -> None:
+        self._connection.close()
+
+
+def chat(model: str, content: str, **fields) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        **fields,
+    }

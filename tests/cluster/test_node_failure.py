@@ -1,0 +1,277 @@
+"""Nodes failing, cut off, drained and revoked, on a real cluster of network
+namespaces: what a client of another node sees, and what the cluster does."""
+
+import json
+import sys
+import threading
+import time
+
+from catalog.models import ModelConfig
+from cluster.models import Node
+from cluster.services import node_drain, node_revoke
+from tests.cluster import conftest
+from tests.cluster.conftest import (
+    GRACE_S,
+    EventStream,
+    chat,
+    http,
+    node_status,
+    wait_resident,
+)
+from tests.platform.live import wait_for
+
+cluster = conftest.cluster
+cluster_database = conftest.cluster_database
+orm = conftest.orm
+
+LONG = "Count from 1 to 1000, one number per line."
+
+
+def ask(node, model: str, key: str, content: str = "Say hi."):
+    status, headers, body = http(
+        f"{node.url}/v1/chat/completions", body=chat(model, content), key=key
+    )
+    return status, headers.get("X-Roundhouse-Node"), body
+
+
+INSIDE = """
+import json, sys, urllib.error, urllib.request
+request = urllib.request.Request(
+    "http://127.0.0.1:8000/v1/chat/completions",
+    data=sys.argv[1].encode(),
+    headers={"Content-Type": "application/json", "Authorization": "Bearer " + sys.argv[2]},
+)
+try:
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        print(reply.status, reply.read().decode())
+except urllib.error.HTTPError as error:
+    print(error.code, error.read().decode())
+"""
+
+
+def ask_inside(node, model: str, key: str) -> tuple[int, dict]:
+    """A request to the node's front from its own host (its loopback): what
+    a client beside a cut-off node gets."""
+    done = node.host.run(
+        [sys.executable, "-c", INSIDE, json.dumps(chat(model, "Hi")), key], timeout=90
+    )
+    status, _, body = done.stdout.partition(" ")
+    assert status.isdigit(), done.stderr
+    return int(status), json.loads(body)
+
+
+def test_a_node_cut_off_is_routed_around_and_stops_serving(cluster, orm):
+    """iptables DROP on node b (alive, unreachable): within 10 s the cluster
+    takes it for unreachable and a's clients are served by a's replica of
+    smol; b's own front, unable to confirm where anything runs, refuses
+    (cluster_unconfirmed) instead of answering as if it still owned work.
+    Reconnected, b is ready again and serves again."""
+    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    # A client of b's front before: b knows the key (a key b never saw is
+    # refused while b cannot reach the database anyway).
+    assert ask_inside(b, "smol", cluster.key)[0] == 200
+    b.host.cut_off()
+    try:
+        cut_at = time.monotonic()
+        wait_for(
+            lambda: node_status("b") == "unreachable",
+            timeout=20,
+            what="node b to be unreachable",
+        )
+        print(f"node b unreachable after {time.monotonic() - cut_at:.1f} s")
+        for n in range(4):
+            status, node, body = ask(a, "smol", cluster.key, f"Name a colour, {n}.")
+            assert (status, node) == (200, "a"), body
+        status, _, body = ask(a, "smol-b", cluster.key)
+        assert status == 503 and body["error"]["code"] == "no_engine", body
+        status, body = wait_for(
+            lambda: _refused(ask_inside(b, "smol", cluster.key)),
+            timeout=30,
+            what="b's front to refuse",
+        )
+        assert body["error"]["code"] == "cluster_unconfirmed", body
+    finally:
+        b.host.reconnect()
+    wait_for(lambda: node_status("b") == "ready", timeout=30, what="b ready again")
+    status, node, body = wait_for(
+        lambda: _served(ask(a, "smol-b", cluster.key)),
+        timeout=30,
+        what="smol-b served again",
+    )
+    assert node == "b"
+    status, body = ask_inside(b, "smol", cluster.key)
+    assert status == 200, body
+
+
+def _refused(outcome):
+    return outcome if outcome[0] == 503 else None
+
+
+def _served(outcome):
+    return outcome if outcome[0] == 200 else None
+
+
+def test_a_drained_node_finishes_its_streams_and_takes_no_new_requests(cluster, orm):
+    """A stream on node b goes on to its end after b is drained; new requests
+    for smol go to a only, and smol-b (which may run on b only) has nowhere
+    to go. Taken back, b serves again."""
+    a = cluster.nodes["a"]
+    stream = EventStream(a, chat("smol-b", LONG, max_tokens=60), cluster.key)
+    events = stream.events()
+    next(events)
+    node_drain(node=Node.objects.get(name="b"))
+    try:
+        wait_for(lambda: node_status("b") == "draining", timeout=10, what="draining")
+        rest = list(events)
+        stream.close()
+        assert rest[-1]["choices"][0]["finish_reason"] in ("stop", "length"), rest[-1]
+        time.sleep(0)  # the fronts read the fleet at most a second old:
+        wait_for(
+            lambda: all(
+                ask(a, "smol", cluster.key, f"Say {n}.")[1] == "a" for n in range(3)
+            ),
+            timeout=20,
+            what="smol served by node a only",
+        )
+        status, _, body = ask(a, "smol-b", cluster.key)
+        assert status == 503, body
+    finally:
+        node_drain(node=Node.objects.get(name="b"), draining=False)
+    outcomes = []
+    try:
+        wait_for(
+            lambda: _served(
+                outcomes.append(ask(a, "smol-b", cluster.key)) or outcomes[-1]
+            ),
+            timeout=20,
+            what="b back",
+        )
+    except AssertionError:
+        raise AssertionError(f"{outcomes[-1]} {node_status('b')}") from None
+
+
+class Load:
+    """Requests sent one after another from a thread until stopped; every
+    outcome kept (status, node)."""
+
+    def __init__(self, node, model: str, key: str) -> None:
+        self.outcomes: list[tuple[int, str | None, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(node, model, key), daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, node, model, key) -> None:
+        n = 0
+        while not self._stop.is_set():
+            self.outcomes.append(ask(node, model, key, f"Say the number {n}."))
+            n += 1
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(120)
+        return self.outcomes
+
+
+def test_every_process_of_a_node_sigkilled(cluster, orm):
+    """Node c holds a replica of smol-c (pinned there; a second replica on
+    another node). SIGKILL every process of c mid-stream: the stream ends
+    with engine_died; requests sent meanwhile that had not started on c are
+    answered by the other replica (none lost); c is unreachable within 10 s,
+    and after the grace period its replica is placed and loaded on another
+    node."""
+    a = cluster.nodes["a"]
+    c = cluster.add_node("c", labels=["spare"])
+    ModelConfig.objects.create(
+        name="smol-c",
+        format="gguf",
+        task="chat",
+        path=conftest.SMOL,
+        context_length=1024,
+        slots=2,
+        replicas=2,
+        engine_pin="ec",
+        node_labels=["spare"],
+        keep_alive_s=0,
+    )
+    try:
+        wait_resident("smol-c", {"ec"})
+        first_placed = set(_placed("smol-c"))
+        assert "ec" in first_placed and len(first_placed) == 2
+        wait_resident("smol-c", first_placed)
+        stream = EventStream(a, chat("smol-c", LONG, max_tokens=2000), cluster.key)
+        assert stream.headers["X-Roundhouse-Node"] == "c"
+        events = stream.events()
+        next(events)
+        load = Load(a, "smol-c", cluster.key)
+        wait_for(lambda: len(load.outcomes) >= 2, timeout=60, what="load running")
+        c.host.kill_all()
+        killed_at = time.monotonic()
+        rest = list(events)
+        stream.close()
+        assert rest[-1]["error"]["code"] == "engine_died", rest[-1]
+        wait_for(
+            lambda: node_status("c") in ("unreachable", "down"),
+            timeout=20,
+            what="node c unreachable",
+        )
+        print(f"node c unreachable after {time.monotonic() - killed_at:.1f} s")
+        wait_for(lambda: node_status("c") == "down", timeout=GRACE_S + 20, what="down")
+        survivors = set(_placed("smol-c"))
+        assert "ec" not in survivors and len(survivors) == 2
+        wait_resident("smol-c", survivors)
+        outcomes = load.stop()
+        assert [status for status, _, _ in outcomes] == [200] * len(outcomes), [
+            o for o in outcomes if o[0] != 200
+        ]
+        assert {node for _, node, _ in outcomes[-3:]} <= {"a", "b"}
+    finally:
+        ModelConfig.objects.filter(name="smol-c").delete()
+        cluster.remove_node("c")
+
+
+def _placed(model: str) -> tuple[str, ...]:
+    from fleet.selectors import routing_snapshot
+
+    return routing_snapshot().placed(model)
+
+
+def test_a_revoked_node_is_cut_off_at_once(cluster, orm):
+    """Node d serves smol-d and its front reaches b. Revoked: a's clients no
+    longer reach d's engine, d's link to b is closed and refused by b's
+    relay (its secret stops working), and d's supervisor stops."""
+    a = cluster.nodes["a"]
+    d = cluster.add_node("d", labels=["zone-d"])
+    ModelConfig.objects.create(
+        name="smol-d",
+        format="gguf",
+        task="chat",
+        path=conftest.SMOL,
+        context_length=1024,
+        slots=1,
+        node_labels=["zone-d"],
+        keep_alive_s=0,
+    )
+    try:
+        wait_resident("smol-d", {"ed"})
+        assert ask(a, "smol-d", cluster.key)[:2] == (200, "d")
+        assert ask(d, "smol-b", cluster.key)[:2] == (200, "b")
+        node_revoke(node=Node.objects.get(name="d"))
+        assert node_status("d") == "revoked"
+        # A request in flight when b's relay dropped d's link fails (502);
+        # from then on d's link is refused for its secret.
+        status, _, body = wait_for(
+            lambda: _refused(ask(d, "smol-b", cluster.key)),
+            timeout=15,
+            what="d's requests to b refused",
+        )
+        assert "node 'd' is revoked" in body["error"]["message"], body
+        status, _, body = ask(a, "smol-d", cluster.key)
+        assert status == 503, body
+        supervisor = d.processes["supervisor"]
+        supervisor.wait(60)
+        assert "is revoked" in d.log()
+    finally:
+        ModelConfig.objects.filter(name="smol-d").delete()
+        cluster.remove_node("d")
