@@ -5,8 +5,9 @@ engine) and a front, all on the test database (PostgreSQL, reached through
 the bridge) and a Redis database of their own.
 
 Runs where the test database is PostgreSQL and the tests run as root (CI's
-PostgreSQL pass); elsewhere these tests are skipped, unless
-ROUNDHOUSE_REQUIRE_NETNS=1 (set by .ci/run) makes that a failure."""
+PostgreSQL pass); skipped on SQLite; where namespaces cannot be made they are
+skipped too, unless ROUNDHOUSE_REQUIRE_NETNS=1 (set by .ci/run) makes that a
+failure."""
 
 import json
 import os
@@ -39,15 +40,14 @@ ENGINE_PORT = 8780  # each host has its own loopback: every engine may use it
 GRACE_S = 5.0  # ClusterSettings.grace_s for these tests
 
 
-def _unavailable() -> str | None:
-    if connection.vendor != "postgresql":
-        return "cluster tests need PostgreSQL (DATABASE_URL; CI's second pass)"
-    return netns_available()
-
-
 @pytest.fixture(scope="module")
 def cluster_database(django_db_setup, django_db_blocker):
-    why = _unavailable()
+    if connection.vendor != "postgresql":
+        pytest.skip(
+            "cluster tests need PostgreSQL (DATABASE_URL=postgres://...; .ci/run's "
+            "second pass)"
+        )
+    why = netns_available()
     if why is not None:
         if os.environ.get("ROUNDHOUSE_REQUIRE_NETNS") == "1":
             pytest.fail(f"multi-host tests cannot run: {why}")

@@ -39,7 +39,10 @@ import json, sys, urllib.error, urllib.request
 request = urllib.request.Request(
     "http://127.0.0.1:8000/v1/chat/completions",
     data=sys.argv[1].encode(),
-    headers={"Content-Type": "application/json", "Authorization": "Bearer " + sys.argv[2]},
+    headers={
+        "Content-Type": "application/json",
+        "Authorization": "Bearer " + sys.argv[2],
+    },
 )
 try:
     with urllib.request.urlopen(request, timeout=60) as reply:
