@@ -27,12 +27,13 @@ MAX_PREFIXES = 200_000
 MAX_PREFIXES_PER_REQUEST = 16
 
 
-def prefix_keys(messages: Sequence[Any]) -> tuple[str, ...]:
-    """The keys of `messages[:1]`, `messages[:2]`, ... (each a hash chained on
-    the one before), longest first, at most MAX_PREFIXES_PER_REQUEST of them:
-    the longest ones and the first."""
+def prefix_keys(model: str, messages: Sequence[Any]) -> tuple[str, ...]:
+    """The keys of `messages[:1]`, `messages[:2]`, ... for `model` (each a hash
+    chained on the one before, the first on the model's name: another model's
+    cache holds nothing of it), longest first, at most
+    MAX_PREFIXES_PER_REQUEST of them: the longest ones and the first."""
     keys: list[str] = []
-    digest = b""
+    digest = hashlib.blake2b(model.encode(), digest_size=16).digest()
     for message in messages:
         text = json.dumps(message, sort_keys=True, separators=(",", ":"), default=str)
         digest = hashlib.blake2b(digest + text.encode(), digest_size=16).digest()

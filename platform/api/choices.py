@@ -44,7 +44,7 @@ def engine_requests(
         if call.caller:
             fields["caller"] = call.caller
     if requests and requests[0].get("messages"):
-        call.prefixes = prefix_keys(requests[0]["messages"])
+        call.prefixes = prefix_keys(payload.model, requests[0]["messages"])
     return requests
 
 

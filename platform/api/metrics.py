@@ -72,7 +72,15 @@ class FleetCollector:
 
     def collect(self):
         up = GaugeMetricFamily(
-            "roundhouse_engine_up", "1 if the engine is ready.", labels=["engine"]
+            "roundhouse_engine_up",
+            "1 if the engine is ready; `node`: its host on a cluster.",
+            labels=["engine", "node"],
+        )
+        node_status = GaugeMetricFamily(
+            "roundhouse_node_status",
+            "1 for each node's current status (ready, draining, unreachable, "
+            "down, revoked, pending), as every front sees the cluster.",
+            labels=["node", "status"],
         )
         cooling = GaugeMetricFamily(
             "roundhouse_engine_cooling",
@@ -111,7 +119,7 @@ class FleetCollector:
         )
         if self.snapshot is not None:
             for engine in self.snapshot.engines.values():
-                up.add_metric([engine.name], 1 if engine.up else 0)
+                up.add_metric([engine.name, engine.node], 1 if engine.up else 0)
                 cooling.add_metric([engine.name], 1 if engine.cooling else 0)
                 queue.add_metric([engine.name], engine.queue_depth)
                 slots.add_metric([engine.name], engine.slots_in_use)
@@ -121,7 +129,9 @@ class FleetCollector:
             for (model, engine), (queued, busy) in self.model_queues.items():
                 model_queue.add_metric([model, engine], queued)
                 model_busy.add_metric([model, engine], busy)
-        yield from (up, cooling, queue, slots, restarts)
+            for node in self.snapshot.nodes.values():
+                node_status.add_metric([node.name, node.status], 1)
+        yield from (up, cooling, queue, slots, restarts, node_status)
         yield from (resident, model_queue, model_busy)
 
 

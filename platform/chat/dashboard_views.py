@@ -11,6 +11,7 @@ unload goes to the running engine at once, in the background: the answer says
 the order was given, and every open dashboard is told how it went."""
 
 from asgiref.sync import sync_to_async
+from django import db
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.decorators import staff_member_required
 from django.db.models import Model
@@ -19,8 +20,10 @@ from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
 from api.calls import spawn
+from api.errors import ApiError
+from api.gateway import GATEWAY
 from catalog.models import ModelConfig
-from engines.client import EngineError
+from engines.client import AsyncEngineClient, EngineError, EngineUnreachable
 from fleet.models import EngineSpec
 from fleet.selectors import fleet_overview
 from fleet.services import (
@@ -159,9 +162,20 @@ async def model_unload(request: HttpRequest, name: str) -> HttpResponse:
     )
 
 
+async def _client(engine: str) -> AsyncEngineClient:
+    """The engine's client, of this host or over the link to its node."""
+    try:
+        snapshot = await GATEWAY.snapshot()
+    except (ApiError, db.Error) as error:
+        raise EngineUnreachable(f"the fleet cannot be read now: {error}") from None
+    return GATEWAY.client(engine, snapshot)
+
+
 async def _load(engine: str, model: str) -> None:
     try:
-        loaded = await engine_model_load(engine=engine, model=model)
+        loaded = await engine_model_load(
+            engine=engine, model=model, client=await _client(engine)
+        )
     except EngineError as error:
         await dashboard_notice(
             f"Could not load {model} on {engine}: {error}", level="error"
@@ -174,7 +188,9 @@ async def _load(engine: str, model: str) -> None:
 
 async def _unload(engine: str, model: str) -> None:
     try:
-        await engine_model_unload(engine=engine, model=model)
+        await engine_model_unload(
+            engine=engine, model=model, client=await _client(engine)
+        )
     except EngineError as error:
         await dashboard_notice(
             f"Could not unload {model} from {engine}: {error}", level="error"

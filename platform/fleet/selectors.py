@@ -273,7 +273,8 @@ def fleet_overview() -> dict:
     and the enabled models an operator may load. JSON-ready."""
     now = timezone.now()
     engines = []
-    for spec in EngineSpec.objects.select_related("state").order_by("order", "name"):
+    specs = EngineSpec.objects.select_related("state", "node")
+    for spec in specs.order_by("node__name", "order", "name"):
         state = getattr(spec, "state", None)
         if state is None:
             state = EngineState(spec=spec)
@@ -284,6 +285,7 @@ def fleet_overview() -> dict:
         engines.append(
             {
                 "name": spec.name,
+                "node": spec.node.name if spec.node else "",
                 "backend": spec.backend,
                 "devices": spec.devices,
                 "enabled": spec.enabled,
@@ -319,6 +321,17 @@ def fleet_overview() -> dict:
     return {
         "engines": engines,
         "models": [{"name": m.name, "task": m.task} for m in models],
+        # A cluster's nodes, every one seen from any front ([] on one host).
+        "nodes": [
+            {
+                "name": node.name,
+                "status": str(node.status),
+                "address": node.address,
+                "labels": sorted(node.labels),
+                "heartbeat_age_s": node.heartbeat_age_s,
+            }
+            for node in nodes_now().values()
+        ],
     }
 
 

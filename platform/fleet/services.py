@@ -30,22 +30,27 @@ def engine_restart_request(*, spec: EngineSpec) -> None:
 MODEL_LOAD_TIMEOUT_S = 600.0
 
 
-async def engine_model_load(*, engine: str, model: str) -> dict:
+async def engine_model_load(
+    *, engine: str, model: str, client: AsyncEngineClient | None = None
+) -> dict:
     """Load `model` on the running engine `engine` now (it stays until it is
     idle past its keep-alive or evicted); the engine's account of it, with
     its measured memory. EngineError when the engine cannot be reached or
-    refuses (a model it does not serve, not enough memory)."""
-    client = AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
+    refuses (a model it does not serve, not enough memory). `client`: how to
+    reach it (an engine of another node); default: this host's loopback."""
+    client = client or AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
     reply, _ = await client.request(
         {"kind": "load", "model": model}, timeout=MODEL_LOAD_TIMEOUT_S
     )
     return reply["model"]
 
 
-async def engine_model_unload(*, engine: str, model: str) -> None:
+async def engine_model_unload(
+    *, engine: str, model: str, client: AsyncEngineClient | None = None
+) -> None:
     """Unload `model` from the running engine `engine` once its requests in
-    flight are done; EngineError as for `engine_model_load`."""
-    client = AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
+    flight are done; EngineError and `client` as for `engine_model_load`."""
+    client = client or AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
     await client.request(
         {"kind": "unload", "model": model}, timeout=MODEL_LOAD_TIMEOUT_S
     )

@@ -27,9 +27,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from .leftovers import engine_leftovers_end
 from .membership import Membership
 from .models import EngineStatus
 from .recorder import Recorder, resident_models_of
+from .running import RunningEngine, Timing, log_tail
 from .selectors import DesiredEngine
 from .supervisor_lock import SupervisorLock
 
@@ -58,59 +58,6 @@ PLACED_LOAD_RETRY_S = 10.0
 
 # What `configure` changes in a running engine; the rest needs a restart.
 LIVE_SETTINGS = ("limits", "models", "thermal", "devices")
-
-
-@dataclass
-class Timing:
-    """The supervisor's clocks, in seconds (tests shorten some)."""
-
-    tick: float = 0.1  # the loop's turn
-    poll: float = 1.0  # state poll of every engine
-    reconcile: float = 2.0  # desired rows vs running processes
-    unanswered: float = 15.0  # alive but silent this long: killed and respawned
-    # A stopping engine drains for up to 30 s and flushes answers for up to 10 s
-    # (engines/server.py); one still running after this is killed.
-    drain: float = 45.0
-    backoff_first: float = 1.0  # respawn delay after a crash, doubling...
-    backoff_max: float = 60.0  # ...up to this
-    healthy_after: float = 30.0  # ready this long: the crash streak is forgotten
-    crash_loop: int = 3  # crashes in a row shown as a crash loop
-    flush: float = 10.0  # at shutdown, the last states may take this long to write
-
-
-@dataclass
-class RunningEngine:
-    """One engine process the supervisor owns (touched by the loop thread only;
-    an operation's worker reads `process`, `token` and `desired`, which do not
-    change while it runs)."""
-
-    desired: DesiredEngine
-    token: str = ""
-    process: subprocess.Popen | None = None
-    lifeline: int | None = None  # the pipe's write end; closed, the engine stops
-    started_at: float = 0.0
-    answered_at: float = 0.0
-    next_poll: float = 0.0
-    ready_since: float | None = None
-    pushed_config: str = ""
-    restarts: int = 0
-    crash_streak: int = 0
-    respawn_at: float = 0.0
-    handled_restart: object = None
-    last_error: str = ""
-    log_path: Path = field(default_factory=Path)
-    last_state: dict = field(default_factory=dict)
-    recorded_memory: dict[str, tuple[float, float]] = field(default_factory=dict)
-    poll: Future | None = None
-    operation: Future | None = None  # stop, restart, replace or kill
-    after_operation: Callable[[], None] | None = None
-    request: Future | None = None  # configure, unload or load
-    next_placed_load: float = 0.0
-    after_request: Callable[[bool], None] | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
 
 class Supervisor:
@@ -602,7 +549,7 @@ class Supervisor:
             self.timing.backoff_max,
         )
         engine.respawn_at = time.monotonic() + delay
-        tail = _log_tail(engine.log_path)
+        tail = log_tail(engine.log_path)
         loop = engine.crash_streak >= self.timing.crash_loop
         engine.last_error = (
             f"{'crash loop: ' if loop else ''}{why} "
@@ -624,14 +571,3 @@ class Supervisor:
             last_error=engine.last_error,
             **fields,
         )
-
-
-def _log_tail(path: Path, lines: int = 5) -> str:
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(handle.tell() - 4096, 0))
-            text = handle.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.strip().splitlines()[-lines:])

@@ -12,7 +12,6 @@ failure."""
 import json
 import os
 import random
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +28,13 @@ from catalog.models import ModelConfig
 from cluster.models import ClusterSettings, Node
 from cluster.services import node_create
 from fleet.models import EngineSpec, EngineState, ServerSettings
-from tests.cluster.netns import Host, Network, netns_available
+from tests.cluster.netns import (
+    Host,
+    Network,
+    netns_available,
+    node_environment,
+    start_node,
+)
 from tests.conftest import ROOT
 from tests.factories import ApiKeyFactory
 from tests.platform.live import live_database, wait_for
@@ -99,22 +104,14 @@ class TestNode:
         )
 
     def start(self, *, join_token: str = "") -> None:
-        env = dict(self.env)
-        if join_token:
-            env["ROUNDHOUSE_JOIN_TOKEN"] = join_token
-        python = sys.executable
-        self.processes["supervisor"] = self.host.spawn(
-            [python, "manage.py", "supervise", "--node", self.name],
-            env=env,
-            log=self.log_dir / f"{self.name}-supervisor.log",
-            cwd=ROOT,
-        )
-        self.processes["front"] = self.host.spawn(
-            [python, "-m", "roundhouse.serve", "--host", "0.0.0.0"]
-            + ["--port", str(FRONT_PORT)],
+        self.processes = start_node(
+            self.host,
+            self.name,
             env=self.env,
-            log=self.log_dir / f"{self.name}-front.log",
-            cwd=ROOT,
+            log_dir=self.log_dir,
+            root=ROOT,
+            join_token=join_token,
+            front_port=FRONT_PORT,
         )
 
     def log(self, process: str = "supervisor") -> str:
@@ -150,19 +147,15 @@ class Cluster:
         )
         run_dir = self.tmp / name / "run"
         run_dir.mkdir(parents=True, mode=0o700)
-        env = {
-            **os.environ,
-            "DATABASE_URL": self.database_url(),
-            "REDIS_URL": self.redis_url,
-            "ROUNDHOUSE_RUN_DIR": str(run_dir),
-            "ROUNDHOUSE_MODELS_DIR": os.environ.get(
-                "ROUNDHOUSE_MODELS_DIR", str(ROOT / "var" / "models")
+        env = node_environment(
+            database_url=self.database_url(),
+            redis_url=self.redis_url,
+            run_dir=run_dir,
+            models_dir=Path(
+                os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models")
             ),
-            "SECRET_KEY": "cluster-tests-not-secret",
-            "ALLOWED_HOSTS": "*",
-            "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
-        }
-        env.pop("ROUNDHOUSE_JOIN_TOKEN", None)
+            root=ROOT,
+        )
         test_node = TestNode(
             name=name,
             host=host,

@@ -180,3 +180,55 @@ class Network:
                         pass
                 ip("netns", "del", namespace, check=False)
         ip("link", "del", self.bridge, check=False)
+
+
+def node_environment(
+    *, database_url: str, redis_url: str, run_dir: Path, models_dir: Path, root: Path
+) -> dict:
+    """The environment of a node's processes (its own run dir, the cluster's
+    database and Redis through the bridge)."""
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "ROUNDHOUSE_RUN_DIR": str(run_dir),
+        "ROUNDHOUSE_MODELS_DIR": str(models_dir),
+        "SECRET_KEY": "cluster-tests-not-secret",
+        "ALLOWED_HOSTS": "*",
+        "PYTHONPATH": f"{root / 'platform'}:{root}",
+    }
+    env.pop("ROUNDHOUSE_JOIN_TOKEN", None)
+    return env
+
+
+def start_node(
+    host: Host,
+    name: str,
+    *,
+    env: dict,
+    log_dir: Path,
+    root: Path,
+    join_token: str = "",
+    front_port: int = 8000,
+) -> dict[str, subprocess.Popen]:
+    """A node's processes as an operator starts them on its host: the
+    supervisor (`--node NAME`, joining with the token the first time) and a
+    front listening on the host's address."""
+    supervisor_env = dict(env)
+    if join_token:
+        supervisor_env["ROUNDHOUSE_JOIN_TOKEN"] = join_token
+    return {
+        "supervisor": host.spawn(
+            [sys.executable, "manage.py", "supervise", "--node", name],
+            env=supervisor_env,
+            log=log_dir / f"{name}-supervisor.log",
+            cwd=root,
+        ),
+        "front": host.spawn(
+            [sys.executable, "-m", "roundhouse.serve", "--host", "0.0.0.0"]
+            + ["--port", str(front_port)],
+            env=env,
+            log=log_dir / f"{name}-front.log",
+            cwd=root,
+        ),
+    }

@@ -1,5 +1,6 @@
 """Engine selection: pin, residency, default, load; owners; the snapshot cache."""
 
+import dataclasses
 import logging
 import threading
 import time
@@ -486,3 +487,38 @@ def test_cache_loads_once_for_concurrent_callers():
     assert len(calls) == 1
     assert len(results) == threads_count
     assert all(result is results[0] for result in results)
+
+
+def test_node_labels_bind_every_rule_but_the_pin():
+    """A model that must run on a gpu-labelled node is never routed to an
+    engine of another node, even one holding it or the default; with none
+    left the error names the labels. A pin still wins."""
+    from routing.placement import NodeRoute
+
+    engines = {
+        name: EngineStatus(
+            name=name,
+            backend="cpu",
+            capabilities=frozenset({"gguf"}),
+            up=True,
+            resident=frozenset({"m"}) if name == "plain" else frozenset(),
+            node=name,
+        )
+        for name in ("plain", "gpu")
+    }
+    nodes = {
+        "plain": NodeRoute(name="plain", status="ready"),
+        "gpu": NodeRoute(name="gpu", status="ready", labels=frozenset({"gpu"})),
+    }
+    model = ModelRoute(name="m", format="gguf", node_labels=frozenset({"gpu"}))
+    snap = Snapshot(
+        engines=engines, models={"m": model}, default_engine="plain", nodes=nodes
+    )
+    assert Router().choose(model, snap).engine == "gpu"
+    free = ModelRoute(name="m", format="gguf")
+    assert Router().choose(free, snap).engine == "plain"  # control: no labels
+    down = dict(engines, gpu=dataclasses.replace(engines["gpu"], up=False))
+    with pytest.raises(NoEngine, match="on a node labelled gpu"):
+        Router().choose(model, dataclasses.replace(snap, engines=down))
+    pinned = dataclasses.replace(model, pin="plain")
+    assert Router().choose(pinned, snap).rule == "pin"

@@ -309,7 +309,7 @@ def test_metrics_count_requests_tokens_and_engines(live):
         f'roundhouse_requests_total{{endpoint="chat.completions",engine="{ENGINE}",'
         f'model="{CHAT}",status="200"}}'
     ) in text
-    assert f'roundhouse_engine_up{{engine="{ENGINE}"}} 1.0' in text
+    assert f'roundhouse_engine_up{{engine="{ENGINE}",node=""}} 1.0' in text
     assert "roundhouse_request_latency_seconds_bucket" in text
     assert "roundhouse_tokens_total" in text
     assert "roundhouse_engine_restarts_total" in text

@@ -118,6 +118,7 @@ def test_websocket_chat(port, live):
         "id": "1",
         "model": CHAT,
         "engine": ENGINE,
+        "node": "",
         "dropped_messages": 0,
     }
     assert received[-1]["type"] == "done", received[-1]

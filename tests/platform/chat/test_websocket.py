@@ -111,6 +111,7 @@ async def test_key_chat_streams_and_is_recorded(socket_app, engine):
         "id": "a",
         "model": CHAT,
         "engine": "streams0",
+        "node": "",
         "dropped_messages": 0,
     }
     assert tokens and all(t["type"] == "token" and t["id"] == "a" for t in tokens)

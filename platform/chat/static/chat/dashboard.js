@@ -146,10 +146,36 @@
     return { node, holders };
   }
 
+  // On a cluster, one heading per node (its status, address and heartbeat)
+  // above the cards of its engines; on one host, the cards alone.
+  function nodeHeading(name) {
+    const node = (fleet.nodes || []).find((n) => n.name === name);
+    if (!node) return el("h2", { class: "node", "data-node": "" }, "Engines of no node");
+    const age = node.heartbeat_age_s != null ? `, heartbeat ${node.heartbeat_age_s.toFixed(1)} s ago` : "";
+    return el("h2", { class: "node", "data-node": node.name }, `Node ${node.name} `,
+      el("span", { class: `badge ${node.status}` }, node.status),
+      el("small", {}, ` ${node.address}${node.labels.length ? " · " + node.labels.join(", ") : ""}${age}`));
+  }
+
   function draw() {
     const built = fleet.engines.map((engine) => ({ engine, ...card(engine) }));
-    cards.replaceChildren(...built.map((b) => b.node));
-    if (!built.length) cards.append(el("p", {}, "No engine is configured: add one in the admin."));
+    const children = [];
+    const clustered = (fleet.nodes || []).length > 0;
+    let current = null;
+    for (const b of built) {
+      if (clustered && b.engine.node !== current) {
+        current = b.engine.node;
+        children.push(nodeHeading(current));
+      }
+      children.push(b.node);
+    }
+    if (clustered) {  // nodes without engines are shown too
+      for (const node of fleet.nodes) {
+        if (!built.some((b) => b.engine.node === node.name)) children.push(nodeHeading(node.name), el("p", { class: "node-empty" }, "no engine configured on this node"));
+      }
+    }
+    cards.replaceChildren(...children);
+    if (!built.length && !clustered) cards.append(el("p", {}, "No engine is configured: add one in the admin."));
     charts.clear();
     for (const { engine, holders } of built) {
       for (const [key, holder] of Object.entries(holders)) chart(engine.name, key, key, holder);
