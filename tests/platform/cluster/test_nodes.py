@@ -1,0 +1,182 @@
+"""Nodes in the admin and their services: the join command shown once, the
+join token used once, the node's own secret, heartbeats by the database's
+clock, drain and revoke; and a one-host platform (SQLite) that says it stays
+one node."""
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+from django.contrib.messages import get_messages
+from django.db import connection
+from django.urls import reverse
+from django.utils import timezone
+
+from cluster.identity import identity_read, identity_write, secret_hash
+from cluster.models import UNREACHABLE_AFTER_S, Node, NodeStatus
+from cluster.selectors import nodes_now
+from cluster.services import (
+    ClusterUnavailable,
+    NodeRefused,
+    node_authenticate,
+    node_create,
+    node_heartbeat,
+    node_join,
+    node_revoke,
+)
+from tests.conftest import ROOT
+from tests.platform.live import database_url
+
+pytestmark = pytest.mark.django_db
+
+postgres_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="joining needs PostgreSQL"
+)
+
+
+@postgres_only
+def test_a_join_token_works_once_and_only_its_hash_is_kept():
+    node, token = node_create(name="gpu-1", address="10.0.0.5")
+    assert node.join_token_hash == secret_hash(token) and token not in str(
+        Node.objects.values().get()
+    )
+    identity = node_join(name="gpu-1", join_token=token)
+    node.refresh_from_db()
+    assert node.secret_hash == secret_hash(identity.secret)
+    assert node.join_token_hash == "" and node.joined_at is not None
+    with pytest.raises(NodeRefused, match="was used already"):
+        node_join(name="gpu-1", join_token=token)
+    with pytest.raises(NodeRefused, match="no node named 'gpu-9'"):
+        node_join(name="gpu-9", join_token=token)
+    assert node_authenticate(name="gpu-1", secret=identity.secret) == node
+    with pytest.raises(NodeRefused, match="wrong secret"):
+        node_authenticate(name="gpu-1", secret="rhn-guess")
+
+
+@postgres_only
+def test_an_expired_join_token_is_refused():
+    node, token = node_create(name="late", address="10.0.0.6")
+    Node.objects.filter(pk=node.pk).update(
+        join_token_expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    with pytest.raises(NodeRefused, match="expired"):
+        node_join(name="late", join_token=token)
+
+
+@postgres_only
+def test_a_revoked_node_cannot_join_beat_or_prove_itself():
+    node, token = node_create(name="gone", address="10.0.0.7")
+    identity = node_join(name="gone", join_token=token)
+    node_heartbeat(identity=identity)
+    node_revoke(node=node)
+    for attempt in (
+        lambda: node_heartbeat(identity=identity),
+        lambda: node_authenticate(name="gone", secret=identity.secret),
+        lambda: node_join(name="gone", join_token=token),
+    ):
+        with pytest.raises(NodeRefused, match="revoked"):
+            attempt()
+    assert nodes_now()["gone"].status == NodeStatus.REVOKED
+
+
+@postgres_only
+def test_status_follows_the_heartbeat_by_the_databases_clock():
+    """Ready while it beats; unreachable UNREACHABLE_AFTER_S after the last
+    beat; down once the grace period passed too; draining when drained."""
+    node, token = node_create(name="n", address="10.0.0.8")
+    assert nodes_now()["n"].status == NodeStatus.PENDING
+    node_heartbeat(identity=node_join(name="n", join_token=token))
+    assert nodes_now(grace_s=60)["n"].status == NodeStatus.READY
+    beat = Node.objects.get(name="n").last_heartbeat
+    for age, status in (
+        (UNREACHABLE_AFTER_S + 1, NodeStatus.UNREACHABLE),
+        (UNREACHABLE_AFTER_S + 61, NodeStatus.DOWN),
+    ):
+        Node.objects.filter(name="n").update(
+            last_heartbeat=beat - timedelta(seconds=age)
+        )
+        assert nodes_now(grace_s=60)["n"].status == status
+    Node.objects.filter(name="n").update(last_heartbeat=beat, draining=True)
+    assert nodes_now(grace_s=60)["n"].status == NodeStatus.DRAINING
+
+
+def test_joining_on_sqlite_says_the_platform_stays_one_node(tmp_path):
+    if connection.vendor != "sqlite":
+        pytest.skip("the one-node refusal is SQLite's")
+    with pytest.raises(ClusterUnavailable, match="needs PostgreSQL"):
+        node_join(name="x", join_token="rhj-x")
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "ROUNDHOUSE_RUN_DIR": str(tmp_path),
+        "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
+    }
+    done = subprocess.run(
+        [sys.executable, "manage.py", "supervise", "--node", "x"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "cluster mode needs PostgreSQL" in done.stderr
+
+
+def test_the_identity_file_is_for_its_user_only(tmp_path):
+    from cluster.identity import NodeIdentity
+
+    identity_write(tmp_path, NodeIdentity(name="a", secret="rhn-s"))
+    assert (os.stat(tmp_path / "node.json").st_mode & 0o777) == 0o600
+    assert identity_read(tmp_path) == NodeIdentity(name="a", secret="rhn-s")
+    assert "rhn-s" not in repr(identity_read(tmp_path))
+    assert identity_read(tmp_path / "elsewhere") is None
+
+
+def test_the_admin_shows_the_join_command_once(admin_client):
+    """Adding a node shows its join command (the token in an environment
+    variable, never an argument) once; the change page does not show it
+    again. On SQLite, nodes cannot be added and the list says why."""
+    url = reverse("admin:cluster_node_add")
+    if connection.vendor != "postgresql":
+        assert admin_client.get(url).status_code == 403
+        listing = admin_client.get(reverse("admin:cluster_node_changelist"))
+        assert "it stays one node" in listing.content.decode()
+        return
+    response = admin_client.post(
+        url,
+        {"name": "gpu-2", "address": "10.0.0.9", "relay_port": "8765", "labels": "[]"},
+        follow=True,
+    )
+    shown = [str(m.message) for m in get_messages(response.wsgi_request)]
+    command = next(text for text in shown if "ROUNDHOUSE_JOIN_TOKEN=" in text)
+    token = command.split("ROUNDHOUSE_JOIN_TOKEN=")[1].split()[0]
+    assert "manage.py supervise --node gpu-2" in command
+    node = Node.objects.get(name="gpu-2")
+    assert node.join_token_hash == secret_hash(token)
+    page = admin_client.get(reverse("admin:cluster_node_change", args=[node.pk]))
+    assert token not in page.content.decode()
+    assert "pending" in page.content.decode()
+
+
+def test_a_view_only_staff_user_cannot_drain_or_revoke(client, django_user_model):
+    """The node actions need the permission to change nodes."""
+    from django.contrib.auth.models import Permission
+
+    viewer = django_user_model.objects.create_user(
+        "viewer", password="x", is_staff=True
+    )
+    viewer.user_permissions.add(Permission.objects.get(codename="view_node"))
+    node = Node.objects.create(name="n1", address="10.0.0.10")
+    client.force_login(viewer)
+    order = {"action": "revoke", "_selected_action": [node.pk]}
+    client.post(reverse("admin:cluster_node_changelist"), order)
+    node.refresh_from_db()
+    assert node.revoked_at is None
+    # Control: with the permission to change nodes, the same order revokes.
+    viewer.user_permissions.add(Permission.objects.get(codename="change_node"))
+    client.post(reverse("admin:cluster_node_changelist"), order)
+    node.refresh_from_db()
+    assert node.revoked_at is not None
