@@ -208,29 +208,19 @@ def _up(node: TestNode) -> bool:
         return False
 
 
+def model_row(name: str, **fields) -> ModelConfig:
+    """SmolLM2 as a chat model of the cluster, with `fields` over the defaults."""
+    defaults = {"context_length": 1024, "slots": 2, "keep_alive_s": 0}
+    return ModelConfig.objects.create(
+        name=name, format="gguf", task="chat", path=SMOL, **(defaults | fields)
+    )
+
+
 def models_rows() -> None:
     """The models the cluster serves: `smol` with a replica on each of two
     nodes, `smol-b` only where a node has the label zone-b."""
-    ModelConfig.objects.create(
-        name="smol",
-        format="gguf",
-        task="chat",
-        path=SMOL,
-        context_length=1024,
-        slots=2,
-        replicas=2,
-        keep_alive_s=0,
-    )
-    ModelConfig.objects.create(
-        name="smol-b",
-        format="gguf",
-        task="chat",
-        path=SMOL,
-        context_length=1024,
-        slots=2,
-        node_labels=["zone-b"],
-        keep_alive_s=0,
-    )
+    model_row("smol", replicas=2)
+    model_row("smol-b", node_labels=["zone-b"])
 
 
 def wait_resident(model: str, engines: set[str], timeout: float = 120) -> None:

@@ -15,6 +15,7 @@ from tests.cluster.conftest import (
     EventStream,
     chat,
     http,
+    model_row,
     node_status,
     wait_resident,
 )
@@ -128,7 +129,7 @@ def test_a_drained_node_finishes_its_streams_and_takes_no_new_requests(cluster, 
         rest = list(events)
         stream.close()
         assert rest[-1]["choices"][0]["finish_reason"] in ("stop", "length"), rest[-1]
-        time.sleep(0)  # the fronts read the fleet at most a second old:
+        # The fronts read the fleet at most a second old: wait for it.
         wait_for(
             lambda: all(
                 ask(a, "smol", cluster.key, f"Say {n}.")[1] == "a" for n in range(3)
@@ -186,18 +187,7 @@ def test_every_process_of_a_node_sigkilled(cluster, orm):
     node."""
     a = cluster.nodes["a"]
     c = cluster.add_node("c", labels=["spare"])
-    ModelConfig.objects.create(
-        name="smol-c",
-        format="gguf",
-        task="chat",
-        path=conftest.SMOL,
-        context_length=1024,
-        slots=2,
-        replicas=2,
-        engine_pin="ec",
-        node_labels=["spare"],
-        keep_alive_s=0,
-    )
+    model_row("smol-c", replicas=2, engine_pin="ec", node_labels=["spare"])
     try:
         wait_resident("smol-c", {"ec"})
         first_placed = set(_placed("smol-c"))
@@ -246,16 +236,7 @@ def test_a_revoked_node_is_cut_off_at_once(cluster, orm):
     relay (its secret stops working), and d's supervisor stops."""
     a = cluster.nodes["a"]
     d = cluster.add_node("d", labels=["zone-d"])
-    ModelConfig.objects.create(
-        name="smol-d",
-        format="gguf",
-        task="chat",
-        path=conftest.SMOL,
-        context_length=1024,
-        slots=1,
-        node_labels=["zone-d"],
-        keep_alive_s=0,
-    )
+    model_row("smol-d", slots=1, node_labels=["zone-d"])
     try:
         wait_resident("smol-d", {"ed"})
         assert ask(a, "smol-d", cluster.key)[:2] == (200, "d")
