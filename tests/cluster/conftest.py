@@ -155,6 +155,7 @@ class Cluster:
                 os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models")
             ),
             root=ROOT,
+            files_dir=self.tmp / "files",  # shared storage, as a cluster needs
         )
         test_node = TestNode(
             name=name,

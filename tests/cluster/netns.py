@@ -50,10 +50,19 @@ class Host:
             **kwargs,
         )
 
+    @property
+    def hostname(self) -> str:
+        return f"rh-{self.name}"
+
     def spawn(self, argv: list[str], *, env: dict, log: Path, cwd: Path):
+        """A process of this host: in its network namespace, and in a UTS
+        namespace of its own with the host's name (what a batch lease records
+        as its owner's host)."""
         with open(log, "ab") as out:
             process = subprocess.Popen(
-                ["ip", "netns", "exec", self.namespace, *argv],
+                ["ip", "netns", "exec", self.namespace]
+                + ["unshare", "--uts", "--", "sh", "-c"]
+                + ['hostname "$0" && exec "$@"', self.hostname, *argv],
                 env=env,
                 cwd=cwd,
                 stdout=out,
@@ -183,10 +192,17 @@ class Network:
 
 
 def node_environment(
-    *, database_url: str, redis_url: str, run_dir: Path, models_dir: Path, root: Path
+    *,
+    database_url: str,
+    redis_url: str,
+    run_dir: Path,
+    models_dir: Path,
+    root: Path,
+    files_dir: Path | None = None,
 ) -> dict:
     """The environment of a node's processes (its own run dir, the cluster's
-    database and Redis through the bridge)."""
+    database and Redis through the bridge; `files_dir`: the Batch API's files
+    on storage every node shares)."""
     env = {
         **os.environ,
         "DATABASE_URL": database_url,
@@ -198,6 +214,8 @@ def node_environment(
         "PYTHONPATH": f"{root / 'platform'}:{root}",
     }
     env.pop("ROUNDHOUSE_JOIN_TOKEN", None)
+    if files_dir is not None:
+        env["ROUNDHOUSE_FILES_DIR"] = str(files_dir)
     return env
 
 
@@ -232,3 +250,15 @@ def start_node(
             cwd=root,
         ),
     }
+
+
+def start_worker(host: Host, name: str, *, env: dict, log_dir: Path, root: Path):
+    """A Celery worker of the node, as the Procfile starts one."""
+    return host.spawn(
+        [sys.executable, "-m", "celery", "-A", "roundhouse", "worker"]
+        + ["--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"]
+        + ["--hostname", f"{name}@%h"],
+        env=env,
+        log=log_dir / f"{name}.log",
+        cwd=root,
+    )

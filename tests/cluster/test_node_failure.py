@@ -5,7 +5,12 @@ import json
 import sys
 import threading
 import time
+from collections import Counter
 
+from django.utils import timezone
+
+from batches.models import Batch, BatchLine
+from batches.services import LEASE_S
 from catalog.models import ModelConfig
 from cluster.models import Node
 from cluster.services import node_drain, node_revoke
@@ -19,6 +24,9 @@ from tests.cluster.conftest import (
     node_status,
     wait_resident,
 )
+from tests.cluster.netns import start_worker
+from tests.conftest import ROOT
+from tests.platform.batches.jobs import chat_line, jsonl, records, wait_batch
 from tests.platform.live import wait_for
 
 cluster = conftest.cluster
@@ -259,3 +267,58 @@ def test_a_revoked_node_is_cut_off_at_once(cluster, orm):
     finally:
         ModelConfig.objects.filter(name="smol-d").delete()
         cluster.remove_node("d")
+
+
+def test_a_batch_on_a_dead_nodes_worker_is_finished_elsewhere_once(cluster, orm):
+    """Node c's worker runs a batch (its host named rh-c: the lease names its
+    owner's host); every process of c is SIGKILLed once a few lines are
+    recorded. When the run's lease has expired, a worker started on node a
+    resumes it: every line answered exactly once, the lines recorded before
+    the kill kept as they were."""
+    a = cluster.nodes["a"]
+    c = cluster.add_node("c", labels=[])
+    client = a.client(cluster.key)
+    total = 30
+    lines = [
+        chat_line(f"k{n}", f"Count to {n + 3}.", model="smol", max_tokens=24)
+        for n in range(total)
+    ]
+    start_worker(c.host, "worker-c", env=c.env, log_dir=c.log_dir, root=ROOT)
+    upload = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    survivor = None
+    try:
+        wait_batch(client, batch.id, until=lambda b: b.request_counts.completed >= 4)
+        assert Batch.objects.get(pk=batch.id).lease_owner.startswith("rh-c:")
+        c.host.kill_all()
+        before = dict(
+            BatchLine.objects.filter(batch_id=batch.id).values_list("index", "record")
+        )
+        assert 4 <= len(before) < total, "the kill came too late to test a resume"
+        wait_for(
+            lambda: Batch.objects.get(pk=batch.id).lease_until < timezone.now(),
+            timeout=LEASE_S + 15,
+            what="c's lease to expire",
+        )
+        survivor = start_worker(
+            a.host, "worker-a", env=a.env, log_dir=a.log_dir, root=ROOT
+        )
+        done = wait_batch(client, batch.id)
+        assert done.status == "completed", done
+        counts = done.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (total, total, 0)
+        answered = Counter(r["custom_id"] for r in records(client, done.output_file_id))
+        assert answered == Counter(f"k{n}" for n in range(total))
+        after = dict(
+            BatchLine.objects.filter(batch_id=batch.id).values_list("index", "record")
+        )
+        assert all(after[index] == record for index, record in before.items())
+    finally:
+        if survivor is not None:
+            survivor.terminate()
+            survivor.wait(60)
+        cluster.remove_node("c")
