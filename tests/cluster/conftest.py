@@ -12,7 +12,6 @@ failure."""
 import json
 import os
 import random
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -276,14 +275,6 @@ def cluster(cluster_database, django_db_blocker, tmp_path_factory):
             for model in (Usage, ApiKey, ModelConfig, EngineSpec, Node):
                 model.objects.all().delete()
         network.close()
-
-
-def deadline_loop(timeout: float):
-    """Yield until `timeout` seconds have passed (a bounded poll)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        yield
-        time.sleep(0.2)
 
 
 class EventStream:
