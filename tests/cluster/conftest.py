@@ -12,6 +12,7 @@ failure."""
 import json
 import os
 import random
+import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -144,8 +145,10 @@ class Cluster:
         EngineSpec.objects.create(
             name=f"e{name}", node=node, backend="cpu", capabilities=["gguf"], order=0
         )
-        run_dir = self.tmp / name / "run"
-        run_dir.mkdir(parents=True, mode=0o700)
+        # A node name may come back (a test adds one and removes it): each
+        # start of a node is a fresh host with a run dir of its own.
+        run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.tmp)) / "run"
+        run_dir.mkdir(mode=0o700)
         env = node_environment(
             database_url=self.database_url(),
             redis_url=self.redis_url,

@@ -123,6 +123,7 @@ class Network:
         self.bridge = f"rhbr{self.number}"
         self.gateway = f"{self.prefix}.1"
         self.hosts: dict[str, Host] = {}
+        self._added = 0
         self._forwarder: subprocess.Popen | None = None
 
     def _namespace(self, name: str) -> str:
@@ -146,19 +147,21 @@ class Network:
 
     def add_host(self, name: str) -> Host:
         namespace = self._namespace(name)
-        number = len(self.hosts) + 2
+        self._added += 1
+        number = self._added + 1  # .1 is the bridge; never reused
         outer, inner = f"rhv{self.number}{name}"[:15], f"rhi{self.number}{name}"[:15]
+        address = f"{self.prefix}.{number}"
         ip("netns", "add", namespace)
+        # Known at once, so that close() removes it whatever fails below.
+        host = self.hosts[name] = Host(name=name, namespace=namespace, address=address)
         ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         ip("link", "set", inner, "netns", namespace)
         ip("link", "set", outer, "master", self.bridge)
         ip("link", "set", outer, "up")
         ip("-n", namespace, "link", "set", "lo", "up")
         ip("-n", namespace, "link", "set", inner, "name", "eth0")
-        ip("-n", namespace, "addr", "add", f"{self.prefix}.{number}/24", "dev", "eth0")
+        ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
         ip("-n", namespace, "link", "set", "eth0", "up")
-        host = Host(name=name, namespace=namespace, address=f"{self.prefix}.{number}")
-        self.hosts[name] = host
         return host
 
     def remove_host(self, name: str) -> None:
@@ -188,6 +191,10 @@ class Network:
                     except ProcessLookupError:
                         pass
                 ip("netns", "del", namespace, check=False)
+        for line in ip("-o", "link", "show", check=False).stdout.splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+            if name.startswith(f"rhv{self.number}"):
+                ip("link", "del", name, check=False)
         ip("link", "del", self.bridge, check=False)
 
 
