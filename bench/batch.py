@@ -186,7 +186,7 @@ def cpu_seconds(platform: Platform) -> dict[str, float]:
                 continue
             kind = (
                 "engine"
-                if "engines.serve" in line
+                if "engines.runtime.serve" in line
                 else "worker"
                 if "celery" in line
                 else "front"

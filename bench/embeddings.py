@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-from engines.client import AsyncEngineClient, EngineClient, EngineError  # noqa: E402
-from engines.launch import spawn_engine  # noqa: E402
+from engines.launch.process import spawn_engine  # noqa: E402
+from engines.wire.client import AsyncEngineClient, EngineClient, EngineError  # noqa: E402
 
 # No progress bars from the loaders in the table's way.
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -175,7 +175,7 @@ CLIENT = textwrap.dedent(
     """
     import os, sys
     sys.path.insert(0, {root!r})
-    from engines.client import EngineClient
+    from engines.wire.client import EngineClient
     if {use_engine}:
         client = EngineClient(port={port}, token=os.environ["BENCH_TOKEN"])
         client.embed({model!r}, ["hi"])

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.front import ENGINE, Platform  # noqa: E402
-from engines.client import EngineError, read_connection_file  # noqa: E402
+from engines.wire.client import EngineError, read_connection_file  # noqa: E402
 
 
 class EngineWatch:
@@ -56,7 +56,7 @@ class EngineWatch:
         process = self.seen.get(pid)
         with contextlib.suppress(psutil.Error):
             if process and process.is_running():
-                if "engines.serve" in " ".join(process.cmdline()):
+                if "engines.runtime.serve" in " ".join(process.cmdline()):
                     return process
         return None
 

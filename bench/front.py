@@ -62,7 +62,7 @@ from bench.generation import (  # noqa: E402
     free_port,
     sse_events,
 )
-from engines.client import AsyncEngineClient, connect_and_send  # noqa: E402
+from engines.wire.client import AsyncEngineClient, connect_and_send  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"  # its name in the seed migration
 ENGINE = "cpu0"

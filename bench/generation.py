@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.client import AsyncEngineClient, EngineClient, EngineError  # noqa: E402
-from engines.launch import spawn_engine  # noqa: E402
+from engines.launch.process import spawn_engine  # noqa: E402
+from engines.wire.client import AsyncEngineClient, EngineClient, EngineError  # noqa: E402
 
 MODELS_DIR = Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models"))
 MODEL_PATH = MODELS_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"

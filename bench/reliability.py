@@ -78,7 +78,7 @@ from bench.load import (  # noqa: E402
     Result,
 )
 from bench.reliability_report import dump, log_summary, report  # noqa: E402
-from engines.client import EngineClient, EngineError  # noqa: E402
+from engines.wire.client import EngineClient, EngineError  # noqa: E402
 
 BURST_TIMEOUT_S = 120.0  # the burst's requests wait in the engine's queue
 DB_DOWN_S = 10.0

@@ -1,7 +1,7 @@
 """Cache-aware routing: which engine last served a conversation's prefix.
 
 An engine keeps a finished request's KV in its slot, and a later request
-sharing that prefix evaluates only the rest (engines/prefix_sharing.py). With
+sharing that prefix evaluates only the rest (engines/generation/prefix_sharing.py). With
 replicas on several engines that saving is had only if the conversation's
 next turn goes back to the same engine. Each front remembers, for every
 prefix of the messages it routed (messages[:1], messages[:2], ... as chained

@@ -21,10 +21,12 @@ import llama_cpp
 import numpy as np
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from ..config import usable_cores
-from ..protocol import ErrorCode, ProtocolError
-from ..slots import Slot, SlotBackend
-from ..textgen import SamplingParams
+from engines.backends.llama import init_llama_cpp
+from engines.generation.sampling import SamplingParams
+from engines.generation.slot import Slot
+from engines.generation.slots import SlotBackend
+from engines.launch.config import usable_cores
+from engines.wire.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger("roundhouse.engine.gguf")
 
@@ -37,41 +39,6 @@ BATCH_TOKENS = 512
 SCORED_TOKENS = 32
 # Repeat/frequency/presence penalties look at this many previous tokens.
 PENALTY_WINDOW = 64
-
-_backend_ready = False
-# llama.cpp calls the log callback for the life of the process: the ctypes object
-# must never be collected (a collected callback crashes the process).
-_LOG_CALLBACK: Any = None
-
-
-@llama_cpp.llama_log_callback
-def _forward_log(level: int, text: bytes, user_data: Any) -> None:
-    # ggml log levels: 3 = warning, 4 = error; everything below is noise here.
-    if level in (3, 4) and text:
-        log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
-
-
-def _init_llama_cpp() -> None:
-    global _backend_ready, _LOG_CALLBACK
-    if not _backend_ready:
-        _LOG_CALLBACK = _forward_log
-        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        _backend_ready = True
-
-
-def system_info() -> str:
-    """The CPU features this llama.cpp build uses (AMX must not be among them)."""
-    return llama_cpp.llama_print_system_info().decode("utf-8", "replace")
-
-
-def load(path: Path | str, *, n_ctx: int = 2048, n_threads: int | None = None):
-    """Load a GGUF model with llama-cpp-python's high-level class (used by the
-    decode smoke test; engines use LlamaBackend)."""
-    _init_llama_cpp()
-    return llama_cpp.Llama(
-        model_path=str(path), n_ctx=n_ctx, n_threads=n_threads, verbose=False
-    )
 
 
 @dataclass
@@ -113,7 +80,7 @@ class LlamaBackend(SlotBackend):
         pool_tokens: int | None = None,
         kv_groups: int = 1,
     ) -> None:
-        _init_llama_cpp()
+        init_llama_cpp()
         self.n_slots = n_slots
         self.kv_groups = max(1, min(kv_groups, n_slots))
         self.prompt_cache = prompt_cache
@@ -405,7 +372,7 @@ class LlamaBackend(SlotBackend):
         # user is waiting on its first token; a running stream's next token is
         # due no sooner than the next pass).
         # The constrained slots' allowed tokens are computed while the
-        # model's passes run (engines/constraint.py).
+        # model's passes run (engines/constrained/grammar.py).
         masks = self.start_masks(
             [
                 slot

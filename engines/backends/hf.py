@@ -10,8 +10,9 @@ import torch
 from llguidance.hf import from_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..slots import Slot, SlotBackend
-from ..textgen import SamplingParams
+from engines.generation.sampling import SamplingParams
+from engines.generation.slot import Slot
+from engines.generation.slots import SlotBackend
 
 # Prompt tokens prefilled per step: bounds how long running streams wait.
 PREFILL_CHUNK = 128
@@ -168,7 +169,7 @@ class TransformersBackend(SlotBackend):
         # The KV pool's room: the running slots' tokens, then a prompt chunk.
         room = self.pass_room(running, wanted)
         # The constrained slots' allowed tokens are computed while the
-        # forward passes run (engines/constraint.py).
+        # forward passes run (engines/constrained/grammar.py).
         sampling = list(running)
         if prefilling is not None and 0 < len(prefilling.todo) <= room:
             sampling.append(prefilling)

@@ -1,13 +1,13 @@
 """The request fields that shape an answer: tools the model may call (and the
 calls of earlier turns), the choice among them, and a response format (JSON,
 or JSON matching a schema). The engines hold the answer to them
-(engines/constraint.py, engines/toolcalls.py)."""
+(engines/constrained/grammar.py, engines/constrained/toolcalls.py)."""
 
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
-from engines.generate_request import FUNCTION_NAME
+from engines.wire.requests import FUNCTION_NAME
 
 from .schema_base import FunctionName, JsonSchema, NoNul, Strict, Text
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from django.http import HttpResponse
 
-from engines.protocol import ErrorCode
+from engines.wire.errors import ErrorCode
 
 
 @dataclass
@@ -74,12 +74,12 @@ ENGINE_ERRORS: dict[str, Mapping] = {
     # The engine refused the front's own token: a fault of ours, not the caller's.
     ErrorCode.UNAUTHORIZED: Mapping(502, "server_error"),
     ErrorCode.INTERNAL: Mapping(500, "server_error"),
-    # A node's relay could not reach the engine (engines/link.py); the front
+    # A node's relay could not reach the engine (engines/wire/link.py); the front
     # tries another replica first, and answers this when none is left.
     ErrorCode.UNREACHABLE: Mapping(503, "server_error", retry_after_s=5),
 }
 
-# Failures of the engine connection itself (engines.client error classes).
+# Failures of the engine connection itself (engines.wire.client error classes).
 ENGINE_DIED = Mapping(502, "server_error")
 ENGINE_TIMEOUT = Mapping(504, "server_error")
 NO_ENGINE = Mapping(503, "server_error", retry_after_s=5)

@@ -17,7 +17,7 @@ from typing import Any
 
 from django import db
 
-from engines.client import (
+from engines.wire.client import (
     EngineDied,
     EngineError,
     EngineRequestError,

@@ -1,6 +1,6 @@
 """The building blocks of the API's request schemas (api.schemas): a model
 that refuses unknown fields and checks every text as the engines do, and the
-bounded field types, the engines' own bounds (engines.protocol) checked
+bounded field types, the engines' own bounds (engines.wire.framing) checked
 first so that a bad value is a 400 naming its field before any engine is
 asked."""
 
@@ -19,8 +19,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 
-from engines.generate_request import FUNCTION_NAME
-from engines.protocol import (
+from engines.wire.bounds import (
     MAX_PENALTY,
     MAX_PROMPT_CHARS,
     MAX_STOP_CHARS,
@@ -28,9 +27,10 @@ from engines.protocol import (
     MAX_TOKENS_CAP,
     MIN_TEMPERATURE,
     TEMPERATURE_RANGE,
-    ProtocolError,
     check_text,
 )
+from engines.wire.errors import ProtocolError
+from engines.wire.requests import FUNCTION_NAME
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class NoNul:
         return {**handler(schema), "pattern": self.PATTERN}
 
 
-# The bounds are the engines' own (engines.protocol), checked here first so that
+# The bounds are the engines' own (engines.wire.framing), checked here first so that
 # a bad value is a 400 naming its field before any engine is asked.
 Name = Annotated[str, NoNul()]
 ModelName = Annotated[str, Field(min_length=1, max_length=200), NoNul()]

@@ -14,16 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engines.generate_request import (
-    ENVELOPE_BYTES,
-    MAX_PROMPT_TOKENS,
-    MAX_REQUEST_BYTES,
-    MAX_TOOLS,
-    MAX_TOOLS_CHARS,
-    request_bytes,
-    tools_chars,
-)
-from engines.protocol import (
+from engines.wire.bounds import (
     MAX_MESSAGES,
     MAX_PROMPT_CHARS,
     MAX_SEED,
@@ -32,7 +23,16 @@ from engines.protocol import (
     MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     TEMPERATURE_RANGE,
-    find_lone_surrogate,
+)
+from engines.wire.framing import find_lone_surrogate
+from engines.wire.requests import (
+    ENVELOPE_BYTES,
+    MAX_PROMPT_TOKENS,
+    MAX_REQUEST_BYTES,
+    MAX_TOOLS,
+    MAX_TOOLS_CHARS,
+    request_bytes,
+    tools_chars,
 )
 
 from .answer_formats import (

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.http import HttpResponse, StreamingHttpResponse
 
-from engines.client import EngineError
+from engines.wire.client import EngineError
 from routing.select import ModelRoute, Snapshot
 
 from .calls import Call

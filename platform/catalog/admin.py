@@ -10,7 +10,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
-from engines.tools import QUANTIZATIONS
+from engines.inspection.messages import QUANTIZATIONS
 
 from .inspection import template_facts
 from .models import ModelConfig

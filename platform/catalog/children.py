@@ -1,4 +1,5 @@
-"""Running the engines' one-shot tools (engines/tools.py) as child processes:
+"""Running the engines' one-shot inspection tools
+(engines/inspection/messages.py) as child processes:
 the request on stdin, the result on stdout, and a deadline past which the
 child, and anything it started, is killed. The heavy work (and the ML
 libraries) stay in the child; this process only waits."""
@@ -14,7 +15,7 @@ from typing import TypeVar
 from django.conf import settings
 from pydantic import ValidationError
 
-from engines.tools import Message, tool_environment
+from engines.inspection.messages import Message, tool_environment
 
 log = logging.getLogger("roundhouse.catalog")
 
@@ -33,7 +34,7 @@ def run_tool(
         [sys.executable, "-m", module],
         cwd=settings.BASE_DIR,
         # Only what a tool uses of this process's environment: none of the
-        # web side's secrets (engines/config.py INHERITED_ENV).
+        # web side's secrets (engines/launch/config.py INHERITED_ENV).
         env=tool_environment(os.environ, root=str(settings.BASE_DIR)),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

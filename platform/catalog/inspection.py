@@ -15,7 +15,7 @@ from pathlib import Path
 # A safetensors header larger than this is refused (read before allocating).
 MAX_SAFETENSORS_HEADER = 100 * 2**20
 # A chat template that reads `tools` renders the tools offered itself; the
-# engines decide the same way (engines.toolcalls.template_knows_tools) and
+# engines decide the same way (engines.constrained.toolcalls.template_knows_tools) and
 # describe the tools in a system message to a model whose template does not.
 TOOL_MARKERS = ("tools",)
 

@@ -1,10 +1,10 @@
 """A model's memory, measured by loading it in a child process
-(`python -m engines.probe`) as an engine would: with its configured context
+(`python -m engines.inspection.probe`) as an engine would: with its configured context
 and slots, on a backend's devices. The catalog stores the host and device
 figures on the model (services.model_memory_record), where the engines'
 residency decisions read them instead of their estimates."""
 
-from engines.tools import ProbeRequest, ProbeResult
+from engines.inspection.messages import ProbeRequest, ProbeResult
 
 from .children import run_tool
 from .models import ModelConfig
@@ -34,4 +34,6 @@ def measure_memory(
     """Load the model in a child process and report what it took (or the
     problem: a missing file, a failed load, `timed out after N s`)."""
     request = probe_request(model, backend=backend)
-    return run_tool("engines.probe", request, ProbeResult, timeout_s=timeout_s)
+    return run_tool(
+        "engines.inspection.probe", request, ProbeResult, timeout_s=timeout_s
+    )

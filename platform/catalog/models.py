@@ -7,8 +7,9 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
-from engines.protocol import ProtocolError, check_sampling
-from engines.tools import QUANTIZATIONS
+from engines.inspection.messages import QUANTIZATIONS
+from engines.wire.bounds import check_sampling
+from engines.wire.errors import ProtocolError
 from routing.placement import label_problem
 
 
@@ -69,7 +70,7 @@ def validate_sampling(value: object) -> None:
 
 
 class ContextOverflow(models.TextChoices):
-    # The values engines know (engines.config.CONTEXT_OVERFLOW).
+    # The values engines know (engines.launch.config.CONTEXT_OVERFLOW).
     REFUSE = "refuse", "Refuse with the counts"
     DROP_OLDEST = "drop_oldest", "Drop the oldest turns"
 
@@ -187,7 +188,7 @@ class ModelConfig(models.Model):
     inspected_at = models.DateTimeField(null=True, blank=True, editable=False)
     # Memory measurement (the Celery task catalog.measure_model): its state,
     # what it is doing or what went wrong, and the probe's whole report
-    # (engines.tools.ProbeResult). The figures engines use are measured_*.
+    # (engines.inspection.messages.ProbeResult). The figures engines use are measured_*.
     memory_job = models.CharField(
         max_length=8, choices=JobState.choices, blank=True, editable=False
     )

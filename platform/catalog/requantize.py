@@ -1,6 +1,6 @@
 """A GGUF model requantized for this host, and how it compares with its
-original: the variant's file is written by `python -m engines.quantize`, then
-each model is measured by `python -m engines.evaluate` in its own child
+original: the variant's file is written by `python -m engines.inspection.quantize`, then
+each model is measured by `python -m engines.inspection.evaluate` in its own child
 process (prompt and generation speed here, perplexity on the shipped text,
 greedy continuations), the variant against the original's continuations.
 
@@ -15,7 +15,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.tools import (
+from engines.inspection.messages import (
     EvaluateRequest,
     EvaluateResult,
     QuantizeRequest,
@@ -63,13 +63,16 @@ def requantize(
         source=str(source), target=str(target), quantization=quantization
     )
     made = run_tool(
-        "engines.quantize", request, QuantizeResult, timeout_s=QUANTIZE_TIMEOUT_S
+        "engines.inspection.quantize",
+        request,
+        QuantizeResult,
+        timeout_s=QUANTIZE_TIMEOUT_S,
     )
     if made.problem:
         return {}, f"quantizing: {made.problem}"
     progress("measuring the original")
     original = run_tool(
-        "engines.evaluate",
+        "engines.inspection.evaluate",
         EvaluateRequest(path=str(source)),
         EvaluateResult,
         timeout_s=EVALUATE_TIMEOUT_S,
@@ -78,7 +81,7 @@ def requantize(
         return {}, f"measuring the original: {original.problem}"
     progress("measuring the variant")
     variant = run_tool(
-        "engines.evaluate",
+        "engines.inspection.evaluate",
         EvaluateRequest(path=str(target), reference=original.greedy),
         EvaluateResult,
         timeout_s=EVALUATE_TIMEOUT_S,

@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from engines.tools import QUANTIZATIONS
+from engines.inspection.messages import QUANTIZATIONS
 
 from .models import JobState, ModelConfig, ModelFormat
 

@@ -23,7 +23,7 @@ from api.calls import spawn
 from api.errors import ApiError
 from api.gateway import GATEWAY
 from catalog.models import ModelConfig
-from engines.client import AsyncEngineClient, EngineError, EngineUnreachable
+from engines.wire.client import AsyncEngineClient, EngineError, EngineUnreachable
 from fleet.models import EngineSpec
 from fleet.selectors import fleet_overview
 from fleet.services import (

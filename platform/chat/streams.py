@@ -45,7 +45,7 @@ from api.pipeline import (
     engine_failure,
     model_route,
 )
-from engines.client import EngineError
+from engines.wire.client import EngineError
 
 from .schemas import Chat, chat_request
 from .selectors import conversations_owned

@@ -1,7 +1,7 @@
 """The relay's TLS certificate: made by the node itself at its first start
 (an EC P-256 key, mode 0600, and a self-signed certificate in the run dir),
 published by its SHA-256 in the database, and pinned by every node that
-links to it (engines.link.client_tls_context). No CA to run, nothing to
+links to it (engines.wire.link.client_tls_context). No CA to run, nothing to
 copy between hosts; the database is the trust anchor, as it is for the
 node secrets."""
 
@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from engines.link import certificate_fingerprint
+from engines.wire.link import certificate_fingerprint
 
 
 def tls_paths(run_dir: Path | str) -> tuple[Path, Path]:

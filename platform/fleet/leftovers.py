@@ -1,6 +1,6 @@
 """Engines a previous supervisor left running, found and ended at start.
 
-Engines stop by themselves when their supervisor dies (engines/serve.py watches
+Engines stop by themselves when their supervisor dies (engines/runtime/serve.py watches
 a lifeline pipe), but one that cannot run then (stopped, stuck in the kernel)
 would keep its port and memory, and the new supervisor's engine would crash-loop
 on the port. A process counts as a leftover only when its pid *and* start time

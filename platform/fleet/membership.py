@@ -1,7 +1,7 @@
 """This host as a node of a cluster, for its supervisor (`supervise --node
 NAME`): it joins once (the admin's one-time token for the node's own secret,
 kept 0600 in the run dir), heartbeats through the database every BEAT_S,
-runs the node's relay (engines/link.py) that carries the other nodes'
+runs the node's relay (engines/wire/link.py) that carries the other nodes'
 streams to this host's engines, and reads which models are placed on its
 engines (routing/placement.py) for the supervisor to load.
 
@@ -34,9 +34,9 @@ from cluster.services import (
     node_join,
 )
 from cluster.tls import relay_certificate, server_tls_context
-from engines.client import EngineUnreachable, connection_file, read_connection_file
-from engines.devices import default_memory_probes
-from engines.link import Relay
+from engines.launch.devices import default_memory_probes
+from engines.wire.client import EngineUnreachable, connection_file, read_connection_file
+from engines.wire.link import Relay
 
 from .selectors import routing_snapshot
 

@@ -19,7 +19,7 @@ class Timing:
     reconcile: float = 2.0  # desired rows vs running processes
     unanswered: float = 15.0  # alive but silent this long: killed and respawned
     # A stopping engine drains for up to 30 s and flushes answers for up to 10 s
-    # (engines/server.py); one still running after this is killed.
+    # (engines/runtime/server.py); one still running after this is killed.
     drain: float = 45.0
     backoff_first: float = 1.0  # respawn delay after a crash, doubling...
     backoff_max: float = 60.0  # ...up to this

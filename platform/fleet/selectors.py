@@ -1,5 +1,5 @@
 """Reads of fleet data: engines as routing sees them, ports, effective limits,
-and the configuration each engine should run (built as engines/config.py's typed
+and the configuration each engine should run (built as engines/launch/config.py's typed
 schema, which the engine reads back)."""
 
 import json
@@ -11,7 +11,7 @@ from django.utils import timezone
 from catalog.models import ModelConfig
 from catalog.selectors import models_servable_by
 from cluster.selectors import NodeView, nodes_now
-from engines.config import EngineConfig, Limits, ModelSpec
+from engines.launch.config import EngineConfig, Limits, ModelSpec
 from routing import select as routes
 from routing.compat import EngineView
 from routing.placement import NodeRoute

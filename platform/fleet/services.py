@@ -10,8 +10,8 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.utils import timezone
 
-from engines.client import AsyncEngineClient, EngineClient, EngineError
-from engines.launch import popen_detached_kwargs
+from engines.launch.process import popen_detached_kwargs
+from engines.wire.client import AsyncEngineClient, EngineClient, EngineError
 
 from .models import EngineSpec, EngineState
 from .supervisor_lock import SupervisorLock

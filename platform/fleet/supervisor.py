@@ -35,13 +35,13 @@ from pathlib import Path
 import psutil
 from django.utils import timezone
 
-from engines.client import (
+from engines.launch.process import spawn_engine
+from engines.wire.client import (
     EngineClient,
     EngineError,
     connection_file,
     write_connection_file,
 )
-from engines.launch import spawn_engine
 
 from .leftovers import engine_leftovers_end
 from .membership import Membership

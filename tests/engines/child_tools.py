@@ -1,4 +1,5 @@
-"""Running the engines' one-shot tools (engines/tools.py) as the catalog runs
+"""Running the engines' one-shot inspection tools
+(engines/inspection/messages.py) as the catalog runs
 them: a child process, one JSON request on stdin, one JSON result on stdout."""
 
 import json

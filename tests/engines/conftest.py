@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from engines.client import AsyncEngineClient, EngineClient, EngineError
-from engines.launch import spawn_engine
+from engines.launch.process import spawn_engine
+from engines.wire.client import AsyncEngineClient, EngineClient, EngineError
 
 EMBEDDER = "all-minilm-l6-v2"
 

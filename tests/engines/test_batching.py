@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from engines.batching import MicroBatcher
-from engines.protocol import ProtocolError
+from engines.runtime.batching import MicroBatcher
+from engines.wire.errors import ProtocolError
 
 
 def fake_encoder(calls: list[list[str]], poison: str = "POISON"):

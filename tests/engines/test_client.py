@@ -7,8 +7,9 @@ import socket
 
 import pytest
 
-from engines.client import AsyncEngineClient, EngineUnreachable
-from engines.protocol import MAX_AUTH_FRAME_BYTES, decode_message, recv_frame
+from engines.wire.bounds import MAX_AUTH_FRAME_BYTES
+from engines.wire.client import AsyncEngineClient, EngineUnreachable
+from engines.wire.framing import decode_message, recv_frame
 
 
 @pytest.fixture

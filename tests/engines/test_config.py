@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from engines.config import (
+from engines.launch.config import (
     CONFIG_ENV,
     CONFIG_FILE_ENV,
     MAX_ENV_STRING,
@@ -16,7 +16,7 @@ from engines.config import (
     ModelSpec,
     env_problems,
 )
-from engines.launch import write_config_file
+from engines.launch.process import write_config_file
 
 
 def full_config() -> EngineConfig:

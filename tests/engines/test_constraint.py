@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from engines.client import EngineRequestError
-from engines.generate_request import MAX_TOOLS_CHARS
-from engines.toolcalls import ToolCallStream, template_messages
+from engines.constrained.toolcalls import ToolCallStream, template_messages
+from engines.wire.client import EngineRequestError
+from engines.wire.requests import MAX_TOOLS_CHARS
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
@@ -270,9 +270,9 @@ def test_tools_over_their_total_cap_are_refused_before_rendering(engine):
 BATCHED = """
 import json
 from engines.backends.gguf import LlamaBackend
-from engines.generate_request import check_generate
-from engines.generation import GenerationRequest
-from engines.textgen import SamplingParams
+from engines.wire.requests import check_generate
+from engines.generation.runner import GenerationRequest
+from engines.generation.sampling import SamplingParams
 
 backend = LlamaBackend(MODEL, n_slots=4, context_length=512, n_threads=2)
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array",
@@ -343,11 +343,11 @@ def test_constrained_and_free_slots_share_every_pass(models_dir):
 LIMITS = """
 import json
 from engines.backends.gguf import LlamaBackend
-from engines.constraint import GRAMMAR_LIMITS, MASK_BUDGET_S
-from engines.generate_request import check_generate
-from engines.generation import GenerationRequest
-from engines.protocol import ProtocolError
-from engines.textgen import SamplingParams
+from engines.constrained.grammar import GRAMMAR_LIMITS, MASK_BUDGET_S
+from engines.wire.requests import check_generate
+from engines.generation.runner import GenerationRequest
+from engines.wire.framing import ProtocolError
+from engines.generation.sampling import SamplingParams
 
 backend = LlamaBackend(MODEL, n_slots=2, context_length=512, n_threads=2)
 grammars = backend.grammars

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engines.client import EngineRequestError
+from engines.wire.client import EngineRequestError
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
@@ -128,10 +128,10 @@ def test_what_cannot_fit_even_with_every_turn_dropped_is_refused(engine):
 
 ONCE = """
 import json
-import engines.prompts as prompts
+import engines.generation.prompts as prompts
 from engines.backends.gguf import LlamaBackend
-from engines.context import fit_prompt
-from engines.textgen import SamplingParams
+from engines.generation.context import fit_prompt
+from engines.generation.sampling import SamplingParams
 
 backend = LlamaBackend(MODEL, n_slots=1, context_length=256, n_threads=2)
 made, renders = [], []

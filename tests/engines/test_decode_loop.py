@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from engines.generation import (
+from engines.generation.runner import (
     DecodeThread,
     GenerationBackend,
     GenerationRequest,
     GenerationRunner,
 )
-from engines.protocol import ProtocolError
-from engines.textgen import SamplingParams
+from engines.generation.sampling import SamplingParams
+from engines.wire.errors import ProtocolError
 
 
 class CountingBackend(GenerationBackend):

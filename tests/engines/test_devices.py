@@ -14,12 +14,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from engines.client import EngineRequestError
-from engines.devices import (
-    DeviceMemory,
-    FileMemoryProbe,
-    NvidiaMemoryProbe,
-)
+from engines.launch.devices import DeviceMemory, FileMemoryProbe, NvidiaMemoryProbe
+from engines.wire.client import EngineRequestError
 from tests.engines.conftest import start_engine
 
 SMI_OUTPUT = """GPU-aaaa, 0, 81559, 1024

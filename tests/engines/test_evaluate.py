@@ -1,4 +1,4 @@
-"""engines.evaluate in its own process, on the bundled SmolLM2: speed,
+"""engines.inspection.evaluate in its own process, on the bundled SmolLM2: speed,
 perplexity on the shipped text, greedy continuations, and agreement with a
 reference, with controls that show each figure can come out wrong."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from engines.tools import EVALUATION_TEXT
+from engines.inspection.messages import EVALUATION_TEXT
 from tests.engines.child_tools import run_tool
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,7 +31,7 @@ def excerpt(tmp_path_factory) -> Path:
 def evaluate(excerpt):
     def run(path, **fields):
         request = {"path": str(path), "text_path": str(excerpt), **LIGHT, **fields}
-        done = run_tool("engines.evaluate", request)
+        done = run_tool("engines.inspection.evaluate", request)
         assert done.returncode == 0, done.stderr
         return done.result
 

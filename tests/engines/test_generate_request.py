@@ -4,14 +4,14 @@ bad_request over their caps, before anything is rendered; at a cap, taken."""
 
 import pytest
 
-from engines.generate_request import (
+from engines.wire.errors import ErrorCode, ProtocolError
+from engines.wire.requests import (
     MAX_REQUEST_BYTES,
     MAX_TOOLS_CHARS,
     check_generate,
     request_bytes,
     tools_chars,
 )
-from engines.protocol import ErrorCode, ProtocolError
 
 CHAT = {
     "kind": "generate",

@@ -6,8 +6,8 @@ from tests.conftest import run_python
 
 DECODE = """
 import json, sys
-from engines.backends import gguf
-model = gguf.load(sys.argv[1] if len(sys.argv) > 1 else MODEL, n_ctx=256)
+from engines.backends import llama
+model = llama.load(sys.argv[1] if len(sys.argv) > 1 else MODEL, n_ctx=256)
 tokens = []
 for token in model.generate(model.tokenize(b"The capital of France is"), temp=0.0):
     tokens.append(token)
@@ -15,7 +15,7 @@ for token in model.generate(model.tokenize(b"The capital of France is"), temp=0.
         break
 print(json.dumps({"tokens": tokens,
                   "text": model.detokenize(tokens).decode("utf-8", "replace"),
-                  "system_info": gguf.system_info()}))
+                  "system_info": llama.system_info()}))
 """
 
 
@@ -34,8 +34,8 @@ def test_decode_produces_tokens_without_amx(models_dir):
 FIRST_TOKENS_FIRST = """
 import json
 from engines.backends.gguf import LlamaBackend
-from engines.generation import GenerationRequest
-from engines.textgen import SamplingParams
+from engines.generation.runner import GenerationRequest
+from engines.generation.sampling import SamplingParams
 
 backend = LlamaBackend(MODEL, n_slots=3, context_length=768, n_threads=2)
 events = []

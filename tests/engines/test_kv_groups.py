@@ -9,8 +9,8 @@ from tests.conftest import run_python
 DRIVER = """
 import json
 from engines.backends.gguf import LlamaBackend
-from engines.generation import GenerationRequest
-from engines.textgen import SamplingParams
+from engines.generation.runner import GenerationRequest
+from engines.generation.sampling import SamplingParams
 
 SYSTEM = " ".join(
     f"Rule {n}: answer questions about the harbour of Port {n} politely."

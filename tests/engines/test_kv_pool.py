@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engines.client import EngineRequestError
+from engines.wire.client import EngineRequestError
 from tests.engines.conftest import start_engine, wait_until
 from tests.engines.test_generation import gguf_spec
 

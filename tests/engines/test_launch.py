@@ -13,16 +13,16 @@ import time
 import psutil
 import pytest
 
-from engines.client import EngineClient, EngineDied, EngineError
-from engines.config import (
+from engines.launch.config import (
     CONFIG_ENV,
     CONFIG_FILE_ENV,
     EngineConfig,
     Limits,
     ModelSpec,
 )
-from engines.launch import SpawnError, spawn_engine
-from engines.serve import EXIT_STUCK
+from engines.launch.process import SpawnError, spawn_engine
+from engines.runtime.serve import EXIT_STUCK
+from engines.wire.client import EngineClient, EngineDied, EngineError
 from tests.conftest import ROOT
 from tests.engines.conftest import EMBEDDER, embedder_spec, free_port
 
@@ -225,7 +225,7 @@ def _embed(client: EngineClient, texts: list[str]):
 
 HANGING_DRAIN = """
 import signal, sys, threading
-from engines.serve import Stopper
+from engines.runtime.serve import Stopper
 stopper = Stopper(1.0)
 stopper.attach(lambda: None)  # a drain that never ends
 signal.signal(signal.SIGTERM, stopper.on_signal)

@@ -9,9 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.generation import DecodeThread, GenerationRequest, GenerationRunner
-from engines.protocol import ProtocolError
-from engines.textgen import SamplingParams
+from engines.generation.runner import (
+    DecodeThread,
+    GenerationRequest,
+    GenerationRunner,
+)
+from engines.generation.sampling import SamplingParams
+from engines.wire.errors import ProtocolError
 
 actions = st.lists(
     st.one_of(

@@ -1,4 +1,4 @@
-"""Node links (engines/link.py) against a real engine: a relay on loopback in
+"""Node links (engines/wire/link.py) against a real engine: a relay on loopback in
 the test's event loop, the same client as for a local engine over it, and a
 proxy between them that can go silent (a cut cable, as iptables DROP does
 across hosts; the multi-host tests in tests/cluster/ do it for real)."""
@@ -11,8 +11,9 @@ import time
 import pytest
 
 from cluster.tls import relay_certificate, server_tls_context
-from engines.client import AsyncEngineClient, EngineDied, EngineUnreachable
-from engines.link import (
+from engines.wire.client import AsyncEngineClient, EngineDied, EngineUnreachable
+from engines.wire.framing import encode_message, read_frame
+from engines.wire.link import (
     LINK_DEAD_S,
     LINK_HEADER,
     MAX_LINK_PAYLOAD,
@@ -22,7 +23,6 @@ from engines.link import (
     Relay,
     RemoteEngineClient,
 )
-from engines.protocol import encode_message, read_frame
 from tests.engines.conftest import free_port, start_engine
 from tests.engines.test_generation import SMOL, gguf_spec
 

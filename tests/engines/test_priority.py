@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from engines.client import EngineRequestError
+from engines.wire.client import EngineRequestError
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine, wait_until
 
@@ -146,9 +146,9 @@ def test_priority_is_checked(engine):
 YIELD = """
 import json
 import engines.backends.gguf as gguf
-import engines.slots as slots
-from engines.generation import GenerationRequest
-from engines.textgen import SamplingParams
+import engines.generation.slots as slots
+from engines.generation.runner import GenerationRequest
+from engines.generation.sampling import SamplingParams
 
 gguf.BATCH_TOKENS = 64  # a long prompt then takes several passes
 backend = gguf.LlamaBackend(MODEL, n_slots=6, context_length=512, n_threads=2)

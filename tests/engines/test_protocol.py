@@ -9,18 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.protocol import (
+from engines.wire.errors import FrameTooLarge, ProtocolError
+from engines.wire.framing import (
     HEADER,
-    FrameTooLarge,
-    ProtocolError,
     decode_array,
     decode_message,
     encode_array,
     encode_message,
     read_frame,
     split_frames,
-    validate_request,
 )
+from engines.wire.requests import validate_request
 
 json_values = st.recursive(
     st.none()

@@ -9,16 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.protocol import (
-    HEADER,
-    MAX_PROMPT_CHARS,
-    FrameTooLarge,
-    ProtocolError,
-    decode_message,
-    encode_message,
-    read_frame,
-    validate_request,
-)
+from engines.wire.bounds import MAX_PROMPT_CHARS
+from engines.wire.errors import FrameTooLarge, ProtocolError
+from engines.wire.framing import HEADER, decode_message, encode_message, read_frame
+from engines.wire.requests import validate_request
 
 FUZZ = settings(max_examples=300, deadline=None)
 

@@ -1,4 +1,4 @@
-"""engines.quantize in its own process: the bundled SmolLM2 (Q4_1) written as
+"""engines.inspection.quantize in its own process: the bundled SmolLM2 (Q4_1) written as
 Q4_0 by llama.cpp's quantizer, atomically, and what it refuses."""
 
 from gguf import GGUFReader, LlamaFileType
@@ -15,7 +15,7 @@ def test_a_q4_1_model_written_as_q4_0(models_dir, tmp_path):
     source = models_dir / SMOL
     target = tmp_path / "out" / "smol-q4_0.gguf"
     run = run_tool(
-        "engines.quantize",
+        "engines.inspection.quantize",
         {"source": str(source), "target": str(target), "quantization": "Q4_0"},
     )
     assert run.returncode == 0, run.stderr
@@ -34,7 +34,7 @@ def test_a_missing_source_is_a_problem_and_writes_nothing(tmp_path):
     """A result that names the missing file, and no target file at all."""
     target = tmp_path / "out.gguf"
     run = run_tool(
-        "engines.quantize",
+        "engines.inspection.quantize",
         {"source": str(tmp_path / "gone.gguf"), "target": str(target)}
         | {"quantization": "Q8_0"},
     )
@@ -46,7 +46,7 @@ def test_a_missing_source_is_a_problem_and_writes_nothing(tmp_path):
 def test_a_quantization_outside_the_list_is_refused(tmp_path):
     """Only the catalog's quantizations are accepted: F16 is refused unread."""
     run = run_tool(
-        "engines.quantize",
+        "engines.inspection.quantize",
         {"source": "a.gguf", "target": str(tmp_path / "b.gguf"), "quantization": "F16"},
     )
     assert run.returncode == 2 and run.result is None

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from engines.client import EngineRequestError
+from engines.wire.client import EngineRequestError
 from tests.engines.conftest import start_engine, wait_until
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.client import EngineRequestError
+from engines.wire.client import EngineRequestError
 from tests.engines.conftest import build_tiny_llama, start_engine
 from tests.engines.test_generation import gguf_spec, wait_idle
 

@@ -10,17 +10,16 @@ import numpy as np
 import psutil
 import pytest
 
-from engines.client import (
+from engines.wire.bounds import MAX_AUTH_FRAME_BYTES, MAX_FRAME_BYTES
+from engines.wire.client import (
     EngineClient,
     EngineError,
     EngineRequestError,
     EngineUnauthorized,
     EngineUnreachable,
 )
-from engines.protocol import (
+from engines.wire.framing import (
     HEADER,
-    MAX_AUTH_FRAME_BYTES,
-    MAX_FRAME_BYTES,
     auth_frame,
     decode_message,
     encode_message,
@@ -341,7 +340,7 @@ def test_client_errors_name_the_failure(embed_engine):
         EngineClient(port=free_port(), token="x").ping()
 
     async def wrong_token():
-        from engines.client import AsyncEngineClient
+        from engines.wire.client import AsyncEngineClient
 
         await AsyncEngineClient(port=embed_engine.port, token="x").ping()
 

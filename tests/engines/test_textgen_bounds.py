@@ -8,7 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.protocol import (
+from engines.generation.sampling import SamplingParams
+from engines.generation.templates import validate_messages
+from engines.wire.bounds import (
     MAX_MESSAGES,
     MAX_PENALTY,
     MAX_REPEAT_PENALTY,
@@ -22,9 +24,8 @@ from engines.protocol import (
     MIN_REPEAT_PENALTY,
     MIN_TEMPERATURE,
     SAMPLING_FIELDS,
-    ProtocolError,
 )
-from engines.textgen import SamplingParams, validate_messages
+from engines.wire.errors import ProtocolError
 
 FLOATS = (
     "temperature",

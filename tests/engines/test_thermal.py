@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.thermal import FileProbe, ThermalGate, Thresholds
+from engines.runtime.thermal import FileProbe, ThermalGate, Thresholds
 from tests.engines.conftest import start_engine, wait_until
 
 TINY = "tiny-llama"

@@ -24,7 +24,7 @@ import pytest
 
 from api.models import ApiKey, Usage
 from catalog.models import ModelConfig
-from engines.client import EngineClient
+from engines.wire.client import EngineClient
 from fleet.models import EngineSpec, ServerSettings
 from tests.conftest import ROOT
 from tests.factories import ApiKeyFactory

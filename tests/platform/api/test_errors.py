@@ -6,7 +6,7 @@ import pytest
 
 from api import errors
 from api.schemas import ChatCompletionRequest, EmbeddingRequest, parse
-from engines.protocol import ErrorCode
+from engines.wire.errors import ErrorCode
 
 
 def test_every_engine_code_has_a_status():

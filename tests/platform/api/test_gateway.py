@@ -4,7 +4,11 @@ the supervisor has replaced it."""
 import pytest
 
 from api.gateway import Gateway
-from engines.client import EngineUnreachable, connection_file, write_connection_file
+from engines.wire.client import (
+    EngineUnreachable,
+    connection_file,
+    write_connection_file,
+)
 
 
 def test_a_client_is_read_again_only_when_its_file_changes(settings, tmp_path):

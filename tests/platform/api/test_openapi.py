@@ -5,7 +5,7 @@ import pytest
 
 from api import errors, openapi
 from api.schemas import ENDPOINT_SCHEMAS, EmbeddingRequest, parse
-from engines.protocol import ErrorCode
+from engines.wire.errors import ErrorCode
 
 KEYED_POSTS = [(path, "post") for path in ENDPOINT_SCHEMAS]
 

@@ -17,14 +17,7 @@ from api.schemas import (
     EmbeddingRequest,
     parse,
 )
-from engines.generate_request import (
-    ENVELOPE_BYTES,
-    MAX_REQUEST_BYTES,
-    MAX_TOOLS_CHARS,
-    request_bytes,
-    tools_chars,
-)
-from engines.protocol import (
+from engines.wire.bounds import (
     MAX_PENALTY,
     MAX_PROMPT_CHARS,
     MAX_SEED,
@@ -33,8 +26,15 @@ from engines.protocol import (
     MAX_TEMPERATURE,
     MAX_TOKENS_CAP,
     MIN_TEMPERATURE,
-    ProtocolError,
     check_sampling,
+)
+from engines.wire.errors import ProtocolError
+from engines.wire.requests import (
+    ENVELOPE_BYTES,
+    MAX_REQUEST_BYTES,
+    MAX_TOOLS_CHARS,
+    request_bytes,
+    tools_chars,
 )
 
 FUZZ = settings(max_examples=300, deadline=None)

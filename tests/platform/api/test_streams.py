@@ -21,8 +21,8 @@ from asgiref.sync import sync_to_async
 from api.gateway import GATEWAY
 from api.limits import LimitExceeded, key_admission
 from api.models import Usage
-from engines import client as engine_client
-from engines.client import write_connection_file
+from engines.wire import client as engine_client
+from engines.wire.client import write_connection_file
 from routing.select import EngineStatus, ModelRoute, Snapshot, SnapshotCache
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec

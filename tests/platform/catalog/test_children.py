@@ -4,7 +4,7 @@ process gets only what a tool uses of the worker's environment."""
 import os
 
 from catalog.children import run_tool
-from engines.tools import Message
+from engines.inspection.messages import Message
 
 SECRETS = {
     "REDIS_URL": "redis://:hunter2@127.0.0.1:6379/0",

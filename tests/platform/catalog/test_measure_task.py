@@ -73,7 +73,7 @@ def test_a_probe_past_its_timeout_is_killed(models_dir):
     probes = [
         child
         for child in psutil.Process().children(recursive=True)
-        if "engines.probe" in child.cmdline()
+        if "engines.inspection.probe" in child.cmdline()
     ]
     assert probes == []
 

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from catalog.models import SAMPLING_KEYS, ModelConfig, validate_sampling
-from engines.protocol import ProtocolError, check_sampling
+from engines.wire.bounds import check_sampling
+from engines.wire.errors import ProtocolError
 from tests.factories import ModelConfigFactory
 
 from .test_admin import add

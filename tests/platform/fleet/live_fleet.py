@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 from django.db import connection
 
-from engines.client import EngineClient
+from engines.wire.client import EngineClient
 from fleet.models import EngineState
 from fleet.supervisor_lock import SupervisorLock
 from tests.conftest import ROOT
@@ -257,7 +257,9 @@ def stop_leftovers(fleet: Fleet) -> None:
     ports = range(fleet.base_port, fleet.base_port + 4)
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if "engines.serve" in cmdline and any(f"--port {p}" in cmdline for p in ports):
+        if "engines.runtime.serve" in cmdline and any(
+            f"--port {p}" in cmdline for p in ports
+        ):
             with contextlib.suppress(psutil.Error):
                 proc.resume()
                 proc.kill()

@@ -5,7 +5,7 @@ import json
 import pytest
 from django.utils import timezone
 
-from engines.config import EngineConfig
+from engines.launch.config import EngineConfig
 from fleet.models import EngineState, EngineStatus, ThermalOverride, ThermalSettings
 from fleet.selectors import engines_desired, routing_snapshot
 from fleet.services import engine_state_record
@@ -36,7 +36,7 @@ def test_routing_sends_requests_only_to_engines_that_serve(status, up):
 
 
 def test_the_configuration_the_supervisor_writes_is_what_the_engine_reads():
-    """Built through engines/config.py's dataclasses from the rows (catalog
+    """Built through engines/launch/config.py's dataclasses from the rows (catalog
     models with their measured memory, sampling and template, limits, thermal
     overrides, devices, cores), it reads back unchanged with the engine's
     strict reader."""

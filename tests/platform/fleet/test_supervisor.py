@@ -14,7 +14,7 @@ from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 
 from catalog.models import ModelConfig
-from engines.client import EngineClient, EngineDied, EngineUnauthorized
+from engines.wire.client import EngineClient, EngineDied, EngineUnauthorized
 from fleet.models import (
     ConcurrencySettings,
     EngineSpec,

@@ -13,8 +13,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from catalog.models import ModelConfig
-from engines.client import EngineError, connection_file, write_connection_file
-from engines.config import CONFIG_FILE_ENV
+from engines.launch.config import CONFIG_FILE_ENV
+from engines.wire.client import EngineError, connection_file, write_connection_file
 from fleet.models import EngineSpec, ServerSettings
 from fleet.selectors import routing_snapshot
 from tests.platform.fleet.live_fleet import CHAT, EMBEDDER, gone, state_of
@@ -25,7 +25,7 @@ def test_engines_end_with_a_killed_supervisor_and_the_next_ends_leftovers(fleet)
     """SIGKILL of the supervisor: its engines stop by themselves. One that
     cannot (stopped) is ended by the next supervisor, which proves it is its
     engine by pid and start time; a process listed with another start time is
-    left alone, though its command line names engines.serve. The new engines
+    left alone, though its command line names engines.runtime.serve. The new engines
     take the same ports."""
     EngineSpec.objects.create(name="cpu1", backend="cpu", order=1)
     first = fleet.start()
@@ -38,7 +38,7 @@ def test_engines_end_with_a_killed_supervisor_and_the_next_ends_leftovers(fleet)
     assert psutil.Process(pids["cpu1"]).status() == psutil.STATUS_STOPPED
 
     decoy = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(600)", "engines.serve"]
+        [sys.executable, "-c", "import time; time.sleep(600)", "engines.runtime.serve"]
     )
     write_connection_file(
         fleet.run_dir,

@@ -1,0 +1,151 @@
+"""Estimates of a model's memory before it is loaded (residency decisions use
+them until a load has measured the real figure). No ML library: GGUF metadata is
+read by engines/runtime/ggufmeta.py, everything else from file sizes and configs."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.launch.config import Limits, ModelSpec
+from engines.runtime.ggufmeta import read_header
+
+MIB = 2**20
+KV_BYTES = 2  # llama.cpp and transformers keep K and V in 16-bit here
+# A generation model's context when its setting is empty (its trained one, if
+# shorter).
+DEFAULT_CONTEXT = 4096
+# Auto slots: one per this many tokens of the KV pool.
+AUTO_SLOT_TOKENS = 1024
+# A GGUF model's slots are split over up to this many llama.cpp contexts (KV
+# groups; engines/backends/gguf.py says why), each of at least
+# GROUP_MIN_SLOTS slots and GROUP_MIN_CONTEXTS whole contexts of the pool.
+MAX_KV_GROUPS = 4
+GROUP_MIN_SLOTS = 4
+GROUP_MIN_CONTEXTS = 2
+
+
+def _gguf_shape(path: Path) -> dict:
+    header = read_header(path)
+    arch = str(header.get("general.architecture", ""))
+
+    def value(key: str, default=None):
+        found = header.get(f"{arch}.{key}")
+        return default if found is None else int(found)
+
+    layers = value("block_count", 0)
+    embd = value("embedding_length", 0)
+    heads = value("attention.head_count", 1) or 1
+    kv_heads = value("attention.head_count_kv", heads) or heads
+    head_dim = value("attention.key_length", embd // heads)
+    return {
+        "layers": layers,
+        "kv_width": kv_heads * head_dim,
+        "trained_context": value("context_length", DEFAULT_CONTEXT),
+        "parameters": header.parameters,
+    }
+
+
+def _kv_mib(shape: dict, tokens: int) -> float:
+    return 2 * shape["layers"] * shape["kv_width"] * tokens * KV_BYTES / MIB
+
+
+def _files_mib(path: Path, suffixes: tuple[str, ...]) -> float:
+    files = [path] if path.is_file() else path.rglob("*")
+    return sum(f.stat().st_size for f in files if f.suffix in suffixes) / MIB
+
+
+def _shape(spec: ModelSpec) -> dict:
+    """Layers, KV width and trained context of a generation model's files."""
+    path = Path(spec.path)
+    if spec.format == "gguf" or path.suffix == ".gguf":
+        return _gguf_shape(path)
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    heads = config.get("num_attention_heads", 1)
+    return {
+        "layers": config.get("num_hidden_layers", 0),
+        "kv_width": config.get("num_key_value_heads", heads)
+        * config.get("head_dim", config.get("hidden_size", 0) // heads),
+        "trained_context": config.get("max_position_embeddings") or DEFAULT_CONTEXT,
+    }
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How a generation model is served: its slots, the tokens one conversation
+    may hold (`context`), and the KV pool the slots share (`pool_tokens`,
+    `kv_mib`), split in `kv_groups` equal groups of slots: one long
+    conversation may use more than an equal share."""
+
+    slots: int
+    context: int
+    pool_tokens: int
+    kv_mib: float
+    auto: bool
+    kv_groups: int = 1
+
+    def describe(self) -> dict:
+        return {
+            "slots": self.slots,
+            "slots_auto": self.auto,
+            "context": self.context,
+            "kv_pool_tokens": self.pool_tokens,
+            "kv_mib": round(self.kv_mib, 1),
+            "kv_groups": self.kv_groups,
+        }
+
+
+def plan_slots(spec: ModelSpec, limits: Limits) -> SlotPlan:
+    """The model's slots and KV pool. Its context: its setting, else its trained
+    context up to DEFAULT_CONTEXT. The pool: the KV budget's worth of tokens
+    (Limits.kv_cache_mib), never less than one whole context nor more than
+    every slot's whole context. Slots `auto` (the model's `slots` empty): one
+    per AUTO_SLOT_TOKENS of the pool (a context, if shorter), up to the cap
+    (Limits.max_slots_per_model), at least one. A GGUF model's KV groups: as
+    many as leave each group GROUP_MIN_SLOTS slots and GROUP_MIN_CONTEXTS
+    contexts of the pool, up to MAX_KV_GROUPS (so a conversation can still
+    hold its whole context, more than an equal share). Reads file headers:
+    run it off the event loop."""
+    try:
+        shape = _shape(spec)
+    except (OSError, ValueError, KeyError):
+        # Files that do not tell: the load itself says what is wrong with them.
+        shape = {"layers": 0, "kv_width": 0, "trained_context": DEFAULT_CONTEXT}
+    trained = shape["trained_context"] or DEFAULT_CONTEXT
+    context = min(spec.context_length or min(trained, DEFAULT_CONTEXT), trained)
+    per_token = _kv_mib(shape, 1)
+    budget = int(limits.kv_cache_mib / per_token) if per_token else context
+    slots = spec.slots
+    if not slots:
+        share = min(context, AUTO_SLOT_TOKENS)
+        slots = max(1, min(limits.max_slots_per_model, budget // share))
+    pool = max(context, min(budget, slots * context))
+    groups = 1
+    if spec.format == "gguf":
+        by_pool = pool // (GROUP_MIN_CONTEXTS * context)
+        groups = max(1, min(MAX_KV_GROUPS, slots // GROUP_MIN_SLOTS, by_pool))
+    return SlotPlan(
+        slots, context, pool, pool * per_token, auto=not spec.slots, kv_groups=groups
+    )
+
+
+def estimate_model_mib(
+    spec: ModelSpec, *, slots: int = 1, pool_tokens: int = 0
+) -> float:
+    """Weights plus the KV cache: `pool_tokens` (a SlotPlan's), else the
+    configured context on every slot."""
+    path = Path(spec.path)
+    if spec.format == "embedding":
+        return _files_mib(path, (".safetensors", ".bin"))  # an embedder's weights
+    shape = _shape(spec)
+    context = min(spec.context_length or DEFAULT_CONTEXT, shape["trained_context"])
+    kv = _kv_mib(shape, pool_tokens or context * slots)
+    if spec.format == "gguf":
+        return path.stat().st_size / MIB + kv
+    if path.suffix == ".gguf":  # transformers dequantizes a GGUF to float32
+        return shape["parameters"] * 4 / MIB + kv
+    weights = _files_mib(path, (".safetensors", ".bin"))
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    stored = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    if "16" in stored:
+        weights *= 2  # loaded as float32
+    return weights + kv

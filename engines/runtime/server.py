@@ -1,0 +1,391 @@
+"""The engine process's server: one asyncio loop serving framed requests from any
+number of connections, with the models resident in this process."""
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psutil
+
+from engines.generation.runner import GenerationRunner
+from engines.launch.config import (
+    DEVICE_MEMORY_FILE_ENV,
+    LOOPBACK,
+    THERMAL_FILE_ENV,
+    EngineConfig,
+    Limits,
+    ModelSpec,
+)
+from engines.launch.devices import DeviceMemory, default_memory_probes
+from engines.runtime.residency import DRAIN_TIMEOUT_S, Residency, ResidentModel
+from engines.runtime.streaming import serve_generation
+from engines.runtime.thermal import ThermalGate, Thresholds, default_probes
+from engines.runtime.watcher import watch
+from engines.wire.bounds import AUTH_TIMEOUT_S, MAX_AUTH_FRAME_BYTES, MAX_FRAME_BYTES
+from engines.wire.errors import ErrorCode, FrameTooLarge, ProtocolError, error_frame
+from engines.wire.framing import (
+    UNAUTHORIZED_MESSAGE,
+    check_auth,
+    decode_message,
+    encode_array,
+    encode_message,
+    frame_bytes,
+    read_frame,
+)
+from engines.wire.requests import check_generate, validate_request
+
+log = logging.getLogger("roundhouse.engine")
+
+Reply = tuple[dict[str, Any], bytes | None]
+
+
+class EngineServer:
+    """Serves one engine's models over the framed protocol on loopback: the
+    connections and the dispatch of each request kind. The models themselves
+    are in `residency`, generation streams in engines/runtime/streaming.py, the
+    temperature and keep-alive watch in engines/runtime/watcher.py."""
+
+    def __init__(self, config: EngineConfig, token: str) -> None:
+        if not token:
+            raise ValueError("an engine needs a token")
+        self.config = config
+        self._token = token.encode("utf-8")
+        self._server: asyncio.Server | None = None
+        self._stop = asyncio.Event()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.Task] = set()
+        self._generations: dict[str, GenerationRunner] = {}
+        self.thermal = ThermalGate(
+            default_probes(os.environ.get(THERMAL_FILE_ENV)),
+            thresholds=Thresholds.from_dict(config.thermal),
+            devices=config.devices,
+        )
+        self.device_memory = DeviceMemory(
+            default_memory_probes(os.environ.get(DEVICE_MEMORY_FILE_ENV)),
+            config.devices,
+        )
+        # Set while the engine may compute; cleared while it cools. One for the
+        # decode thread, one for the embedding batchers on the event loop.
+        self._allowed = threading.Event()
+        self._allowed.set()
+        self._allowed_async = asyncio.Event()
+        self._allowed_async.set()
+        self.residency = Residency(
+            config,
+            allowed=self._allowed,
+            allowed_async=self._allowed_async,
+            device_memory=self.device_memory,
+        )
+        self._watch_task: asyncio.Task | None = None
+        self.started_at = time.time()
+        # Tokens generated since the engine started (the dashboard's tokens/s).
+        self.tokens_generated = 0
+        self.port: int | None = None
+
+    @property
+    def models(self) -> dict[str, ResidentModel]:
+        return self.residency.models
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Bind first (a prober sees the port taken at once), then load models."""
+        # Loopback only, whatever any setting says.
+        self._server = await asyncio.start_server(
+            self._serve_connection, host=LOOPBACK, port=self.config.port, backlog=4096
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("engine %s listening on %s:%s", self.config.name, LOOPBACK, self.port)
+        self._watch_task = asyncio.create_task(
+            watch(self.thermal, self._set_allowed, self.residency)
+        )
+        for name in self.config.preload:
+            try:
+                await self.residency.ensure_loaded(name)
+            except ProtocolError as error:
+                log.error("preloading %s failed: %s", name, error.message)
+
+    async def run(self) -> None:
+        """Serve until asked to stop, then drain."""
+        await self.startup()
+        await self._stop.wait()
+        await self.shutdown()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let requests in flight finish (up to the drain
+        timeout), close everything. Bounded: a stuck model is left behind."""
+        if self._server is not None:
+            self._server.close()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        self._set_allowed(True)  # in-flight work finishes even if hot
+        try:
+            await asyncio.wait_for(self._idle.wait(), DRAIN_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("drain timed out with %d requests in flight", self._inflight)
+        for writer in list(self._writers):
+            writer.close()
+        if self._connections:  # let every answer finish flushing
+            await asyncio.wait(list(self._connections), timeout=10)
+        await self.residency.unload_all()
+        log.info("engine %s stopped", self.config.name)
+
+    def _set_allowed(self, allowed: bool) -> None:
+        for event in (self._allowed, self._allowed_async):
+            if allowed:
+                event.set()
+            else:
+                event.clear()
+
+    # -- connections ----------------------------------------------------------
+
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self._writers.add(writer)
+        self._connections.add(asyncio.current_task())
+        try:
+            if not await self._authenticated(reader, writer):
+                return
+            while not self._stop.is_set():
+                try:
+                    payload = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
+                except FrameTooLarge as error:
+                    # Close at once: the oversized payload is never read or stored.
+                    log.warning("closing a connection: %s", error.message)
+                    return
+                except (ConnectionError, OSError):
+                    return
+                if payload is None:
+                    return
+                await self._answer(payload, reader, writer)
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+            # Wait for the transport to flush: an answer still buffered when the
+            # engine exits would reach its caller cut off.
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+            self._connections.discard(asyncio.current_task())
+
+    async def _answer(
+        self,
+        payload: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self._inflight += 1
+        self._idle.clear()
+        after: Callable[[], None] | None = None
+        try:
+            try:
+                message = decode_message(payload)
+                kind = validate_request(message)
+                if kind in ("generate", "generate_stream"):
+                    typed = check_generate(message, size=len(payload))
+                    received = time.perf_counter()
+                    async with self.residency.using(message["model"]) as model:
+                        await serve_generation(
+                            model,
+                            message,
+                            typed,
+                            reader,
+                            writer,
+                            received=received,
+                            generations=self._generations,
+                            count_tokens=self._count_tokens,
+                        )
+                    return
+                handler: Callable[[dict], Awaitable[Reply]] = getattr(
+                    self, f"handle_{kind}"
+                )
+                reply, array = await handler(message)
+                if kind == "shutdown":
+                    after = self.request_stop
+            except ProtocolError as error:
+                reply, array = error.as_frame(), None
+            except Exception:
+                log.exception("request failed")
+                reply, array = error_frame(ErrorCode.INTERNAL, "internal error"), None
+            data = encode_message(reply)
+            if array is not None:
+                data += frame_bytes(array)
+            writer.write(data)
+            await writer.drain()
+        except (ConnectionError, OSError):
+            pass  # the caller went away; nothing to tell it
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+            if after is not None:
+                after()
+
+    async def _authenticated(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Whether the connection's first frame is an auth frame with our
+        token. It is read under the small cap: a caller without the token
+        never gets a larger frame read (its header alone is refused), nor
+        anything decoded but those few bytes. Otherwise answered
+        `unauthorized`; the caller then closes the connection."""
+        try:
+            async with asyncio.timeout(AUTH_TIMEOUT_S):
+                payload = await read_frame(reader, max_bytes=MAX_AUTH_FRAME_BYTES)
+            if payload is None:
+                return False
+            check_auth(payload, self._token)
+            return True
+        except (ConnectionError, OSError, TimeoutError):
+            return False
+        except FrameTooLarge as error:
+            log.warning("refusing a connection before its token: %s", error.message)
+        except ProtocolError:
+            pass
+        with contextlib.suppress(ConnectionError, OSError):
+            writer.write(
+                encode_message(
+                    error_frame(ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+                )
+            )
+            await writer.drain()
+        return False
+
+    # -- health -----------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        return "loading" if self.residency.loading else "ready"
+
+    # -- request kinds ----------------------------------------------------------
+
+    async def handle_ping(self, message: dict) -> Reply:
+        return {
+            "status": "ok",
+            "engine": self.config.name,
+            "pid": os.getpid(),
+            "phase": self.phase,
+        }, None
+
+    async def handle_state(self, message: dict) -> Reply:
+        """What the supervisor records. Answered while models load (loads run
+        off the loop); `healthy` is false with the reason when generation cannot
+        go on (its loop died or is stuck): the supervisor then replaces us."""
+        reason = self.residency.unhealthy_reason()
+        return {
+            "status": "ok",
+            "engine": self.config.name,
+            "pid": os.getpid(),
+            "port": self.port,
+            "phase": self.phase,
+            "healthy": not reason,
+            "unhealthy_reason": reason,
+            "started_at": self.started_at,
+            "models": [model.describe() for model in self.models.values()],
+            "loading": sorted(self.residency.loading),
+            "queue_depth": self.residency.queued(),
+            "slots_in_use": self.residency.busy(),
+            "cooling_reason": self.thermal.reason,
+            "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
+            "temperatures": self.thermal.temperatures,
+            "tokens_generated": self.tokens_generated,
+            "limits": vars(self.config.limits),
+        }, None
+
+    def _count_tokens(self, count: int) -> None:
+        self.tokens_generated += count
+
+    async def handle_load(self, message: dict) -> Reply:
+        model = await self.residency.ensure_loaded(message["model"])
+        return {"status": "ok", "model": model.describe()}, None
+
+    async def handle_unload(self, message: dict) -> Reply:
+        """Drain, then unload (see Residency.unload_drained)."""
+        await self.residency.unload_drained(message["model"])
+        return {"status": "ok", "drained": True}, None
+
+    async def handle_embed(self, message: dict) -> Reply:
+        async with self.residency.using(message["model"]) as model:
+            return await self._embed(model, message)
+
+    async def _embed(self, model: ResidentModel, message: dict) -> Reply:
+        texts: list[str] = message["texts"]
+        if model.batcher is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not embed"
+            )
+        limits = self.config.limits
+        # Embedding requests are cheap to hold: the queue admits queue_limit
+        # batches' worth of texts before answering `overloaded` (an empty queue
+        # takes any request the caps allow, however big).
+        batcher = model.batcher
+        queued = batcher.queued_items
+        if queued and queued + len(texts) > limits.queue_limit * batcher.max_batch_size:
+            raise ProtocolError(ErrorCode.OVERLOADED, "the embedding queue is full")
+        # Queue timeout 0: admitted only if the next batch can take it now.
+        if limits.queue_timeout_s == 0 and (
+            batcher.running
+            or not self._allowed_async.is_set()
+            or (queued and queued + len(texts) > batcher.max_batch_size)
+        ):
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                "no batch can take this request now (queue timeout is 0)",
+            )
+        rows, tokens = await model.batcher.submit_counted(texts)
+        header = {
+            "status": "ok",
+            "model": model.spec.name,
+            "shape": list(rows.shape),
+            "dtype": str(rows.dtype),
+            "usage": {"prompt_tokens": tokens},
+        }
+        if message.get("encoding", "npy") == "json":
+            return {**header, "encoding": "json", "embeddings": rows.tolist()}, None
+        return {**header, "encoding": "npy"}, encode_array(rows)
+
+    async def handle_configure(self, message: dict) -> Reply:
+        config = message["config"]
+        try:
+            limits = Limits.from_dict(config.get("limits", vars(self.config.limits)))
+            models = (
+                {item["name"]: ModelSpec.from_dict(item) for item in config["models"]}
+                if "models" in config
+                else self.config.models
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"bad configuration: {error!r}"
+            ) from None
+        self.config.limits, self.config.models = limits, models
+        if "thermal" in config or "devices" in config:
+            self.config.thermal = dict(config.get("thermal", self.config.thermal))
+            self.config.devices = [str(d) for d in config.get("devices", [])]
+            self.device_memory.devices = set(self.config.devices)
+            self.thermal.configure(
+                thresholds=Thresholds.from_dict(self.config.thermal),
+                devices=self.config.devices,
+            )
+        self.residency.configure(limits)
+        log.info("configuration updated")
+        return {"status": "ok"}, None
+
+    async def handle_cancel(self, message: dict) -> Reply:
+        runner = self._generations.get(message["request_id"])
+        found = runner is not None and runner.cancel(message["request_id"])
+        return {"status": "ok", "cancelled": found}, None
+
+    async def handle_shutdown(self, message: dict) -> Reply:
+        log.info("shutdown requested")
+        return {"status": "ok"}, None
