@@ -1,14 +1,6 @@
-"""Slot bookkeeping shared by the generation backends: a model's sessions,
-admission into a free one, the end conditions of a request (EOS, stop string,
-max_tokens, context), its text/usage events, cancel and release. The backends
-(engines/backends/) decode; engines/generation/runner.py runs them.
-
-Prompt caching (which slot a request takes, prefixes copied between slots):
-engines/generation/prefix_sharing.py.
-
-KV groups: a backend may split its slots into `kv_groups` groups, each with
-its own share of the KV pool (llama.cpp: one context per group); the pool's
-room is counted per group."""
+"""A slot: one session of a generation model, the request in it and its state
+(what it has read, its cache of evaluated tokens, its grammar and tool calls).
+The bookkeeping over a model's slots is engines/generation/slots.py."""
 
 from dataclasses import dataclass, field
 from typing import Any
