@@ -20,7 +20,7 @@ from engines.launch.config import (
     inherited_environment,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class SpawnError(ValueError):
