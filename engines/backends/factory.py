@@ -2,8 +2,8 @@
 room by evicting idle models (memory and models-max), drains, keep-alive expiry,
 and the one decode thread the generation models share."""
 
+from engines.backends.memory import plan_slots
 from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec
-from engines.runtime.memory import plan_slots
 from engines.wire.errors import ErrorCode, ProtocolError
 
 

@@ -1,13 +1,13 @@
 """Estimates of a model's memory before it is loaded (residency decisions use
 them until a load has measured the real figure). No ML library: GGUF metadata is
-read by engines/runtime/ggufmeta.py, everything else from file sizes and configs."""
+read by engines/backends/ggufmeta.py, everything else from file sizes and configs."""
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engines.backends.ggufmeta import read_header
 from engines.launch.config import Limits, ModelSpec
-from engines.runtime.ggufmeta import read_header
 
 MIB = 2**20
 KV_BYTES = 2  # llama.cpp and transformers keep K and V in 16-bit here

@@ -64,7 +64,7 @@ class Message(BaseModel):
 
 class ProbeRequest(Message):
     """Load this model as an engine with this backend and these limits would
-    (its context and slot plan, engines/runtime/memory.py) and measure it."""
+    (its context and slot plan, engines/backends/memory.py) and measure it."""
 
     format: Literal["gguf", "transformers", "embedding"]
     path: str

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from engines.backends.factory import load_backend
+from engines.backends.memory import estimate_model_mib
 from engines.inspection.messages import MIB, ProbeRequest, ProbeResult, tool_main
 from engines.launch.config import (
     DEVICE_MEMORY_FILE_ENV,
@@ -27,7 +28,6 @@ from engines.launch.config import (
     ModelSpec,
 )
 from engines.launch.devices import DeviceMemory, default_memory_probes
-from engines.runtime.memory import estimate_model_mib
 from engines.wire.errors import ProtocolError
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import llama_cpp
 
+from engines.backends.ggufmeta import read_header
 from engines.backends.llama import init_llama_cpp
 from engines.inspection.messages import MIB, QuantizeRequest, QuantizeResult, tool_main
 from engines.launch.config import usable_cores
-from engines.runtime.ggufmeta import read_header
 
 
 def gguf_quantization(path: Path) -> str:

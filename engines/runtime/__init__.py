@@ -1,2 +1,2 @@
 """The engine process: its entry point, server, request streaming, residency,
-memory, devices, thermal gate, watcher and micro-batcher."""
+thermal gate, watcher and micro-batcher."""

@@ -14,15 +14,15 @@ from typing import Any
 import psutil
 
 from engines.backends.factory import load_backend
+from engines.backends.memory import SlotPlan, estimate_model_mib, plan_slots
 from engines.generation.runner import (
     DecodeThread,
     GenerationBackend,
     GenerationRunner,
 )
 from engines.launch.config import GPU_BACKENDS, EngineConfig, Limits, ModelSpec
-from engines.runtime.batching import MicroBatcher
 from engines.launch.devices import DeviceMemory
-from engines.runtime.memory import SlotPlan, estimate_model_mib, plan_slots
+from engines.runtime.batching import MicroBatcher
 from engines.wire.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger("roundhouse.engine")

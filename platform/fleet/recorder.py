@@ -29,7 +29,7 @@ log = logging.getLogger("roundhouse.supervisor")
 UNAVAILABLE = (DatabaseError, InterfaceError)  # InterfaceError: connection gone
 
 
-# What the engine reports of a generation model's slots (engines.runtime.memory
+# What the engine reports of a generation model's slots (engines.backends.memory
 # SlotPlan.describe), recorded with its memory.
 SLOT_PLAN_FIELDS = (
     "slots",

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from engines.backends.memory import estimate_model_mib, plan_slots
 from engines.launch.config import Limits, ModelSpec
-from engines.runtime.memory import estimate_model_mib, plan_slots
 
 
 def spec(fmt: str, path: str, context: int | None = 512) -> ModelSpec:
@@ -47,7 +47,7 @@ def test_header_reader_agrees_with_the_gguf_package():
     package's full reader gives (the reference), and remembers the file."""
     from gguf import GGUFReader
 
-    from engines.runtime.ggufmeta import read_header
+    from engines.backends.ggufmeta import read_header
 
     path = Path(settings.MODELS_DIR) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     reference = GGUFReader(str(path))
@@ -65,7 +65,7 @@ def test_header_reader_agrees_with_the_gguf_package():
 
 def test_header_reader_refuses_what_is_not_gguf(tmp_path):
     """A truncated header or another file is a clear error, never a wrong guess."""
-    from engines.runtime.ggufmeta import GGUFFormatError, read_header
+    from engines.backends.ggufmeta import GGUFFormatError, read_header
 
     whole = (Path(settings.MODELS_DIR) / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes()
     cut = tmp_path / "cut.gguf"

@@ -4,8 +4,8 @@ problem (not a crash) for what cannot be loaded."""
 
 import pytest
 
+from engines.backends.memory import plan_slots
 from engines.launch.config import Limits, ModelSpec
-from engines.runtime.memory import plan_slots
 from tests.engines.child_tools import run_tool
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"

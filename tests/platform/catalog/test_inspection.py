@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from catalog.inspection import inspect_model_files
-from engines.runtime.ggufmeta import read_header
+from engines.backends.ggufmeta import read_header
 
 TOOLS_TEMPLATE = (
     "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
