@@ -3,7 +3,6 @@
 import secrets
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from django.conf import settings
 
 from engines.launch.process import spawn_engine
 from engines.wire.client import AsyncEngineClient, EngineClient, EngineError
+from tests.waiting import wait_for
 
 EMBEDDER = "all-minilm-l6-v2"
 
@@ -92,17 +92,28 @@ def start_engine(
     engine = EngineProcess(process, port, token, log_path)
     if not wait_ready:
         return engine
-    deadline = time.monotonic() + 120
-    while True:
+    outcome = started(engine, timeout=120)
+    if outcome != "ready":
+        engine.stop()
+        pytest.fail(f"engine did not start ({outcome}):\n{engine.log()}")
+    return engine
+
+
+def started(engine, *, timeout: float) -> str:
+    """Wait for a starting engine: "ready", "exited" or "timed out"."""
+
+    def settled() -> str:
+        if engine.process.poll() is not None:
+            return "exited"
         try:
-            if engine.client().ping()["phase"] == "ready":
-                return engine
+            return "ready" if engine.client().ping()["phase"] == "ready" else ""
         except EngineError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            engine.stop()
-            pytest.fail(f"engine did not start:\n{engine.log()}")
-        time.sleep(0.2)
+            return ""
+
+    try:
+        return wait_for(settled, timeout=timeout, interval=0.2, what="the engine")
+    except AssertionError:
+        return "timed out"
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +187,22 @@ def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def wait_until(predicate, timeout: float = 30) -> None:
-    """Poll the engine's state until `predicate()` holds; fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never came"
-        time.sleep(0.05)
+@pytest.fixture
+def engine_limits():
+    """Change an engine's limits for one test: `engine_limits(engine, **changes)`
+    pushes its current limits with `changes` applied (`configure`) and returns
+    them. Each engine changed gets the limits it had before back at teardown,
+    whether the test passed or not (an engine stopped by then needs none)."""
+    before: dict[int, tuple[EngineProcess, dict]] = {}
+
+    def change(engine: EngineProcess, **changes) -> dict:
+        current = engine.client().state()["limits"]
+        before.setdefault(engine.port, (engine, current))
+        limits = {**current, **changes}
+        engine.client().call("configure", config={"limits": limits})
+        return limits
+
+    yield change
+    for engine, limits in before.values():
+        if engine.process.poll() is None:
+            engine.client().call("configure", config={"limits": limits})

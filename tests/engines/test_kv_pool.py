@@ -7,8 +7,9 @@ import threading
 import pytest
 
 from engines.wire.client import EngineRequestError
-from tests.engines.conftest import start_engine, wait_until
+from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
+from tests.waiting import wait_for
 
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHARED, PLAIN = "smol-shared", "smol-plain"
@@ -171,7 +172,7 @@ def test_a_full_pool_fails_the_newest_request_and_the_others_go_on(engine):
 
     first = threading.Thread(target=run, args=(0,))
     first.start()
-    wait_until(lambda: resident(engine, POOLED)["busy"] >= 1, timeout=60)
+    wait_for(lambda: resident(engine, POOLED)["busy"] >= 1, what="a slot busy")
     others = [threading.Thread(target=run, args=(n,)) for n in (1, 2)]
     for worker in others:
         worker.start()

@@ -12,7 +12,8 @@ from django.conf import settings
 
 from engines.wire.client import EngineRequestError
 from tests.conftest import run_python
-from tests.engines.conftest import start_engine, wait_until
+from tests.engines.conftest import start_engine
+from tests.waiting import wait_for
 
 SMOL = "smollm2-135m-instruct"
 
@@ -70,7 +71,10 @@ def test_batch_requests_leave_slots_to_interactive_ones(engine):
     ]
     # Admitted over the next passes: six run, and two stay queued (without
     # the reserve all eight would run).
-    wait_until(lambda: (state(engine)["busy"], state(engine)["queued"]) == (6, 2), 60)
+    wait_for(
+        lambda: (state(engine)["busy"], state(engine)["queued"]) == (6, 2),
+        what="six running, two queued",
+    )
     live = in_background(engine, finished, "live", max_tokens=4, temperature=0.0)
     live.join(60)
     assert finished[0] == ("live", "done"), finished
@@ -91,14 +95,14 @@ def test_an_interactive_request_goes_ahead_of_queued_batch_ones(engine):
         running = in_background(
             engine, finished, "first", max_tokens=60, ignore_eos=True
         )
-        wait_until(lambda: state(engine)["busy"] == 1)
+        wait_for(lambda: state(engine)["busy"] == 1, what="1 busy")
         batch = [
             in_background(engine, finished, f"b{n}", priority="batch", max_tokens=4)
             for n in range(2)
         ]
-        wait_until(lambda: state(engine)["queued"] == 2)
+        wait_for(lambda: state(engine)["queued"] == 2, what="2 queued")
         live = in_background(engine, finished, "live", max_tokens=4)
-        wait_until(lambda: state(engine)["queued"] == 3)
+        wait_for(lambda: state(engine)["queued"] == 3, what="3 queued")
         for thread in [running, live, *batch]:
             thread.join(120)
         assert [name for name, _ in finished[:2]] == ["first", "live"], finished
@@ -118,13 +122,13 @@ def test_a_free_slot_goes_to_the_caller_with_fewest_in_slots(engine):
         greedy = {"ignore_eos": True, "temperature": 0.0, "caller": "a"}
         first = in_background(engine, finished, "a1", max_tokens=30, **greedy)
         second = in_background(engine, finished, "a2", max_tokens=200, **greedy)
-        wait_until(lambda: state(engine)["busy"] == 2)
+        wait_for(lambda: state(engine)["busy"] == 2, what="2 busy")
         third = in_background(engine, finished, "a3", max_tokens=30, **greedy)
-        wait_until(lambda: state(engine)["queued"] == 1)
+        wait_for(lambda: state(engine)["queued"] == 1, what="1 queued")
         other = in_background(
             engine, finished, "b", max_tokens=4, temperature=0.0, caller="b"
         )
-        wait_until(lambda: state(engine)["queued"] == 2)
+        wait_for(lambda: state(engine)["queued"] == 2, what="2 queued")
         for thread in [first, second, third, other]:
             thread.join(300)
         names = [name for name, _ in finished]

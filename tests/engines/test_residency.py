@@ -3,14 +3,14 @@ evicted, waiting for room, never-fits, keep-alive. Three names for the tiny Llam
 the test builds, so loads are fast and real."""
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from django.conf import settings
 
 from engines.wire.client import EngineRequestError
-from tests.engines.conftest import start_engine, wait_until
+from tests.engines.conftest import start_engine
+from tests.waiting import wait_for
 
 
 def tiny(name: str, path, **extra) -> dict:
@@ -30,7 +30,10 @@ def engine(tmp_path, tiny_llama):
         tmp_path,
         models=[
             tiny("a", tiny_llama),
-            tiny("b", tiny_llama),
+            # b's memory is known, as after an earlier load: its load decides
+            # at once, with no estimate read off the event loop, so once the
+            # engine's state shows it loading, it has decided what to evict.
+            tiny("b", tiny_llama, measured_mib=64),
             tiny("c", tiny_llama),
             tiny("short-lived", tiny_llama, keep_alive_s=1),
             {  # slow enough to still be busy while the test looks
@@ -48,10 +51,6 @@ def engine(tmp_path, tiny_llama):
     engine.stop()
 
 
-def configure(engine, **limits) -> None:
-    engine.client().call("configure", config={"limits": limits})
-
-
 def resident(engine) -> list[str]:
     return sorted(m["name"] for m in engine.client().state()["models"])
 
@@ -60,14 +59,27 @@ def use(engine, name: str) -> None:
     engine.client().generate(name, prompt="the cat", max_tokens=1)
 
 
+def loading(engine) -> list[str]:
+    return engine.client().state()["loading"]
+
+
 def model_state(engine, name: str) -> dict:
     models = {m["name"]: m for m in engine.client().state()["models"]}
     return models.get(name, {"queued": 0})
 
 
-def test_models_max_evicts_the_least_recently_used(engine):
+def refusal(engine, name: str) -> EngineRequestError | None:
+    """The error a short request for `name` gets (None: it was answered)."""
+    try:
+        engine.client().generate(name, prompt="hi", max_tokens=2)
+    except EngineRequestError as error:
+        return error
+    return None
+
+
+def test_models_max_evicts_the_least_recently_used(engine, engine_limits):
     """With room for two, loading a third evicts the one used longest ago."""
-    configure(engine, models_max=2)
+    engine_limits(engine, models_max=2)
     use(engine, "a")
     use(engine, "b")
     use(engine, "a")  # b is now the least recently used
@@ -75,10 +87,10 @@ def test_models_max_evicts_the_least_recently_used(engine):
     assert resident(engine) == ["a", "c"]
 
 
-def test_a_busy_model_is_never_evicted_the_load_waits(engine):
+def test_a_busy_model_is_never_evicted_the_load_waits(engine, engine_limits):
     """models-max 1 and `slow` streaming: a request for `b` waits until `slow`
     is done, then `slow` is evicted and `b` answers."""
-    configure(engine, models_max=1, queue_timeout_s=60)
+    engine_limits(engine, models_max=1, queue_timeout_s=60)
     stream = engine.client().generate_stream(
         "slow", prompt="ships", max_tokens=300, ignore_eos=True
     )
@@ -90,7 +102,7 @@ def test_a_busy_model_is_never_evicted_the_load_waits(engine):
 
     waiter = threading.Thread(target=ask_b)
     waiter.start()
-    time.sleep(0.5)
+    wait_for(lambda: loading(engine) == ["b"], what="b loading")  # it has decided
     assert resident(engine) == ["slow"]  # busy: not evicted
     assert "reply" not in outcome
     frames = list(stream)
@@ -100,9 +112,9 @@ def test_a_busy_model_is_never_evicted_the_load_waits(engine):
     assert resident(engine) == ["b"]
 
 
-def test_waiting_for_room_is_bounded_by_the_queue_timeout(engine):
+def test_waiting_for_room_is_bounded_by_the_queue_timeout(engine, engine_limits):
     """If the busy model stays busy past the queue timeout, the load fails."""
-    configure(engine, models_max=1, queue_timeout_s=0.5)
+    engine_limits(engine, models_max=1, queue_timeout_s=0.5)
     stream = engine.client().generate_stream(
         "slow", prompt="ships", max_tokens=300, ignore_eos=True
     )
@@ -114,9 +126,9 @@ def test_waiting_for_room_is_bounded_by_the_queue_timeout(engine):
     stream.close()
 
 
-def test_a_model_that_can_never_fit_fails_at_once(engine):
+def test_a_model_that_can_never_fit_fails_at_once(engine, engine_limits):
     """A margin larger than the machine: `insufficient_memory` names the shortfall."""
-    configure(engine, memory_margin_mib=10**7)
+    engine_limits(engine, memory_margin_mib=10**7)
     with pytest.raises(EngineRequestError) as error:
         use(engine, "a")
     assert error.value.code == "insufficient_memory"
@@ -128,17 +140,15 @@ def test_keep_alive_unloads_an_idle_model(engine):
     """A model idle past its keep-alive is unloaded; others stay."""
     use(engine, "a")
     use(engine, "short-lived")
-    deadline = time.monotonic() + 30
-    while "short-lived" in resident(engine):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(lambda: "short-lived" not in resident(engine), what="the expiry")
     assert resident(engine) == ["a"]
 
 
-def test_unload_drains_in_flight_and_queued_work(engine):
+def test_unload_drains_in_flight_and_queued_work(engine, engine_limits):
     """`unload` lets the request in flight and the one queued behind it (one
     slot) finish; a request arriving during the drain waits, then gets a freshly
     loaded model."""
+    engine_limits(engine, queue_limit=1)  # one request may wait behind the stream
     stream = engine.client().generate_stream(
         "slow", prompt="ships", max_tokens=200, ignore_eos=True
     )
@@ -153,13 +163,20 @@ def test_unload_drains_in_flight_and_queued_work(engine):
         lambda: engine.client().generate("slow", prompt="sea", max_tokens=3),
     )
     queued.start()
-    wait_until(lambda: model_state(engine, "slow")["queued"] == 1)
+    wait_for(lambda: model_state(engine, "slow")["queued"] == 1, what="queued")
     unloader = run("unload", lambda: engine.client().call("unload", model="slow"))
     unloader.start()
-    time.sleep(0.3)
-    late = run(
-        "late", lambda: engine.client().generate("slow", prompt="hi", max_tokens=2)
-    )
+
+    def late_reply():
+        """Before the drain begins, the queue is full: refused at once. Once it
+        has begun, the request waits for it, then for a fresh load."""
+        try:
+            return engine.client().generate("slow", prompt="hi", max_tokens=2)
+        except EngineRequestError as error:
+            assert "already wait" in error.message, error
+            return None
+
+    late = run("late", lambda: wait_for(late_reply, what="the drain to begin"))
     late.start()
     frames = list(stream)
     assert frames[-1]["finish_reason"] == "length"  # not cut off by the unload
@@ -172,23 +189,25 @@ def test_unload_drains_in_flight_and_queued_work(engine):
     assert resident(engine) == ["slow"]  # loaded again for the late request
 
 
-def test_overdue_work_is_refused_while_an_unload_drains(engine):
+def test_overdue_work_is_refused_while_an_unload_drains(engine, engine_limits):
     """A request waiting behind a drain gets `overloaded` at its queue timeout,
     though the drain itself goes on."""
     stream = engine.client().generate_stream(
         "slow", prompt="ships", max_tokens=300, ignore_eos=True
     )
     next(stream), next(stream)
-    configure(engine, queue_timeout_s=0.5)
+    engine_limits(engine, queue_timeout_s=0.5)
     unloader = threading.Thread(
         target=lambda: engine.client().call("unload", model="slow")
     )
     unloader.start()
-    time.sleep(0.3)
-    with pytest.raises(EngineRequestError) as error:
-        engine.client().generate("slow", prompt="hi", max_tokens=2)
-    assert error.value.code == "overloaded"
-    assert "drain" in error.value.message
+    # Sent before the drain begins, a request queues behind the stream and is
+    # refused as overdue in the queue; once it has begun, it waits for the drain.
+    error = wait_for(
+        lambda: (e := refusal(engine, "slow")) and "drain" in e.message and e,
+        what="a refusal during the drain",
+    )
+    assert error.code == "overloaded"
     assert resident(engine) == ["slow"]  # still draining: the stream runs on
     frames = list(stream)
     assert frames[-1]["finish_reason"] == "length"
@@ -196,12 +215,12 @@ def test_overdue_work_is_refused_while_an_unload_drains(engine):
     assert resident(engine) == []
 
 
-def test_a_queued_model_is_never_evicted(engine):
+def test_a_queued_model_is_never_evicted(engine, engine_limits):
     """With one parallel request engine-wide, `a`'s request waits in its queue
     while `slow` streams. Loading `b` under models-max 2 then evicts neither: it
     waits, and once `slow` is done, `a` answers and `b` loads."""
     use(engine, "a")
-    configure(engine, models_max=2, max_parallel_requests=1, queue_timeout_s=120)
+    engine_limits(engine, models_max=2, max_parallel_requests=1, queue_timeout_s=120)
     stream = engine.client().generate_stream(
         "slow", prompt="ships", max_tokens=300, ignore_eos=True
     )
@@ -216,14 +235,13 @@ def test_a_queued_model_is_never_evicted(engine):
     waiting = run(
         "a", lambda: engine.client().generate("a", prompt="the cat", max_tokens=2)
     )
-    wait_until(lambda: model_state(engine, "a")["queued"] == 1)
-    loading = run("b", lambda: use(engine, "b") or "ok")
-    wait_until(lambda: engine.client().state()["loading"] == ["b"])
-    time.sleep(1.0)  # give a wrong eviction time to happen
+    wait_for(lambda: model_state(engine, "a")["queued"] == 1, what="a queued")
+    loads = run("b", lambda: use(engine, "b") or "ok")
+    wait_for(lambda: loading(engine) == ["b"], what="b loading")  # it has decided
     assert resident(engine) == ["a", "slow"]
     assert model_state(engine, "a")["queued"] == 1
     stream.close()
-    waiting.join(60), loading.join(60)
+    waiting.join(60), loads.join(60)
     assert outcome["a"]["usage"]["completion_tokens"] >= 1
     assert outcome["b"] == "ok"
     assert resident(engine) == ["a", "b"]
