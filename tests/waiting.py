@@ -59,5 +59,19 @@ async def await_for(
         await asyncio.sleep(interval)
 
 
+def suspended_in(task: asyncio.Task) -> list[str]:
+    """The coroutines a pending task is suspended in, outermost first (its own,
+    then what each awaits): the state a test waits for to know that a task has
+    run up to a given await, without a sleep. Empty once the task is done."""
+    names: list[str] = []
+    if task.done():
+        return names
+    awaited: Any = task.get_coro()
+    while hasattr(awaited, "cr_code"):
+        names.append(awaited.cr_code.co_name)
+        awaited = awaited.cr_await
+    return names
+
+
 def _timed_out(what: str, timeout: float, value: Any) -> str:
     return f"timed out after {timeout:g} s waiting for {what} (last value: {value!r})"

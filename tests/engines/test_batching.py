@@ -8,6 +8,7 @@ import pytest
 
 from engines.runtime.batching import MicroBatcher
 from engines.wire.errors import ProtocolError
+from tests.waiting import await_for, suspended_in
 
 
 def fake_encoder(calls: list[list[str]], poison: str = "POISON"):
@@ -109,17 +110,37 @@ async def test_requests_past_the_queue_timeout_are_overloaded(executor):
 
 
 async def test_idle_loop_sleeps_on_its_event(executor):
-    """With nothing queued the loop is parked on the event, not spinning."""
+    """With nothing queued the loop is parked on its wake-up event (cleared),
+    not polling: its task waits in `Event.wait` until the next request."""
     calls: list[list[str]] = []
     batcher = MicroBatcher(
         fake_encoder(calls), executor=executor, window_s=0, max_batch_size=8
     )
     await batcher.submit(["one"])
-    await asyncio.sleep(0.05)
+    await await_for(
+        lambda: suspended_in(batcher._task) == ["_loop", "wait"], what="the loop parked"
+    )
     assert not batcher._wakeup.is_set()
-    stack = batcher._task.get_stack()
-    assert stack and stack[-1].f_code.co_name == "_loop"
+    await batcher.submit(["two"])  # the event wakes it
+    assert calls == [["one"], ["two"]]
     await batcher.close()
+
+
+async def test_a_loop_with_a_request_waits_out_its_window(executor):
+    """The control of the test above: with a request in its window, the loop
+    sleeps out the window, not parked on the event (which is set)."""
+    batcher = MicroBatcher(
+        fake_encoder([]), executor=executor, window_s=60, max_batch_size=8
+    )
+    pending = asyncio.ensure_future(batcher.submit(["waits"]))
+    await await_for(
+        lambda: batcher._task and suspended_in(batcher._task) == ["_loop", "sleep"],
+        what="the loop in its window",
+    )
+    assert batcher._wakeup.is_set()
+    await batcher.close()
+    with pytest.raises(ProtocolError):
+        await pending
 
 
 async def test_close_cancels_queued_requests(executor):
@@ -128,7 +149,7 @@ async def test_close_cancels_queued_requests(executor):
         fake_encoder([]), executor=executor, window_s=10, max_batch_size=8
     )
     pending = asyncio.create_task(batcher.submit(["never"]))
-    await asyncio.sleep(0.01)
+    await await_for(lambda: batcher.queued_requests == 1, what="the request queued")
     await batcher.close()
     with pytest.raises(ProtocolError) as error:
         await pending

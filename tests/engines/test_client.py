@@ -10,6 +10,7 @@ import pytest
 from engines.wire.bounds import MAX_AUTH_FRAME_BYTES
 from engines.wire.client import AsyncEngineClient, EngineUnreachable
 from engines.wire.framing import decode_message, recv_frame
+from tests.waiting import await_for, suspended_in
 
 
 @pytest.fixture
@@ -63,8 +64,11 @@ async def test_a_full_listen_queue_waits_for_the_handshake():
                 break
         client = AsyncEngineClient(port=address[1], token="t0ken")
         opening = asyncio.ensure_future(client._open({"kind": "ping"}))
-        await asyncio.sleep(0.2)
-        assert not opening.done()  # still waiting for the handshake
+        # It has had its chance to fail: it is waiting for the connection.
+        await await_for(
+            lambda: "open_connection" in suspended_in(opening),
+            what="the client waiting for the handshake",
+        )
         # The engine catches up: accept every queued connection.
         loop = asyncio.get_running_loop()
         accepted = []
