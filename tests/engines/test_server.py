@@ -1,15 +1,23 @@
 """A real engine process on loopback serving the bundled MiniLM embedder."""
 
 import asyncio
+import contextlib
+import errno
+import json
 import os
 import socket
 import struct
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
+from engines.launch.config import THERMAL_FILE_ENV
 from engines.wire.bounds import MAX_AUTH_FRAME_BYTES, MAX_FRAME_BYTES
 from engines.wire.client import (
     EngineClient,
@@ -25,7 +33,8 @@ from engines.wire.framing import (
     encode_message,
     recv_frame,
 )
-from tests.engines.conftest import EMBEDDER, start_engine
+from tests.engines.conftest import EMBEDDER, embedder_spec, start_engine
+from tests.waiting import wait_for
 
 UNAUTHORIZED = {
     "status": "error",
@@ -58,6 +67,103 @@ def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
     except TimeoutError:
         return None
     return None
+
+
+class WatchPasses:
+    """The engine's temperature file as a named pipe: each pass of its watch
+    that reads temperatures blocks until the test hands it a reading, so the
+    test knows where the passes are without asking the engine anything (a
+    request would wake it). ROUNDHOUSE_THERMAL_FILE names it to the engine."""
+
+    def __init__(self, path: Path) -> None:
+        os.mkfifo(path)
+        self.path = path
+
+    def _writer(self) -> int | None:
+        """A write end, once a reader has the pipe open (None before)."""
+        try:
+            return os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as error:
+            if error.errno == errno.ENXIO:
+                return None
+            raise
+
+    def _no_reader(self) -> bool:
+        fd = self._writer()
+        if fd is None:
+            return True
+        os.close(fd)  # a reader still there reads to the end: no reading
+        return False
+
+    def hand(self, reading: dict) -> None:
+        """Wait for the next read (the one before it over) and hand it `reading`."""
+        wait_for(self._no_reader, interval=0.01, what="the last read to end")
+        fd = wait_for(
+            lambda: (fd := self._writer()) is not None and fd + 1,
+            interval=0.01,
+            what="the watch to read its temperatures",
+        )
+        with os.fdopen(fd - 1, "w") as pipe:
+            pipe.write(json.dumps(reading))
+
+    @contextlib.contextmanager
+    def released(self):
+        """Hand every read nothing meanwhile: a stopping engine's watch may be
+        blocked in the pipe (its thread would hold the exit up)."""
+        stop = threading.Event()
+
+        def release() -> None:
+            while not stop.wait(0.05):
+                self._no_reader()
+
+        thread = threading.Thread(target=release, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+
+def wakeups(pid: int) -> int:
+    """How many times the process's threads have been switched to, so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread has ended
+            continue
+        for line in status.splitlines():
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt")):
+                total += int(line.split()[1])
+    return total
+
+
+def wakeups_per_pass(pid: int, passes: WatchPasses, *, count: int = 3) -> float:
+    """The process's wake-ups between reads of its temperature file, averaged
+    over `count` reads (one every pass or two of an engine's watch, which
+    passes about once a second)."""
+    passes.hand({"cpu": 50})
+    before = wakeups(pid)
+    for _ in range(count):
+        passes.hand({"cpu": 50})
+    return (wakeups(pid) - before) / count
+
+
+# An idle engine wakes a handful of times per read of its temperatures (its
+# watch's timer, the thread that reads the file); a loop polling every 10 ms
+# would wake a hundred times.
+IDLE_WAKEUPS_PER_READ = 40
+
+# The control: a process that reads its temperature file as the watch does,
+# and polls every 10 ms in between.
+POLLER = """
+import sys, time
+while True:
+    open(sys.argv[1]).read()
+    for _ in range(100):
+        time.sleep(0.01)
+"""
 
 
 def refused(sent: bytes | None) -> bool:
@@ -242,47 +348,63 @@ def test_engine_listens_on_loopback_only(embed_engine):
 def test_engine_binds_before_loading(tmp_path):
     """The port answers while the preloaded model is still loading, so a prober
     never sees it free and starts a second engine."""
-    from tests.engines.conftest import embedder_spec, start_engine
-
     engine = start_engine(
         tmp_path, models=[embedder_spec()], preload=[EMBEDDER], wait_ready=False
     )
     phases = []
+
+    def ready() -> bool:
+        try:
+            phases.append(engine.client().state()["phase"])
+        except EngineError:
+            assert engine.process.poll() is None, engine.log()
+        return "ready" in phases
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and "ready" not in phases:
-            try:
-                phases.append(engine.client().state()["phase"])
-            except EngineError:
-                assert engine.process.poll() is None, engine.log()
-            time.sleep(0.05)
+        wait_for(ready, what="the engine ready")
     finally:
         engine.stop()
     assert phases[0] == "loading"
     assert phases[-1] == "ready"
 
 
-def test_idle_engine_uses_no_cpu(embed_engine):
-    """An idle engine sleeps on events: almost no CPU time over a few seconds
-    (a polling loop would burn a whole core)."""
-    embed_engine.client().embed(EMBEDDER, ["warm up the batch loop"])
-    process = psutil.Process(embed_engine.process.pid)
-    time.sleep(0.5)
-    before = process.cpu_times()
-    time.sleep(3)
-    after = process.cpu_times()
-    used = (after.user - before.user) + (after.system - before.system)
-    assert used < 0.3, f"idle engine used {used:.2f} s of CPU in 3 s"
+def test_an_idle_engine_wakes_only_for_its_watch(tmp_path, monkeypatch):
+    """An idle engine sleeps on events: between two reads of its temperatures
+    its threads wake a few times in all (a polling loop would wake on every
+    poll: the control below)."""
+    passes = WatchPasses(tmp_path / "temperatures.json")
+    monkeypatch.setenv(THERMAL_FILE_ENV, str(passes.path))
+    engine = start_engine(tmp_path, models=[embedder_spec()], preload=[EMBEDDER])
+    try:
+        engine.client().embed(EMBEDDER, ["warm up the batch loop"])
+        per_read = wakeups_per_pass(engine.process.pid, passes)
+    finally:
+        with passes.released():
+            engine.stop()
+    assert per_read <= IDLE_WAKEUPS_PER_READ, per_read
 
 
-def test_full_queue_answers_overloaded_and_configure_applies_live(embed_engine):
+def test_a_polling_loop_wakes_far_more_often(tmp_path):
+    """The control of the test above: a process that reads its temperatures
+    the same way and polls every 10 ms in between is caught."""
+    passes = WatchPasses(tmp_path / "temperatures.json")
+    poller = subprocess.Popen([sys.executable, "-c", POLLER, str(passes.path)])
+    try:
+        per_read = wakeups_per_pass(poller.pid, passes)
+    finally:
+        poller.kill()
+        poller.wait()
+    assert per_read > IDLE_WAKEUPS_PER_READ, per_read
+
+
+def test_full_queue_answers_overloaded_and_configure_applies_live(
+    embed_engine, engine_limits
+):
     """Limits pushed with `configure` apply at once: with room for one queued
     batch of one text, a burst gets `overloaded` for the excess, the rest rows."""
-    from tests.engines.conftest import embedder_spec
-
     client = embed_engine.client()
-    tight = {"limits": {"queue_limit": 1}, "models": [embedder_spec(max_batch_size=1)]}
-    client.call("configure", config=tight)
+    engine_limits(embed_engine, queue_limit=1)
+    client.call("configure", config={"models": [embedder_spec(max_batch_size=1)]})
 
     async def burst():
         aclient = embed_engine.aclient()
@@ -292,7 +414,7 @@ def test_full_queue_answers_overloaded_and_configure_applies_live(embed_engine):
     try:
         results = asyncio.run(burst())
     finally:
-        client.call("configure", config={"limits": {}, "models": [embedder_spec()]})
+        client.call("configure", config={"models": [embedder_spec()]})
     refused = [r for r in results if isinstance(r, EngineRequestError)]
     served = [r for r in results if isinstance(r, np.ndarray)]
     assert refused and all(r.code == "overloaded" for r in refused)
@@ -301,14 +423,14 @@ def test_full_queue_answers_overloaded_and_configure_applies_live(embed_engine):
 
 
 def test_queue_timeout_zero_admits_embeddings_only_when_a_batch_is_free(
-    embed_engine,
+    embed_engine, engine_limits
 ):
     """Timeout 0: while a big batch runs, another request is refused at once;
     once the engine is idle, requests are served."""
     import threading
 
     client = embed_engine.client()
-    client.call("configure", config={"limits": {"queue_timeout_s": 0}})
+    engine_limits(embed_engine, queue_timeout_s=0)
     big = [f"sentence {i} about slots, queues and batches" for i in range(3000)]
     outcome = {}
     worker = threading.Thread(
@@ -316,10 +438,10 @@ def test_queue_timeout_zero_admits_embeddings_only_when_a_batch_is_free(
     )
     try:
         worker.start()
-        deadline = time.monotonic() + 30
-        while embed_engine.client().state()["models"][0]["busy"] == 0:
-            assert time.monotonic() < deadline, "the big batch never started"
-            time.sleep(0.01)
+        wait_for(
+            lambda: embed_engine.client().state()["models"][0]["busy"],
+            what="the big batch running",
+        )
         with pytest.raises(EngineRequestError) as error:
             embed_engine.client().embed(EMBEDDER, ["one more"])
         assert error.value.code == "overloaded"
@@ -329,7 +451,6 @@ def test_queue_timeout_zero_admits_embeddings_only_when_a_batch_is_free(
         assert embed_engine.client().embed(EMBEDDER, ["now idle"]).shape == (1, 384)
     finally:
         worker.join(120)
-        client.call("configure", config={"limits": {}})
 
 
 def test_client_errors_name_the_failure(embed_engine):
