@@ -37,7 +37,8 @@ from tests.cluster.netns import (
 )
 from tests.conftest import ROOT
 from tests.factories import ApiKeyFactory
-from tests.platform.live import live_database, wait_for
+from tests.platform.live import live_database
+from tests.waiting import wait_for
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FRONT_PORT = 8000

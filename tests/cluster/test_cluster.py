@@ -19,7 +19,8 @@ from fleet.models import EngineState
 from tests.cluster import conftest
 from tests.cluster.conftest import EventStream, chat, http
 from tests.conftest import ROOT
-from tests.platform.live import database_url, wait_for
+from tests.platform.live import database_url
+from tests.waiting import wait_for
 
 cluster = conftest.cluster
 cluster_database = conftest.cluster_database

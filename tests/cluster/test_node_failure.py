@@ -27,7 +27,7 @@ from tests.cluster.conftest import (
 from tests.cluster.netns import start_worker
 from tests.conftest import ROOT
 from tests.platform.batches.jobs import chat_line, jsonl, records, wait_batch
-from tests.platform.live import wait_for
+from tests.waiting import wait_for
 
 cluster = conftest.cluster
 cluster_database = conftest.cluster_database

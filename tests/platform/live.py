@@ -3,7 +3,6 @@ front) against the test database."""
 
 import contextlib
 import socket
-import time
 import urllib.request
 
 from django.db import connection
@@ -49,17 +48,6 @@ def front_answers(port: int) -> bool:
             return reply.status == 200
     except OSError:
         return False
-
-
-def wait_for(predicate, *, timeout: float = 120, what: str = "condition"):
-    """Poll until `predicate` returns something true; that value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @contextlib.contextmanager

@@ -33,8 +33,8 @@ from tests.platform.live import (
     free_port_block,
     front_answers,
     live_database,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 CHAT = "smollm2-135m-instruct"
 EMBEDDER = "all-minilm-l6-v2"

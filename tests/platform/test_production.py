@@ -11,7 +11,6 @@ import os
 import random
 import re
 import signal
-import time
 import urllib.parse
 import urllib.request
 from collections import Counter
@@ -26,6 +25,7 @@ from batches.models import BatchLine
 from tests.platform import live_platform
 from tests.platform.batches.jobs import chat_line, jsonl, records, wait_batch
 from tests.platform.live_platform import CHAT, ENGINE
+from tests.waiting import wait_for
 
 database = live_platform.database
 models_dir_path = live_platform.models_dir_path
@@ -163,10 +163,10 @@ def test_a_group_message_from_one_front_reaches_a_socket_of_another(live, orm):
         )
         with urllib.request.urlopen(request, timeout=60) as reply:
             assert reply.status in (200, 202)
-        deadline = time.monotonic() + 60
-        while True:  # fleet updates come every second meanwhile
-            assert time.monotonic() < deadline, "no notice reached front B"
+
+        def notice() -> dict | None:  # fleet updates come every second meanwhile
             message = json.loads(socket.recv(timeout=60))
-            if message["type"] == "notice":
-                break
+            return message if message["type"] == "notice" else None
+
+        message = wait_for(notice, timeout=60, interval=0, what="a notice at front B")
     assert message["text"].startswith(f"Loaded {CHAT} on {ENGINE}"), message

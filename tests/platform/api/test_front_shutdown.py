@@ -22,8 +22,8 @@ from tests.platform.live import (
     free_port_block,
     front_answers,
     live_database,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")

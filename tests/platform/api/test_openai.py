@@ -17,10 +17,7 @@ import openai
 
 from catalog.models import ModelConfig
 from tests.platform import live_platform
-from tests.platform.live import (
-    free_port_block,
-    wait_for,
-)
+from tests.platform.live import free_port_block
 from tests.platform.live_platform import (
     CHAT,
     EMBEDDER,
@@ -29,6 +26,7 @@ from tests.platform.live_platform import (
     usage_rows,
     wait_for_usage,
 )
+from tests.waiting import wait_for
 
 database = live_platform.database
 models_dir_path = live_platform.models_dir_path

@@ -13,9 +13,6 @@ import psutil
 import pytest
 
 from tests.platform import live_platform
-from tests.platform.live import (
-    wait_for,
-)
 from tests.platform.live_platform import (
     CHAT,
     EMBEDDER,
@@ -23,6 +20,7 @@ from tests.platform.live_platform import (
     UNSERVED,
     wait_for_usage,
 )
+from tests.waiting import wait_for
 
 database = live_platform.database
 models_dir_path = live_platform.models_dir_path

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -28,6 +27,7 @@ from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
 from tests.factories import ApiKeyFactory
 from tests.platform.api.test_limits import GatedCache, redis_cache  # noqa: F401
+from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -189,23 +189,24 @@ async def within(awaitable):
 
 async def slot_free(key) -> None:
     """Wait until the key (max_concurrent 1) is admitted again."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
+
+    async def admitted() -> bool:
         try:
             async with key_admission(key):
-                return
+                return True
         except LimitExceeded:
-            assert time.monotonic() < deadline, "the key's slot never came back"
-            await asyncio.sleep(0.02)
+            return False
+
+    await await_for(admitted, timeout=DEADLINE_S, what="the key's slot back")
 
 
 async def usage_row(key) -> Usage:
     """The key's usage row, once the writer has stored it."""
-    deadline = time.monotonic() + DEADLINE_S
-    while (row := await Usage.objects.filter(key_id=key.pk).afirst()) is None:
-        assert time.monotonic() < deadline, "no usage row"
-        await asyncio.sleep(0.05)
-    return row
+    return await await_for(
+        lambda: Usage.objects.filter(key_id=key.pk).afirst(),
+        timeout=DEADLINE_S,
+        what="the key's usage row",
+    )
 
 
 async def engine_idle(engine) -> None:
@@ -216,10 +217,9 @@ async def engine_idle(engine) -> None:
         model = next(m for m in models if m["name"] == CHAT)
         return model["busy"] == 0 and model["queued"] == 0
 
-    deadline = time.monotonic() + DEADLINE_S
-    while not await asyncio.to_thread(idle):
-        assert time.monotonic() < deadline, "the engine kept the request"
-        await asyncio.sleep(0.05)
+    await await_for(
+        lambda: asyncio.to_thread(idle), timeout=DEADLINE_S, what="the engine idle"
+    )
 
 
 async def stream_key():
@@ -253,10 +253,11 @@ async def queued(engine) -> None:
         models = engine.client().state()["models"]
         return next(m for m in models if m["name"] == CHAT)["queued"] == 1
 
-    deadline = time.monotonic() + DEADLINE_S
-    while not await asyncio.to_thread(waiting):
-        assert time.monotonic() < deadline, "the request did not queue"
-        await asyncio.sleep(0.05)
+    await await_for(
+        lambda: asyncio.to_thread(waiting),
+        timeout=DEADLINE_S,
+        what="the request queued",
+    )
 
 
 async def test_hang_up_while_the_headers_are_sent(front, engine):
@@ -452,14 +453,7 @@ def test_the_occupying_stream_helper_holds_the_slot(engine):
     )
     waiting.start()
     try:
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
-            models = engine.client().state()["models"]
-            model = next(m for m in models if m["name"] == CHAT)
-            if model["queued"] == 1:
-                break
-            assert time.monotonic() < deadline, "the request did not queue"
-            time.sleep(0.05)
+        asyncio.run(queued(engine))  # the helper the tests use
     finally:
         occupying.close()
         waiting.join(DEADLINE_S)

@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from catalog.models import ModelConfig
 from fleet.models import EngineSpec
 from tests.platform import live_platform
-from tests.platform.live import wait_for
 from tests.platform.live_platform import CHAT, ENGINE, start_live, wait_for_usage
+from tests.waiting import wait_for
 
 database = live_platform.database
 models_dir_path = live_platform.models_dir_path

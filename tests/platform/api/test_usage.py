@@ -2,7 +2,6 @@
 the background writer, which loses none to a database that fails for a moment."""
 
 import contextlib
-import time
 
 import pytest
 from django.core.exceptions import ValidationError
@@ -12,6 +11,7 @@ from api import metrics
 from api.models import ApiKey, Usage
 from api.usage import USAGE_WRITER, UsageWriter, usage_build, usage_enqueue
 from tests.factories import ApiKeyFactory
+from tests.waiting import wait_for
 
 transactional = pytest.mark.django_db(transaction=True)
 
@@ -118,13 +118,6 @@ def failures() -> float:
     return sample("roundhouse_usage_write_failures_total")
 
 
-def wait_until(predicate, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def impatient_writer(monkeypatch):
     """A usage writer whose connection (its thread's own, opened after this)
@@ -183,7 +176,7 @@ def test_rows_survive_a_database_that_fails_for_a_moment(impatient_writer):
     before, lost = failures(), dropped("database_error")
     with usage_table_locked():
         impatient_writer.put(row("during the hiccup"))
-        wait_until(lambda: failures() >= before + 2, "two failed writes")
+        wait_for(lambda: failures() >= before + 2, what="two failed writes")
     impatient_writer.close()
     assert stored() == ["during the hiccup"]
     assert dropped("database_error") == lost
@@ -197,7 +190,7 @@ def test_the_queue_is_bounded_and_rows_over_it_are_counted(impatient_writer):
     before, full = failures(), dropped("queue_full")
     with usage_table_locked():
         impatient_writer.put(row("r1"))
-        wait_until(lambda: failures() > before, "a failed write")  # r1 is taken
+        wait_for(lambda: failures() > before, what="a failed write")  # r1 is taken
         for name in ("r2", "r3", "r4", "r5"):
             impatient_writer.put(row(name))
     impatient_writer.close()
@@ -213,7 +206,7 @@ def test_rows_still_failing_after_the_retries_are_counted(impatient_writer):
     lost = dropped("database_error")
     with usage_table_locked():
         impatient_writer.put(row("lost"))
-        wait_until(lambda: dropped("database_error") == lost + 1, "the row dropped")
+        wait_for(lambda: dropped("database_error") == lost + 1, what="the row dropped")
     impatient_writer.put(row("after"))
     impatient_writer.close()
     assert stored() == ["after"]

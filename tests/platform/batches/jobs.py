@@ -1,9 +1,10 @@
 """Helpers for tests of the Batch API: input files and waiting for a batch."""
 
 import json
-import time
 
 import openai
+
+from tests.waiting import wait_for
 
 ENDED = {"completed", "failed", "cancelled", "expired"}
 
@@ -33,14 +34,18 @@ def chat_line(custom_id: str, text: str, *, model: str, **body) -> dict:
 
 def wait_batch(client: openai.OpenAI, batch_id: str, until=ENDED, timeout=300):
     """The batch once its status is in `until` (or the predicate holds)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    seen = []
+
+    def ended():
         batch = client.batches.retrieve(batch_id)
+        seen.append(batch)
         done = until(batch) if callable(until) else batch.status in until
-        if done:
-            return batch
-        assert time.monotonic() < deadline, f"batch stuck: {batch}"
-        time.sleep(0.2)
+        return batch if done else None
+
+    try:
+        return wait_for(ended, timeout=timeout, interval=0.2, what="the batch")
+    except AssertionError:
+        raise AssertionError(f"batch stuck: {seen[-1]}") from None
 
 
 def records(client: openai.OpenAI, file_id: str | None) -> list[dict]:

@@ -14,8 +14,8 @@ from api.models import Usage
 from batches.models import BatchLine
 from tests.platform import live_platform
 from tests.platform.batches.jobs import chat_line, jsonl, records, wait_batch
-from tests.platform.live import wait_for
 from tests.platform.live_platform import CHAT, EMBEDDER
+from tests.waiting import wait_for
 
 database = live_platform.database
 models_dir_path = live_platform.models_dir_path

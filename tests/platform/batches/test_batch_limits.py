@@ -17,8 +17,8 @@ from batches.models import Batch
 from tests.factories import ApiKeyFactory
 from tests.platform import live_platform
 from tests.platform.batches.jobs import chat_line, jsonl, records, wait_batch
-from tests.platform.live import wait_for
 from tests.platform.live_platform import CHAT, EMBEDDER, UNSERVED
+from tests.waiting import wait_for
 
 MIB = 1024 * 1024
 QUOTA = 8 * MIB

@@ -9,7 +9,7 @@ from django.urls import reverse
 
 from catalog.models import ModelConfig
 from tests.platform.catalog.test_admin import model_post
-from tests.platform.live import wait_for
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 

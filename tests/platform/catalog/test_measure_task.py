@@ -15,7 +15,8 @@ from catalog.models import JobState, ModelConfig
 from catalog.selectors import models_servable_by
 from tests.conftest import run_python
 from tests.factories import ModelConfigFactory
-from tests.platform.live import database_url, wait_for
+from tests.platform.live import database_url
+from tests.waiting import wait_for
 
 
 def finished(name: str):

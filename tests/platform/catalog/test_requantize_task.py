@@ -15,7 +15,7 @@ from django.urls import reverse
 from catalog.models import JobState, ModelConfig
 from catalog.services import model_requantize_queue
 from tests.factories import ModelConfigFactory
-from tests.platform.live import wait_for
+from tests.waiting import wait_for
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -22,8 +22,8 @@ from chat.models import Conversation, Message
 from fleet.models import EngineState
 from tests.conftest import ROOT
 from tests.platform import live_platform
-from tests.platform.live import wait_for
 from tests.platform.live_platform import CHAT, ENGINE
+from tests.waiting import wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():

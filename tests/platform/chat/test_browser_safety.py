@@ -22,8 +22,8 @@ from chat.models import Conversation, Message
 from tests.platform import live_platform
 from tests.platform.chat import test_browser
 from tests.platform.chat.test_browser import _restart_front, answer, sampling
-from tests.platform.live import wait_for
 from tests.platform.live_platform import CHAT, ENGINE
+from tests.waiting import wait_for
 
 # The live platform and the logged-in page of the browser tests, started
 # once for this module too.

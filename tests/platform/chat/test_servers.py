@@ -13,8 +13,9 @@ from websockets.sync.client import connect
 
 from tests.conftest import ROOT
 from tests.platform import live_platform
-from tests.platform.live import free_port_block, wait_for
+from tests.platform.live import free_port_block
 from tests.platform.live_platform import CHAT, ENGINE
+from tests.waiting import wait_for
 
 database = live_platform.database
 models_dir_path = live_platform.models_dir_path

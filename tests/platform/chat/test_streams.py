@@ -3,14 +3,13 @@ the chat page does after a reconnect, is stored once. Driven through the
 front's WebSocket application (origin check, session auth, routes) with
 Channels' WebsocketCommunicator, answered by a real engine serving SmolLM2."""
 
-import asyncio
-
 import pytest
 from asgiref.sync import sync_to_async
 
 from chat.models import Conversation, Message
-from tests.platform.api.test_streams import ESSAY, within
+from tests.platform.api.test_streams import DEADLINE_S, ESSAY
 from tests.platform.chat.test_websocket import Socket, chat, session_cookie
+from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -46,11 +45,10 @@ async def interrupted(app, session: str, user, turn: dict) -> None:
     await socket.until("token", turn["id"])
     await socket.close()
 
-    async def stored():
-        while await answers(user) == before:
-            await asyncio.sleep(0.05)
+    async def stored() -> bool:
+        return await answers(user) != before
 
-    await within(stored())
+    await await_for(stored, timeout=DEADLINE_S, what="the interrupted answer stored")
 
 
 async def answered(app, session: str, turn: dict) -> list[dict]:

@@ -22,12 +22,14 @@ from routing.select import SnapshotCache
 from tests.factories import ApiKeyFactory, ModelConfigFactory
 from tests.platform.api.test_streams import (
     CHAT,
+    DEADLINE_S,
     ESSAY,
     engine_idle,
     long_chat,
     slot_free,
     within,
 )
+from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -88,12 +90,11 @@ def chat(stream_id: str, content: str = "Name a colour.", **extra) -> dict:
 
 
 async def usage_of(**filters) -> Usage:
-    async def found():
-        while (row := await Usage.objects.filter(**filters).afirst()) is None:
-            await asyncio.sleep(0.05)
-        return row
-
-    return await within(found())
+    return await await_for(
+        lambda: Usage.objects.filter(**filters).afirst(),
+        timeout=DEADLINE_S,
+        what=f"a usage row {filters}",
+    )
 
 
 async def test_key_chat_streams_and_is_recorded(socket_app, engine):
@@ -340,11 +341,9 @@ async def test_a_refused_stream_refreshes_the_fleet_snapshot(socket_app, monkeyp
     error = await socket.receive()
     assert (error["code"], error["retry_after"]) == ("no_engine", 5)
 
-    async def reloaded():
-        while cache.peek()[0] is not up:
-            await asyncio.sleep(0.02)
-
-    await within(reloaded())
+    await await_for(
+        lambda: cache.peek()[0] is up, timeout=DEADLINE_S, what="the snapshot reloaded"
+    )
     await socket.send(chat("after"))
     assert (await socket.until("done", "after"))[-1]["finish_reason"]
     await socket.close()

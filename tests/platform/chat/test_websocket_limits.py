@@ -5,9 +5,7 @@ over all their sockets, a message with n choices weighs n, and what a stream
 took is given back however it ends. A key's socket counts n against the key's
 max_concurrent the same way."""
 
-import asyncio
 import dataclasses
-import time
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -22,6 +20,7 @@ from tests.factories import ApiKeyFactory
 from tests.platform.api import conftest as api_conftest
 from tests.platform.api.test_streams import DEADLINE_S, ESSAY, engine_idle
 from tests.platform.chat.test_websocket import Socket, chat, keyed_socket
+from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -65,10 +64,11 @@ async def free_weight(allowance) -> int:
 
 async def until_free(allowance, weight: int) -> None:
     """Wait until exactly `weight` of the allowance is free."""
-    deadline = time.monotonic() + DEADLINE_S
-    while (free := await free_weight(allowance)) != weight:
-        assert time.monotonic() < deadline, f"{free} free, not {weight}"
-        await asyncio.sleep(0.02)
+
+    async def exactly() -> bool:
+        return await free_weight(allowance) == weight
+
+    await await_for(exactly, timeout=DEADLINE_S, what=f"exactly {weight} free")
 
 
 async def allowance_of(user):

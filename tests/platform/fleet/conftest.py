@@ -15,7 +15,8 @@ from tests.platform.fleet.live_fleet import (
     Fleet,
     stop_leftovers,
 )
-from tests.platform.live import database_url, free_port_block, wait_for
+from tests.platform.live import database_url, free_port_block
+from tests.waiting import wait_for
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from engines.wire.client import EngineClient
 from fleet.models import EngineState
 from fleet.supervisor_lock import SupervisorLock
 from tests.conftest import ROOT
-from tests.platform.live import database_url, wait_for
+from tests.platform.live import database_url
+from tests.waiting import wait_for
 
 EMBEDDER = "all-minilm-l6-v2"
 CHAT = "smollm2-135m-instruct"

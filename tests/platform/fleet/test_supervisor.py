@@ -30,7 +30,7 @@ from tests.platform.fleet.live_fleet import (
     state_of,
     wait_until_batch_runs,
 )
-from tests.platform.live import wait_for
+from tests.waiting import wait_for
 
 
 def test_second_supervisor_refused_and_killed_engine_respawned(fleet):

@@ -18,7 +18,7 @@ from engines.wire.client import EngineError, connection_file, write_connection_f
 from fleet.models import EngineSpec, ServerSettings
 from fleet.selectors import routing_snapshot
 from tests.platform.fleet.live_fleet import CHAT, EMBEDDER, gone, state_of
-from tests.platform.live import wait_for
+from tests.waiting import wait_for
 
 
 def test_engines_end_with_a_killed_supervisor_and_the_next_ends_leftovers(fleet):
