@@ -92,21 +92,21 @@ def start_engine(
     engine = EngineProcess(process, port, token, log_path)
     if not wait_ready:
         return engine
-    outcome = started(engine, timeout=120)
+    outcome = started(process, engine.client(), timeout=120)
     if outcome != "ready":
         engine.stop()
         pytest.fail(f"engine did not start ({outcome}):\n{engine.log()}")
     return engine
 
 
-def started(engine, *, timeout: float) -> str:
+def started(process: subprocess.Popen, client: EngineClient, *, timeout: float) -> str:
     """Wait for a starting engine: "ready", "exited" or "timed out"."""
 
     def settled() -> str:
-        if engine.process.poll() is not None:
+        if process.poll() is not None:
             return "exited"
         try:
-            return "ready" if engine.client().ping()["phase"] == "ready" else ""
+            return "ready" if client.ping()["phase"] == "ready" else ""
         except EngineError:
             return ""
 

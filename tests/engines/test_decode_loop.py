@@ -18,6 +18,7 @@ from engines.generation.runner import (
 )
 from engines.generation.sampling import SamplingParams
 from engines.wire.errors import ProtocolError
+from tests.waiting import wait_for
 
 
 class CountingBackend(GenerationBackend):
@@ -162,16 +163,10 @@ def test_a_loop_without_passes_is_stuck_and_close_is_bounded():
     assert decoder.stuck_for() == 0.0  # control: idle is never stuck
     backend.block.clear()
     caller = Caller(runner, 3)
-    deadline = time.monotonic() + 10
-    while decoder.stuck_for() < 0.2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: decoder.stuck_for() >= 0.2, timeout=10, what="the loop stuck")
     assert decoder.alive
     assert runner.close(timeout=0.3) is False  # stuck: left as it is
     assert not backend.closed
     backend.block.set()
     assert caller.final()["finish_reason"] == "length"
-    deadline = time.monotonic() + 10
-    while decoder.stuck_for():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: decoder.stuck_for() == 0, timeout=10, what="the loop unstuck")

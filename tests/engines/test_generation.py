@@ -3,7 +3,6 @@ model, completions only) GGUFs through llama.cpp with continuous batching."""
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from django.conf import settings
 
 from engines.wire.client import EngineRequestError
 from tests.engines.conftest import start_engine
+from tests.waiting import wait_for
 
 SMOL = "smollm2-135m-instruct"
 GEMMA = "gemma3-270m"
@@ -53,10 +53,11 @@ def model_state(engine, name: str) -> dict:
 
 
 def wait_idle(engine, name: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while model_state(engine, name)["busy"]:
-        assert time.monotonic() < deadline, "slot not freed"
-        time.sleep(0.05)
+    wait_for(
+        lambda: not model_state(engine, name)["busy"],
+        timeout=timeout,
+        what="the slot freed",
+    )
 
 
 def test_chat_answer_arrives_as_a_stream(llm_engine):
@@ -296,11 +297,13 @@ def long_running_stream(client):
     return stream
 
 
-def test_admission_is_fifo_under_max_parallel_and_timeout_zero(llm_engine):
+def test_admission_is_fifo_under_max_parallel_and_timeout_zero(
+    llm_engine, engine_limits
+):
     """max_parallel_requests 1: requests run one at a time in arrival order; with
     a queue timeout of 0 a request is refused unless a slot is free right now."""
     client = llm_engine.client()
-    client.call("configure", config={"limits": {"max_parallel_requests": 1}})
+    engine_limits(llm_engine, max_parallel_requests=1)
     finished: list[int] = []
     try:
         threads = []
@@ -314,27 +317,28 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(llm_engine):
 
             threads.append(threading.Thread(target=run))
             threads[-1].start()
-            deadline = time.monotonic() + 30
-            while model_state(llm_engine, SMOL)["queued"] + model_state(
-                llm_engine, SMOL
-            )["busy"] < index + 1 - len(finished):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(
+                lambda index=index: (
+                    model_state(llm_engine, SMOL)["queued"]
+                    + model_state(llm_engine, SMOL)["busy"]
+                    >= index + 1 - len(finished)
+                ),
+                what=f"request {index} queued or running",
+            )
             assert model_state(llm_engine, SMOL)["busy"] <= 1
         for thread in threads:
             thread.join(60)
         assert finished == [0, 1, 2, 3]
         # The last answer reaches its caller just before its lease is given
         # back: with a queue timeout of 0 the next request must find it free.
-        deadline = time.monotonic() + 30
-        while any(model_state(llm_engine, SMOL)[k] for k in ("inflight", "busy")):
-            assert time.monotonic() < deadline, "lease not given back"
-            time.sleep(0.01)
-
-        client.call(
-            "configure",
-            config={"limits": {"max_parallel_requests": 1, "queue_timeout_s": 0}},
+        wait_for(
+            lambda: (
+                not any(model_state(llm_engine, SMOL)[k] for k in ("inflight", "busy"))
+            ),
+            what="the lease given back",
         )
+
+        engine_limits(llm_engine, queue_timeout_s=0)
         stream = long_running_stream(client)
         with pytest.raises(EngineRequestError) as error:
             client.generate(SMOL, prompt="Now?", max_tokens=2)
@@ -342,16 +346,15 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(llm_engine):
         assert "queue timeout is 0" in error.value.message
         stream.close()
     finally:
-        client.call("configure", config={"limits": {"max_parallel_requests": 16}})
         wait_idle(llm_engine, SMOL)
 
 
-def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine):
+def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine, engine_limits):
     """One request running (max parallel 1): with a queue of one, a third request
     is refused at once; with a short queue timeout, a waiting one is refused."""
     client = llm_engine.client()
     tight = {"max_parallel_requests": 1, "queue_limit": 1, "queue_timeout_s": 60}
-    client.call("configure", config={"limits": tight})
+    engine_limits(llm_engine, **tight)
     outcome: dict = {}
     try:
         stream = long_running_stream(client)
@@ -361,10 +364,10 @@ def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine):
             )
         )
         waiter.start()
-        deadline = time.monotonic() + 30
-        while model_state(llm_engine, SMOL)["queued"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(
+            lambda: model_state(llm_engine, SMOL)["queued"] >= 1,
+            what="a request queued",
+        )
         with pytest.raises(EngineRequestError) as error:
             client.generate(SMOL, prompt="Third", max_tokens=2)
         assert error.value.code == "overloaded"
@@ -374,7 +377,7 @@ def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine):
         assert outcome["queued"]["usage"]["completion_tokens"] >= 1
 
         short = {**tight, "queue_limit": 8, "queue_timeout_s": 0.3}
-        client.call("configure", config={"limits": short})
+        engine_limits(llm_engine, **short)
         stream = long_running_stream(client)
         with pytest.raises(EngineRequestError) as error:
             client.generate(SMOL, prompt="Late", max_tokens=2)
@@ -390,5 +393,4 @@ def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine):
         assert error.value.code == "overloaded"
         stream.close()
     finally:
-        client.call("configure", config={"limits": {"max_parallel_requests": 16}})
         wait_idle(llm_engine, SMOL)

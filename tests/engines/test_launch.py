@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 import pytest
@@ -24,7 +23,8 @@ from engines.launch.process import SpawnError, spawn_engine
 from engines.runtime.serve import EXIT_STUCK
 from engines.wire.client import EngineClient, EngineDied, EngineError
 from tests.conftest import ROOT
-from tests.engines.conftest import EMBEDDER, embedder_spec, free_port
+from tests.engines.conftest import EMBEDDER, embedder_spec, free_port, started
+from tests.waiting import wait_for
 
 
 class Engine:
@@ -39,22 +39,12 @@ class Engine:
         self.client = EngineClient(port=config.port, token=self.token)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if self.client.ping()["phase"] == "ready":
-                    return
-            except EngineError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"engine did not start:\n{self.log()}")
-            time.sleep(0.1)
+        outcome = started(self.process, self.client, timeout=120)
+        if outcome != "ready":
+            pytest.fail(f"engine did not start ({outcome}):\n{self.log()}")
 
     def wait_logged(self, text: str) -> None:
-        deadline = time.monotonic() + 60
-        while text not in self.log():
-            assert time.monotonic() < deadline, f"never logged {text!r}"
-            time.sleep(0.1)
+        wait_for(lambda: text in self.log(), timeout=60, what=f"{text!r} logged")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -202,10 +192,7 @@ def test_a_second_sigterm_ends_a_draining_engine_at_once(engines):
         target=lambda: outcome.update(result=_embed(engine.client, texts))
     )
     worker.start()
-    deadline = time.monotonic() + 30
-    while engine.client.state()["slots_in_use"] == 0:
-        assert time.monotonic() < deadline, "the batch never started"
-        time.sleep(0.05)
+    wait_for(lambda: engine.client.state()["slots_in_use"], what="the batch running")
 
     engine.process.send_signal(signal.SIGTERM)
     engine.wait_logged("stopping (SIGTERM)")

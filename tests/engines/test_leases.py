@@ -16,6 +16,7 @@ from engines.generation.runner import (
 )
 from engines.generation.sampling import SamplingParams
 from engines.wire.errors import ProtocolError
+from tests.waiting import wait_for
 
 actions = st.lists(
     st.one_of(
@@ -83,10 +84,12 @@ def test_random_mix_leaves_no_lease_behind(runner, steps):
             if event["event"] not in ("admitted", "token"):
                 finals.append(event)
         assert finals[0]["event"] in ("done", "error")
-    deadline = time.monotonic() + 10
-    while backend.active() or runner.queued:
-        assert time.monotonic() < deadline, "a slot or queue entry leaked"
-        time.sleep(0.01)
+    wait_for(
+        lambda: not (backend.active() or runner.queued),
+        timeout=10,
+        interval=0.01,
+        what="every slot and queue entry given back",
+    )
     for request, events in submitted:
         assert request.finished
         assert events.empty()  # nothing arrived after the final event

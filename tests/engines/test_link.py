@@ -6,7 +6,6 @@ across hosts; the multi-host tests in tests/cluster/ do it for real)."""
 import asyncio
 import contextlib
 import struct
-import time
 
 import pytest
 
@@ -14,7 +13,6 @@ from cluster.tls import relay_certificate, server_tls_context
 from engines.wire.client import AsyncEngineClient, EngineDied, EngineUnreachable
 from engines.wire.framing import encode_message, read_frame
 from engines.wire.link import (
-    LINK_DEAD_S,
     LINK_HEADER,
     MAX_LINK_PAYLOAD,
     OPEN,
@@ -25,6 +23,7 @@ from engines.wire.link import (
 )
 from tests.engines.conftest import free_port, start_engine
 from tests.engines.test_generation import SMOL, gguf_spec
+from tests.waiting import await_for
 
 SECRET = "link-test-secret"
 
@@ -70,13 +69,6 @@ def remote(port: int, *, secret: str = SECRET, engine: str = "e1", pinned=""):
 
 async def slots_in_use(engine) -> int:
     return (await engine.aclient().state())["slots_in_use"]
-
-
-async def wait_state(predicate, *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 GREEDY = {
@@ -142,7 +134,7 @@ async def test_hanging_up_a_stream_over_a_link_cancels_it_in_the_engine(engine):
                 break
         assert await slots_in_use(engine) == 1
         await frames.aclose()
-        await wait_state(
+        await await_for(
             lambda: _idle(engine), timeout=10, what="the engine's slot to be freed"
         )
         pool.close()
@@ -185,8 +177,9 @@ class Cable:
 
 async def test_a_silent_link_fails_its_streams_and_frees_the_engine(engine):
     """Cut the cable mid-stream: the caller's stream fails as a dropped
-    connection (EngineDied) within about LINK_DEAD_S, and the relay, hearing
-    nothing more, hangs up on the engine, which frees the slot."""
+    connection (EngineDied) once the link's keepalive has heard nothing for
+    LINK_DEAD_S (its reason says so), and the relay, hearing nothing more,
+    hangs up on the engine, which frees the slot."""
     async with relay_for(engine) as (_, port):
         cable = Cable(port)
         await cable.start()
@@ -198,12 +191,10 @@ async def test_a_silent_link_fails_its_streams_and_frees_the_engine(engine):
             if frame.get("event") == "token":
                 break
         cable.cut.set()
-        cut_at = time.monotonic()
-        with pytest.raises(EngineDied, match="link to node b lost"):
+        with pytest.raises(EngineDied, match="link to node b lost: no answer in"):
             async for _ in frames:
                 pass
-        assert time.monotonic() - cut_at < LINK_DEAD_S + 3
-        await wait_state(lambda: _idle(engine), timeout=20, what="the relay to hang up")
+        await await_for(lambda: _idle(engine), timeout=20, what="the relay to hang up")
         pool.close()
         await cable.close()
 

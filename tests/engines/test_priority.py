@@ -85,59 +85,49 @@ def test_batch_requests_leave_slots_to_interactive_ones(engine):
     )
 
 
-def test_an_interactive_request_goes_ahead_of_queued_batch_ones(engine):
+def test_an_interactive_request_goes_ahead_of_queued_batch_ones(engine, engine_limits):
     """One request at a time: batch requests queued first still wait for an
     interactive request queued after them."""
-    client = engine.client()
-    client.call("configure", config={"limits": {"max_parallel_requests": 1}})
-    try:
-        finished: list = []
-        running = in_background(
-            engine, finished, "first", max_tokens=60, ignore_eos=True
-        )
-        wait_for(lambda: state(engine)["busy"] == 1, what="1 busy")
-        batch = [
-            in_background(engine, finished, f"b{n}", priority="batch", max_tokens=4)
-            for n in range(2)
-        ]
-        wait_for(lambda: state(engine)["queued"] == 2, what="2 queued")
-        live = in_background(engine, finished, "live", max_tokens=4)
-        wait_for(lambda: state(engine)["queued"] == 3, what="3 queued")
-        for thread in [running, live, *batch]:
-            thread.join(120)
-        assert [name for name, _ in finished[:2]] == ["first", "live"], finished
-    finally:
-        client.call("configure", config={"limits": {"max_parallel_requests": 16}})
+    engine_limits(engine, max_parallel_requests=1)
+    finished: list = []
+    running = in_background(engine, finished, "first", max_tokens=60, ignore_eos=True)
+    wait_for(lambda: state(engine)["busy"] == 1, what="1 busy")
+    batch = [
+        in_background(engine, finished, f"b{n}", priority="batch", max_tokens=4)
+        for n in range(2)
+    ]
+    wait_for(lambda: state(engine)["queued"] == 2, what="2 queued")
+    live = in_background(engine, finished, "live", max_tokens=4)
+    wait_for(lambda: state(engine)["queued"] == 3, what="3 queued")
+    for thread in [running, live, *batch]:
+        thread.join(120)
+    assert [name for name, _ in finished[:2]] == ["first", "live"], finished
 
 
-def test_a_free_slot_goes_to_the_caller_with_fewest_in_slots(engine):
+def test_a_free_slot_goes_to_the_caller_with_fewest_in_slots(engine, engine_limits):
     """Two requests at a time, both caller a's; a's third and then b's one
     wait. When a's shorter one ends, the slot goes to b (none in slots), not
     to a's third, queued first (a still has one in a slot): b ends second.
     FIFO admission (the control) would end a's third before b."""
-    client = engine.client()
-    client.call("configure", config={"limits": {"max_parallel_requests": 2}})
-    try:
-        finished: list = []
-        greedy = {"ignore_eos": True, "temperature": 0.0, "caller": "a"}
-        first = in_background(engine, finished, "a1", max_tokens=30, **greedy)
-        second = in_background(engine, finished, "a2", max_tokens=200, **greedy)
-        wait_for(lambda: state(engine)["busy"] == 2, what="2 busy")
-        third = in_background(engine, finished, "a3", max_tokens=30, **greedy)
-        wait_for(lambda: state(engine)["queued"] == 1, what="1 queued")
-        other = in_background(
-            engine, finished, "b", max_tokens=4, temperature=0.0, caller="b"
-        )
-        wait_for(lambda: state(engine)["queued"] == 2, what="2 queued")
-        for thread in [first, second, third, other]:
-            thread.join(300)
-        names = [name for name, _ in finished]
-        assert names[:2] == ["a1", "b"], finished
-        assert sorted(finished) == sorted(
-            (name, "done") for name in ("a1", "a2", "a3", "b")
-        )
-    finally:
-        client.call("configure", config={"limits": {"max_parallel_requests": 16}})
+    engine_limits(engine, max_parallel_requests=2)
+    finished: list = []
+    greedy = {"ignore_eos": True, "temperature": 0.0, "caller": "a"}
+    first = in_background(engine, finished, "a1", max_tokens=30, **greedy)
+    second = in_background(engine, finished, "a2", max_tokens=200, **greedy)
+    wait_for(lambda: state(engine)["busy"] == 2, what="2 busy")
+    third = in_background(engine, finished, "a3", max_tokens=30, **greedy)
+    wait_for(lambda: state(engine)["queued"] == 1, what="1 queued")
+    other = in_background(
+        engine, finished, "b", max_tokens=4, temperature=0.0, caller="b"
+    )
+    wait_for(lambda: state(engine)["queued"] == 2, what="2 queued")
+    for thread in [first, second, third, other]:
+        thread.join(300)
+    names = [name for name, _ in finished]
+    assert names[:2] == ["a1", "b"], finished
+    assert sorted(finished) == sorted(
+        (name, "done") for name in ("a1", "a2", "a3", "b")
+    )
 
 
 def test_priority_is_checked(engine):

@@ -5,7 +5,6 @@ model loads, and reports a decode loop that stops making passes."""
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from engines.wire.client import EngineRequestError
 from tests.engines.conftest import build_tiny_llama, start_engine
 from tests.engines.test_generation import gguf_spec, wait_idle
+from tests.waiting import wait_for
 
 POISONED = "poisoned-llama"
 CLEAN = "clean-llama"
@@ -149,12 +149,15 @@ def test_state_is_answered_while_a_model_loads(tmp_path):
         thread = threading.Thread(target=load, daemon=True)
         phases = []
         thread.start()
-        deadline = time.monotonic() + 120
-        while not loaded.is_set() and time.monotonic() < deadline:
+
+        def loaded_now() -> bool:
             state = engine.client().state()  # a control frame: times out in seconds
             phases.append(state["phase"])
             if state["phase"] == "loading":
                 assert state["loading"] == [gemma["name"]]
+            return loaded.is_set()
+
+        wait_for(loaded_now, timeout=120, interval=0, what="the load")
         thread.join(5)
         assert loaded.is_set(), engine.log()
         assert "loading" in phases
