@@ -1,0 +1,270 @@
+"""Residency (engines/runtime/residency.py) as a unit, in this process: the
+tiny Llama the tests build, loaded for real under several names (and the
+bundled MiniLM embedder where a micro-batcher is the point); GPU memory from a
+file (FileMemoryProbe), as this machine has no card. Leases are taken with
+`using`, as the server takes them for a request. (The same through a real
+engine process: test_residency.py.)"""
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from engines.launch.config import EngineConfig, Limits, ModelSpec
+from engines.launch.devices import DeviceMemory, FileMemoryProbe
+from engines.runtime.residency import Residency
+from engines.wire.errors import ProtocolError
+from tests.engines.conftest import embedder_spec
+from tests.waiting import await_for, suspended_in
+
+# Memory as an earlier load measured it: a load with it decides at once (no
+# estimate read off the event loop), so once `loading` names a model, its
+# load has decided whether to evict or to wait.
+MEASURED_MIB = 64
+
+
+def tiny(name: str, path, **extra) -> ModelSpec:
+    fields = {"context_length": 128, "slots": 1, "measured_mib": MEASURED_MIB}
+    return ModelSpec(
+        name=name, format="transformers", path=str(path), **{**fields, **extra}
+    )
+
+
+@pytest.fixture
+async def make(tiny_llama):
+    """Residency(config) for a test, with the tiny Llama as a, b and c unless
+    told otherwise; every model it holds is unloaded at the end."""
+    made: list[Residency] = []
+
+    def residency(*specs, backend="cpu", cards=None, **limits) -> Residency:
+        specs = specs or tuple(tiny(name, tiny_llama) for name in "abc")
+        config = EngineConfig(
+            name="unit",
+            port=0,
+            backend=backend,
+            limits=Limits(**limits),
+            models={spec.name: spec for spec in specs},
+        )
+        allowed, allowed_async = threading.Event(), asyncio.Event()
+        allowed.set(), allowed_async.set()
+        probes = [FileMemoryProbe(cards)] if cards else []
+        made.append(
+            Residency(
+                config,
+                allowed=allowed,
+                allowed_async=allowed_async,
+                device_memory=DeviceMemory(probes, []),
+            )
+        )
+        return made[-1]
+
+    yield residency
+    for residency in made:
+        await residency.unload_all()
+
+
+async def use(residency: Residency, name: str) -> None:
+    """One request's lease of the model, given back at once."""
+    async with residency.using(name):
+        pass
+
+
+class Lease:
+    """A lease held in a task of its own until `release`."""
+
+    def __init__(self, residency: Residency, name: str) -> None:
+        self.taken, self.done = asyncio.Event(), asyncio.Event()
+        self.task = asyncio.create_task(self._hold(residency, name))
+
+    async def _hold(self, residency: Residency, name: str) -> None:
+        async with residency.using(name):
+            self.taken.set()
+            await self.done.wait()
+
+    async def release(self) -> None:
+        self.done.set()
+        await self.task
+
+
+async def test_a_model_is_loaded_once_whoever_asks(make):
+    """Two requests for a model that is not resident share one load."""
+    residency = make()
+    first, second = await asyncio.gather(
+        residency.ensure_loaded("a"), residency.ensure_loaded("a")
+    )
+    assert first is second
+    assert list(residency.models) == ["a"]
+
+
+async def test_a_model_not_configured_is_unknown(make):
+    residency = make()
+    with pytest.raises(ProtocolError) as error:
+        await residency.ensure_loaded("zeta")
+    assert error.value.code == "unknown_model"
+    assert residency.models == {}
+
+
+async def test_models_max_evicts_the_least_recently_used(make):
+    """With room for two, loading a third evicts the one used longest ago."""
+    residency = make(models_max=2)
+    await use(residency, "a")
+    await use(residency, "b")
+    await use(residency, "a")  # b is now the least recently used
+    await use(residency, "c")
+    assert sorted(residency.models) == ["a", "c"]
+
+
+async def test_a_leased_model_is_never_evicted_the_load_waits(make):
+    """models-max 1 and `a` leased: a load of `b` waits, `a` stays; once the
+    lease is given back, `a` is evicted and `b` loads."""
+    residency = make(models_max=1)
+    lease = Lease(residency, "a")
+    await lease.taken.wait()
+    load = asyncio.create_task(residency.ensure_loaded("b"))
+    await await_for(lambda: residency.loading == {"b"}, what="b loading")
+    assert list(residency.models) == ["a"]  # decided: leased, not evicted
+    assert not load.done()
+    await lease.release()
+    assert (await load).spec.name == "b"
+    assert list(residency.models) == ["b"]
+
+
+async def test_waiting_for_room_is_bounded_by_the_queue_timeout(make):
+    """If the leased model stays leased past the queue timeout, the load fails
+    with insufficient_memory, and the leased model stays."""
+    residency = make(models_max=1, queue_timeout_s=0.2)
+    lease = Lease(residency, "a")
+    await lease.taken.wait()
+    with pytest.raises(ProtocolError) as error:
+        await residency.ensure_loaded("b")
+    assert error.value.code == "insufficient_memory"
+    assert "stayed busy" in error.value.message
+    assert list(residency.models) == ["a"]
+    await lease.release()
+
+
+async def test_a_model_that_can_never_fit_is_refused_naming_the_shortfall(make):
+    """A margin larger than the machine: refused at once (not after the queue
+    timeout), naming the host memory short; nothing loaded. The control: the
+    default margin loads it."""
+    huge = make(memory_margin_mib=10**7, queue_timeout_s=3600)
+    with pytest.raises(ProtocolError) as error:
+        await asyncio.wait_for(huge.ensure_loaded("a"), 60)
+    assert error.value.code == "insufficient_memory"
+    assert "of host memory" in error.value.message
+    assert "short by" in error.value.message
+    assert huge.models == {}
+    assert (await make().ensure_loaded("a")).spec.name == "a"
+
+
+def cards_file(tmp_path, *, total_mib: float, used_mib: float):
+    path = tmp_path / "cards.json"
+    card = {"id": "GPU-0", "total_mib": total_mib, "used_mib": used_mib}
+    path.write_text(json.dumps({"gpus": [card]}))
+    return path
+
+
+async def test_a_gpu_engine_needs_room_on_its_cards(make, tiny_llama, tmp_path):
+    """On a GPU engine the model's measured card memory must fit the cards'
+    free memory (less the margin): 500 MiB on a card with 100 free is refused
+    naming the GPU shortfall. The control: a card with room loads it (a Vulkan
+    engine runs transformers models on the CPU: no card is needed here)."""
+    spec = tiny("a", tiny_llama, measured_device_mib=500)
+    full = cards_file(tmp_path, total_mib=8192, used_mib=8092)
+    residency = make(spec, backend="vulkan", cards=full, memory_margin_mib=0)
+    with pytest.raises(ProtocolError) as error:
+        await residency.ensure_loaded("a")
+    assert error.value.code == "insufficient_memory"
+    assert "500 MiB of GPU memory" in error.value.message
+    assert "short by 400 MiB" in error.value.message
+    roomy = cards_file(tmp_path, total_mib=8192, used_mib=0)
+    residency = make(spec, backend="vulkan", cards=roomy, memory_margin_mib=0)
+    model = await residency.ensure_loaded("a")
+    assert model.device_mib == 500  # the card showed no growth: as measured
+
+
+async def test_keep_alive_unloads_idle_models_only(make, tiny_llama):
+    """Past its keep-alive an idle model is unloaded; a leased one never is,
+    however long since it was last used; keep-alive 0 means no limit."""
+    residency = make(
+        tiny("idle", tiny_llama, keep_alive_s=1),
+        tiny("leased", tiny_llama, keep_alive_s=1),
+        tiny("forever", tiny_llama, keep_alive_s=0),
+    )
+    for name in ("idle", "forever"):
+        await use(residency, name)
+    lease = Lease(residency, "leased")
+    await lease.taken.wait()
+    long_ago = time.monotonic() - 3600
+    for model in residency.models.values():
+        model.last_used = long_ago
+    await residency.expire_idle()
+    assert sorted(residency.models) == ["forever", "leased"]
+    await lease.release()
+
+
+async def test_unload_drains_the_leases_then_a_late_request_reloads(make):
+    """`unload_drained` waits for the model's leases; a request arriving
+    meanwhile waits for the drain, then gets the model loaded afresh."""
+    residency = make()
+    old = await residency.ensure_loaded("a")
+    lease = Lease(residency, "a")
+    await lease.taken.wait()
+    unload = asyncio.create_task(residency.unload_drained("a"))
+    await await_for(lambda: len(suspended_in(unload)) > 1, what="the drain begun")
+    late = asyncio.create_task(residency.ensure_loaded("a"))
+    await await_for(lambda: len(suspended_in(late)) > 1, what="the request waiting")
+    assert residency.models == {"a": old}  # draining: the lease is still held
+    assert not unload.done() and not late.done()
+    await lease.release()
+    await unload
+    fresh = await late
+    assert fresh is not old and residency.models == {"a": fresh}
+
+
+async def test_a_request_overdue_during_a_drain_is_overloaded(make):
+    """A request waiting for a drain longer than the queue timeout is refused
+    as overloaded; the drain goes on."""
+    residency = make(queue_timeout_s=0.2)
+    lease = Lease(residency, "a")
+    await lease.taken.wait()
+    unload = asyncio.create_task(residency.unload_drained("a"))
+    await await_for(lambda: len(suspended_in(unload)) > 1, what="the drain begun")
+    with pytest.raises(ProtocolError) as error:
+        await residency.ensure_loaded("a")
+    assert error.value.code == "overloaded"
+    assert "unloading" in error.value.message
+    assert not unload.done()
+    await lease.release()
+    await unload
+    assert residency.models == {}
+
+
+async def test_unloading_a_model_not_resident_is_unknown(make):
+    residency = make()
+    with pytest.raises(ProtocolError) as error:
+        await residency.unload_drained("a")
+    assert error.value.code == "unknown_model"
+
+
+async def test_configure_applies_new_limits_to_resident_models(make, tiny_llama):
+    """New limits reach the generation model's queue and the decode thread,
+    and a model's new batch settings its micro-batcher (the bundled MiniLM)."""
+    embedder = ModelSpec.from_dict(embedder_spec(batch_window_ms=5, max_batch_size=8))
+    residency = make(tiny("a", tiny_llama), embedder)
+    generator = await residency.ensure_loaded("a")
+    batched = await residency.ensure_loaded(embedder.name)
+    assert (generator.runner.queue_limit, batched.batcher.max_batch_size) == (64, 8)
+    residency.config.models[embedder.name] = ModelSpec.from_dict(
+        embedder_spec(batch_window_ms=20, max_batch_size=3)
+    )
+    limits = Limits(queue_limit=5, queue_timeout_s=7, max_parallel_requests=2)
+    residency.configure(limits)
+    assert generator.runner.queue_limit == 5
+    assert generator.runner.queue_timeout_s == 7
+    assert residency.decoder.max_parallel == 2
+    assert batched.batcher.max_batch_size == 3
+    assert batched.batcher.window_s == pytest.approx(0.02)
+    assert batched.batcher.queue_timeout_s == 7
