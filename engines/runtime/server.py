@@ -27,7 +27,21 @@ from engines.runtime.streaming import serve_generation
 from engines.runtime.thermal import ThermalGate, Thresholds, default_probes
 from engines.runtime.watcher import watch
 from engines.wire.bounds import AUTH_TIMEOUT_S, MAX_AUTH_FRAME_BYTES, MAX_FRAME_BYTES
-from engines.wire.errors import ErrorCode, FrameTooLarge, ProtocolError, error_frame
+from engines.wire.errors import ErrorCode, FrameTooLarge, ProtocolError
+from engines.wire.frames import (
+    CancelReply,
+    EmbedReply,
+    EmbedUsage,
+    ErrorReply,
+    Frame,
+    LoadReply,
+    ModelState,
+    OkReply,
+    PingReply,
+    StateReply,
+    Temperature,
+    UnloadReply,
+)
 from engines.wire.framing import (
     UNAUTHORIZED_MESSAGE,
     check_auth,
@@ -37,11 +51,25 @@ from engines.wire.framing import (
     frame_bytes,
     read_frame,
 )
-from engines.wire.requests import check_generate, validate_request
+from engines.wire.requests import (
+    CancelRequest,
+    ConfigureRequest,
+    EmbedRequest,
+    GenerateRequest,
+    LoadRequest,
+    PingRequest,
+    Request,
+    ShutdownRequest,
+    StateRequest,
+    UnloadRequest,
+    parse_request,
+)
 
 log = logging.getLogger("roundhouse.engine")
 
-Reply = tuple[dict[str, Any], bytes | None]
+# A reply and the array payload that follows it, if any. (handle_configure
+# still answers a plain dict.)
+Reply = tuple[Frame | dict[str, Any], bytes | None]
 
 
 class EngineServer:
@@ -190,16 +218,13 @@ class EngineServer:
         after: Callable[[], None] | None = None
         try:
             try:
-                message = decode_message(payload)
-                kind = validate_request(message)
-                if kind in ("generate", "generate_stream"):
-                    typed = check_generate(message, size=len(payload))
+                request = parse_request(decode_message(payload), size=len(payload))
+                if isinstance(request, GenerateRequest):
                     received = time.perf_counter()
-                    async with self.residency.using(message["model"]) as model:
+                    async with self.residency.using(request.model) as model:
                         await serve_generation(
                             model,
-                            message,
-                            typed,
+                            request,
                             reader,
                             writer,
                             received=received,
@@ -207,18 +232,18 @@ class EngineServer:
                             count_tokens=self._count_tokens,
                         )
                     return
-                handler: Callable[[dict], Awaitable[Reply]] = getattr(
-                    self, f"handle_{kind}"
-                )
-                reply, array = await handler(message)
-                if kind == "shutdown":
+                reply, array = await self._dispatch(request)
+                if isinstance(request, ShutdownRequest):
                     after = self.request_stop
             except ProtocolError as error:
-                reply, array = error.as_frame(), None
+                reply, array = ErrorReply.of(error), None
             except Exception:
                 log.exception("request failed")
-                reply, array = error_frame(ErrorCode.INTERNAL, "internal error"), None
-            data = encode_message(reply)
+                reply = ErrorReply(code=ErrorCode.INTERNAL, message="internal error")
+                array = None
+            data = (
+                reply.encoded() if isinstance(reply, Frame) else encode_message(reply)
+            )
             if array is not None:
                 data += frame_bytes(array)
             writer.write(data)
@@ -231,6 +256,16 @@ class EngineServer:
                 self._idle.set()
             if after is not None:
                 after()
+
+    async def _dispatch(self, request: Request) -> Reply:
+        """A request but a generation to the handler of its kind."""
+        if isinstance(request, ConfigureRequest):
+            # handle_configure reads the request's fields as a dict.
+            return await self.handle_configure(request.model_dump())
+        handler: Callable[[Any], Awaitable[Reply]] = getattr(
+            self, f"handle_{request.kind}"
+        )
+        return await handler(request)
 
     async def _authenticated(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -254,11 +289,10 @@ class EngineServer:
         except ProtocolError:
             pass
         with contextlib.suppress(ConnectionError, OSError):
-            writer.write(
-                encode_message(
-                    error_frame(ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
-                )
+            refusal = ErrorReply(
+                code=ErrorCode.UNAUTHORIZED, message=UNAUTHORIZED_MESSAGE
             )
+            writer.write(refusal.encoded())
             await writer.drain()
         return False
 
@@ -270,57 +304,53 @@ class EngineServer:
 
     # -- request kinds ----------------------------------------------------------
 
-    async def handle_ping(self, message: dict) -> Reply:
-        return {
-            "status": "ok",
-            "engine": self.config.name,
-            "pid": os.getpid(),
-            "phase": self.phase,
-        }, None
+    async def handle_ping(self, request: PingRequest) -> Reply:
+        return PingReply(
+            engine=self.config.name, pid=os.getpid(), phase=self.phase
+        ), None
 
-    async def handle_state(self, message: dict) -> Reply:
+    async def handle_state(self, request: StateRequest) -> Reply:
         """What the supervisor records. Answered while models load (loads run
         off the loop); `healthy` is false with the reason when generation cannot
         go on (its loop died or is stuck): the supervisor then replaces us."""
         reason = self.residency.unhealthy_reason()
-        return {
-            "status": "ok",
-            "engine": self.config.name,
-            "pid": os.getpid(),
-            "port": self.port,
-            "phase": self.phase,
-            "healthy": not reason,
-            "unhealthy_reason": reason,
-            "started_at": self.started_at,
-            "models": [model.describe() for model in self.models.values()],
-            "loading": sorted(self.residency.loading),
-            "queue_depth": self.residency.queued(),
-            "slots_in_use": self.residency.busy(),
-            "cooling_reason": self.thermal.reason,
-            "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
-            "temperatures": self.thermal.temperatures,
-            "tokens_generated": self.tokens_generated,
-            "limits": vars(self.config.limits),
-        }, None
+        return StateReply(
+            engine=self.config.name,
+            pid=os.getpid(),
+            port=self.port,
+            phase=self.phase,
+            healthy=not reason,
+            unhealthy_reason=reason,
+            started_at=self.started_at,
+            models=[ModelState(**model.describe()) for model in self.models.values()],
+            loading=sorted(self.residency.loading),
+            queue_depth=self.residency.queued(),
+            slots_in_use=self.residency.busy(),
+            cooling_reason=self.thermal.reason,
+            rss_mib=round(psutil.Process().memory_info().rss / 2**20, 1),
+            temperatures=[Temperature(**t) for t in self.thermal.temperatures],
+            tokens_generated=self.tokens_generated,
+            limits=vars(self.config.limits),
+        ), None
 
     def _count_tokens(self, count: int) -> None:
         self.tokens_generated += count
 
-    async def handle_load(self, message: dict) -> Reply:
-        model = await self.residency.ensure_loaded(message["model"])
-        return {"status": "ok", "model": model.describe()}, None
+    async def handle_load(self, request: LoadRequest) -> Reply:
+        model = await self.residency.ensure_loaded(request.model)
+        return LoadReply(model=ModelState(**model.describe())), None
 
-    async def handle_unload(self, message: dict) -> Reply:
+    async def handle_unload(self, request: UnloadRequest) -> Reply:
         """Drain, then unload (see Residency.unload_drained)."""
-        await self.residency.unload_drained(message["model"])
-        return {"status": "ok", "drained": True}, None
+        await self.residency.unload_drained(request.model)
+        return UnloadReply(drained=True), None
 
-    async def handle_embed(self, message: dict) -> Reply:
-        async with self.residency.using(message["model"]) as model:
-            return await self._embed(model, message)
+    async def handle_embed(self, request: EmbedRequest) -> Reply:
+        async with self.residency.using(request.model) as model:
+            return await self._embed(model, request)
 
-    async def _embed(self, model: ResidentModel, message: dict) -> Reply:
-        texts: list[str] = message["texts"]
+    async def _embed(self, model: ResidentModel, request: EmbedRequest) -> Reply:
+        texts = request.texts
         if model.batcher is None:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not embed"
@@ -344,16 +374,15 @@ class EngineServer:
                 "no batch can take this request now (queue timeout is 0)",
             )
         rows, tokens = await model.batcher.submit_counted(texts)
-        header = {
-            "status": "ok",
-            "model": model.spec.name,
-            "shape": list(rows.shape),
-            "dtype": str(rows.dtype),
-            "usage": {"prompt_tokens": tokens},
-        }
-        if message.get("encoding", "npy") == "json":
-            return {**header, "encoding": "json", "embeddings": rows.tolist()}, None
-        return {**header, "encoding": "npy"}, encode_array(rows)
+        reply = EmbedReply(
+            model=model.spec.name,
+            shape=list(rows.shape),
+            dtype=str(rows.dtype),
+            usage=EmbedUsage(prompt_tokens=tokens),
+            encoding=request.encoding,
+            embeddings=rows.tolist() if request.encoding == "json" else None,
+        )
+        return reply, encode_array(rows) if request.encoding == "npy" else None
 
     async def handle_configure(self, message: dict) -> Reply:
         config = message["config"]
@@ -381,11 +410,11 @@ class EngineServer:
         log.info("configuration updated")
         return {"status": "ok"}, None
 
-    async def handle_cancel(self, message: dict) -> Reply:
-        runner = self._generations.get(message["request_id"])
-        found = runner is not None and runner.cancel(message["request_id"])
-        return {"status": "ok", "cancelled": found}, None
+    async def handle_cancel(self, request: CancelRequest) -> Reply:
+        runner = self._generations.get(request.request_id)
+        found = runner is not None and runner.cancel(request.request_id)
+        return CancelReply(cancelled=found), None
 
-    async def handle_shutdown(self, message: dict) -> Reply:
+    async def handle_shutdown(self, request: ShutdownRequest) -> Reply:
         log.info("shutdown requested")
-        return {"status": "ok"}, None
+        return OkReply(), None

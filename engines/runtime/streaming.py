@@ -15,8 +15,16 @@ from engines.generation.context import Prompt, fit_prompt
 from engines.generation.runner import GenerationRequest, GenerationRunner
 from engines.generation.sampling import SamplingParams
 from engines.runtime.residency import ResidentModel
-from engines.wire.errors import ErrorCode, ProtocolError, error_frame
-from engines.wire.framing import encode_message
+from engines.wire.errors import ErrorCode, ProtocolError
+from engines.wire.frames import (
+    DoneFrame,
+    ErrorReply,
+    GenerateAnswer,
+    Logprob,
+    StartFrame,
+    Timings,
+    TokenFrame,
+)
 from engines.wire.requests import GenerateRequest
 
 log = logging.getLogger("roundhouse.engine")
@@ -31,22 +39,22 @@ def _ms_since(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 3)
 
 
-def _prompt_chars(message: dict) -> int:
-    if isinstance(message.get("prompt"), str):
-        return len(message["prompt"])
-    messages = message.get("messages")
-    if isinstance(messages, list):
-        return sum(
-            len(item.get("content") or "") if isinstance(item, dict) else 0
-            for item in messages
-        )
-    return 0
+def _prompt_chars(request: GenerateRequest) -> int:
+    if request.prompt is not None:
+        return len(request.prompt)
+    return sum(len(turn.content or "") for turn in request.messages or ())
+
+
+def event_fields(event: dict[str, Any]) -> dict[str, Any]:
+    """A decode-thread event's fields, but its `event` (the final ones become
+    a DoneFrame, a GenerateAnswer or an ErrorReply)."""
+    return {key: value for key, value in event.items() if key != "event"}
 
 
 async def _prompt(
     model: ResidentModel,
-    message: dict,
-    typed: GenerateRequest,
+    request: GenerateRequest,
+    fields: dict[str, Any],
     params: SamplingParams,
 ) -> tuple[Prompt, Any]:
     """The request's prompt and, for a constrained answer, its grammar's
@@ -54,33 +62,32 @@ async def _prompt(
     grammar tokenizer, where its log-probabilities need it, is built here
     too: never on the decode thread, where it would hold every slot up."""
     backend = model.runner.backend
-    grammar = typed.constrained
+    grammar = request.constrained
     vocabulary = bool(params.logprobs) and backend.logprobs_need_grammar_tokenizer
 
     def render() -> tuple[Prompt, Any]:
         prompt = fit_prompt(
             backend,
-            message,
+            fields,
             params,
             policy=model.spec.context_overflow,
             model=model.spec.name,
         )
         matcher = None
         if grammar:
-            matcher = backend.grammars.matcher_for(typed)
+            matcher = backend.grammars.matcher_for(request)
         if vocabulary:
             backend.grammars.load()
         return prompt, matcher
 
-    if not (grammar or vocabulary) and _prompt_chars(message) <= INLINE_PROMPT_CHARS:
+    if not (grammar or vocabulary) and _prompt_chars(request) <= INLINE_PROMPT_CHARS:
         return render()
     return await asyncio.get_running_loop().run_in_executor(model.executor, render)
 
 
 async def serve_generation(
     model: ResidentModel,
-    message: dict,
-    typed: GenerateRequest,
+    request: GenerateRequest,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     *,
@@ -94,15 +101,18 @@ async def serve_generation(
     text. `generations` maps request ids to runners (for
     `cancel` from another connection). The final frame's `timings` are measured
     from the request's arrival (a load it waited for included)."""
-    stream = message["kind"] == "generate_stream"
+    stream = request.kind == "generate_stream"
     runner = model.runner
     if runner is None:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not generate"
         )
     first_token_ms: float | None = None
-    params = SamplingParams.from_request(message, model.spec.sampling)
-    prompt, matcher = await _prompt(model, message, typed, params)
+    # The prompt renderers and the sampling (engines/generation) read the
+    # request's fields as a dict.
+    fields = request.model_dump(exclude_none=True)
+    params = SamplingParams.from_request(fields, model.spec.sampling)
+    prompt, matcher = await _prompt(model, request, fields, params)
     prompt_tokens = prompt.tokens
     loop = asyncio.get_running_loop()
     # The decode thread's events land here; `ready` wakes this coroutine for
@@ -120,29 +130,29 @@ async def serve_generation(
         with contextlib.suppress(RuntimeError):  # the loop closed at exit
             loop.call_soon_threadsafe(arrived, event)
 
-    request = GenerationRequest(
+    generation = GenerationRequest(
         prompt_tokens=prompt_tokens,
         params=params,
         emit=emit,
-        background=message.get("priority") == "batch",
-        caller=typed.caller or "",
+        background=request.priority == "batch",
+        caller=request.caller or "",
         matcher=matcher,
-        tool_calls=typed.offers_tools,
-        prompt_logprobs=typed.echo and params.logprobs,
+        tool_calls=request.offers_tools,
+        prompt_logprobs=request.echo and params.logprobs,
     )
-    if message.get("request_id"):
-        request.id = message["request_id"]
-    if request.id in generations:
+    if request.request_id:
+        generation.id = request.request_id
+    if generation.id in generations:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id already in use")
-    runner.submit(request)
-    generations[request.id] = runner
+    runner.submit(generation)
+    generations[generation.id] = runner
     # The caller sends nothing while its request runs: end of stream on the
     # connection means it went away.
     hangup = asyncio.ensure_future(reader.read(1))
     hangup.add_done_callback(lambda _: ready.set())
     parts: list[str] = []
-    logprobs: list[dict] = []
-    prompt_logprobs: list[dict] = []
+    logprobs: list[Logprob] = []
+    prompt_logprobs: list[Logprob] = []
     final = False
     # A stream's start frame leaves once the request has a slot (the front
     # answers its HTTP status then): a request refused in the queue (full,
@@ -151,20 +161,14 @@ async def serve_generation(
     start = b""
     # `echo`: the prompt's text goes back with the start frame of a stream,
     # with the answer otherwise.
-    echoed = (
-        {"prompt_text": runner.backend.detokenize(prompt_tokens)} if typed.echo else {}
-    )
+    echoed = runner.backend.detokenize(prompt_tokens) if request.echo else None
     if stream:
-        start = encode_message(
-            {
-                "status": "ok",
-                "event": "start",
-                "request_id": request.id,
-                "prompt_tokens": len(prompt_tokens),
-                "dropped_messages": prompt.dropped_messages,
-                **echoed,
-            }
-        )
+        start = StartFrame(
+            request_id=generation.id,
+            prompt_tokens=len(prompt_tokens),
+            dropped_messages=prompt.dropped_messages,
+            prompt_text=echoed,
+        ).encoded()
     try:
         while True:
             await ready.wait()
@@ -178,53 +182,61 @@ async def serve_generation(
                         started = True
                     continue
                 if event["event"] == "token":
-                    count_tokens(int(event.get("tokens", 1)))
+                    token = TokenFrame(**event)
+                    count_tokens(token.tokens)
                     if first_token_ms is None:
                         first_token_ms = _ms_since(received)
                     if stream:
-                        frames.append(encode_message({"status": "ok", **event}))
+                        frames.append(token.encoded())
                     else:
-                        parts.append(event["text"])
-                        logprobs.extend(event.get("logprobs", ()))
-                        prompt_logprobs.extend(event.get("prompt_logprobs", ()))
+                        parts.append(token.text)
+                        logprobs.extend(token.logprobs or ())
+                        prompt_logprobs.extend(token.prompt_logprobs or ())
                     continue
                 final = True
                 if event["event"] == "error":
-                    reply = error_frame(event["code"], event["message"])
-                else:
-                    if not started:  # cancelled while queued: a stream all the same
-                        frames.append(start)
-                        started = True
-                    reply = {"status": "ok", **event, "request_id": request.id}
-                    reply["dropped_messages"] = prompt.dropped_messages
-                    reply["timings"] = {
-                        "first_token_ms": first_token_ms,
-                        "total_ms": _ms_since(received),
-                    }
-                    if not stream:
-                        reply.update(echoed)
-                        reply["text"] = "".join(parts)
-                        if params.logprobs:
-                            reply["logprobs"] = logprobs
-                        if request.prompt_logprobs:
-                            reply["prompt_logprobs"] = prompt_logprobs
-                frames.append(encode_message(reply))
+                    frames.append(ErrorReply(**event_fields(event)).encoded())
+                    continue
+                if not started:  # cancelled while queued: a stream all the same
+                    frames.append(start)
+                    started = True
+                ending = {
+                    **event_fields(event),
+                    "request_id": generation.id,
+                    "dropped_messages": prompt.dropped_messages,
+                    "timings": Timings(
+                        first_token_ms=first_token_ms, total_ms=_ms_since(received)
+                    ),
+                }
+                if stream:
+                    frames.append(DoneFrame(**ending).encoded())
+                    continue
+                answer = GenerateAnswer(
+                    **ending,
+                    text="".join(parts),
+                    logprobs=logprobs if params.logprobs else None,
+                    prompt_logprobs=(
+                        prompt_logprobs if generation.prompt_logprobs else None
+                    ),
+                    prompt_text=echoed,
+                )
+                frames.append(answer.encoded())
             if frames:
                 writer.write(b"".join(frames))
                 await writer.drain()
             if final:
                 return
             if hangup.done():
-                log.info("caller of %s went away: cancelled", request.id)
+                log.info("caller of %s went away: cancelled", generation.id)
                 return
     except (ConnectionError, OSError):
         pass  # the caller went away: cancelled below
     finally:
         if not final:  # hang-up, broken connection, or this task cancelled
-            runner.cancel(request.id)
+            runner.cancel(generation.id)
         # Settle the watcher before the connection reads its next frame (two
         # readers on one stream is an error).
         hangup.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await hangup
-        generations.pop(request.id, None)
+        generations.pop(generation.id, None)

@@ -1,6 +1,6 @@
-"""Stable error codes and the one exception an engine answers with. Each code
-is mapped to one HTTP status and one WebSocket error frame by the front
-(platform/api/errors.py)."""
+"""Stable error codes and the one exception an engine answers with (as an
+engines.wire.frames.ErrorReply). Each code is mapped to one HTTP status and
+one WebSocket error frame by the front (platform/api/errors.py)."""
 
 import enum
 
@@ -31,9 +31,6 @@ class ProtocolError(Exception):
         self.code = ErrorCode(code)
         self.message = message
 
-    def as_frame(self) -> dict[str, str]:
-        return error_frame(self.code, self.message)
-
 
 class FrameTooLarge(ProtocolError):
     """The header announced more bytes than the cap: the connection is closed."""
@@ -42,10 +39,6 @@ class FrameTooLarge(ProtocolError):
         super().__init__(
             ErrorCode.BAD_REQUEST, f"frame of {size} bytes exceeds the {limit} cap"
         )
-
-
-def error_frame(code: ErrorCode | str, message: str) -> dict[str, str]:
-    return {"status": "error", "code": str(code), "message": message}
 
 
 def bad_request(message: str) -> ProtocolError:

@@ -38,9 +38,9 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from engines.wire.bounds import (
     AUTH_TIMEOUT_S,
@@ -49,7 +49,8 @@ from engines.wire.bounds import (
     MAX_TOKEN_CHARS,
 )
 from engines.wire.client import AsyncEngineClient, EngineUnreachable, connect_and_send
-from engines.wire.errors import ErrorCode, ProtocolError, error_frame
+from engines.wire.errors import ErrorCode, ProtocolError
+from engines.wire.frames import ErrorReply
 from engines.wire.framing import auth_frame, decode_message, encode_message, read_frame
 
 log = logging.getLogger("roundhouse.link")
@@ -93,8 +94,14 @@ class LinkWelcome(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    status: str = Field(pattern="^ok$")
+    status: Literal["ok"] = "ok"
     node: str = Field(min_length=1, max_length=64)
+
+
+# The relay's answer to a hello: a welcome, or why not.
+WELCOME = TypeAdapter(
+    Annotated[LinkWelcome | ErrorReply, Field(discriminator="status")]
+)
 
 
 def link_frame(stream: int, kind: int, payload: bytes = b"") -> bytes:
@@ -325,22 +332,19 @@ class LinkPool:
                         f"node {peer.node}: the relay's certificate is not the one "
                         "pinned for it"
                     )
-            hello = {
-                "kind": "link",
-                "version": 1,
-                "node": self.node,
-                "secret": self._secret,
-            }
-            writer.write(encode_message(hello, max_bytes=MAX_AUTH_FRAME_BYTES))
+            hello = LinkHello(
+                kind="link", version=1, node=self.node, secret=self._secret
+            )
+            writer.write(
+                encode_message(hello.model_dump(), max_bytes=MAX_AUTH_FRAME_BYTES)
+            )
             reply = await read_frame(reader, max_bytes=MAX_AUTH_FRAME_BYTES)
             if reply is None:
                 raise LinkRefused(f"node {peer.node}: the relay closed the link")
-            answer = decode_message(reply)
-            if answer.get("status") != "ok":
-                raise LinkRefused(
-                    f"node {peer.node}: {answer.get('message', 'link refused')}"
-                )
-            if LinkWelcome.model_validate(answer).node != peer.node:
+            answer = WELCOME.validate_python(decode_message(reply))
+            if isinstance(answer, ErrorReply):
+                raise LinkRefused(f"node {peer.node}: {answer.message}")
+            if answer.node != peer.node:
                 raise LinkRefused(f"the relay at {peer.host} is not node {peer.node}")
         except BaseException:
             writer.close()
@@ -510,9 +514,10 @@ class Relay:
                 hello.node, hello.secret
             )
         if refusal is not None:
-            writer.write(encode_message(error_frame(ErrorCode.UNAUTHORIZED, refusal)))
+            error = ErrorReply(code=ErrorCode.UNAUTHORIZED, message=refusal)
+            writer.write(error.encoded())
             return None
-        writer.write(encode_message({"status": "ok", "node": self.node}))
+        writer.write(encode_message(LinkWelcome(node=self.node).model_dump()))
         return hello.node
 
     async def _carry(self, reader, writer, upstreams: dict[int, _Upstream]) -> None:
@@ -571,8 +576,10 @@ class Relay:
                 port, opening, timeout=CONTROL_TIMEOUT_S
             )
         except (OSError, TimeoutError) as error:
-            message = error_frame(ErrorCode.UNREACHABLE, f"engine {name}: {error}")
-            link.write(data_frames(stream, encode_message(message)))
+            message = ErrorReply(
+                code=ErrorCode.UNREACHABLE, message=f"engine {name}: {error}"
+            )
+            link.write(data_frames(stream, message.encoded()))
             link.write(link_frame(stream, CLOSE))
             upstreams.pop(stream, None)
             return

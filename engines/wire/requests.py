@@ -1,17 +1,27 @@
-"""Requests to an engine: the kinds, their shape, and the typed `generate` /
-`generate_stream` request: every field a caller may
-send, checked when it arrives (unknown keys refused, each field's shape). The
-engine checks each request with it (engines/runtime/server.py) and the
-front builds its requests with it (api.answers), so both sides read one schema.
+"""Requests to an engine, typed: one model per kind (ping, state, load,
+unload, embed, generate / generate_stream, cancel, configure, shutdown), every
+field a caller may send (unknown keys refused, each field's shape). The
+engine parses each request once, with `parse_request`, into its model
+(engines/runtime/server.py); its clients send built models
+(engines/wire/client.py), the front's generate requests built from its REST
+schemas (api.schemas), so both sides read one schema. The replies:
+engines/wire/frames.py.
 
 Sampling values (temperature, max_tokens, stop, ...) are bounded by
-engines.wire.framing.check_sampling, the bounds the admin and the REST schemas
+engines.wire.bounds.check_sampling, the bounds the admin and the REST schemas
 use too; texts by check_text. No ML library here: the front imports this."""
 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    TypeAdapter,
+    ValidationError,
+)
 
 from engines.wire.bounds import (
     MAX_MESSAGES,
@@ -19,26 +29,14 @@ from engines.wire.bounds import (
     MAX_TEXTS_PER_REQUEST,
     check_text,
 )
-from engines.wire.errors import ErrorCode, ProtocolError
+from engines.wire.errors import ErrorCode, ProtocolError, bad_request
+from engines.wire.framing import frame_bytes
 
 # A generation's priority: interactive (a person or an app waiting on it) or
 # batch (a Batch API line). Batch requests are admitted after interactive ones,
 # leave slots free for them, and sit out a pass while an interactive prompt is
 # being read (engines/generation/runner.py, engines/generation/slots.py).
 PRIORITIES = ("interactive", "batch")
-
-KINDS = (
-    "ping",
-    "state",
-    "load",
-    "unload",
-    "embed",
-    "generate",
-    "generate_stream",
-    "cancel",
-    "configure",
-    "shutdown",
-)
 
 # Tools a request may offer, and the serialized size of a JSON schema (a
 # response format's, or one tool's parameters): grammars are compiled from
@@ -73,9 +71,13 @@ Schema = dict[str, JsonValue]
 
 
 class Wire(BaseModel):
-    """A part of a request: unknown keys refused, values fixed once read."""
+    """A request or a part of one: unknown keys refused, values fixed once read."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def encoded(self) -> bytes:
+        """The request as one frame, its None fields left out."""
+        return frame_bytes(self.model_dump_json(exclude_none=True).encode("utf-8"))
 
 
 class FunctionCall(Wire):
@@ -133,7 +135,8 @@ class GenerateRequest(Wire):
     sampling fields (bounded by check_sampling), and the constraints on the
     answer (a response format, or tools to call)."""
 
-    kind: Literal["generate", "generate_stream"]
+    # Set by the client that sends it: whole answer, or a stream of frames.
+    kind: Literal["generate", "generate_stream"] = "generate"
     model: str
     request_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     priority: Priority | None = None
@@ -184,6 +187,102 @@ class GenerateRequest(Wire):
         return (fmt is not None and fmt.type != "text") or self.offers_tools
 
 
+class PingRequest(Wire):
+    """Is the engine up, and is it still loading its models."""
+
+    kind: Literal["ping"] = "ping"
+
+
+class StateRequest(Wire):
+    """What the supervisor records (frames.StateReply)."""
+
+    kind: Literal["state"] = "state"
+
+
+class LoadRequest(Wire):
+    kind: Literal["load"] = "load"
+    model: str
+
+
+class UnloadRequest(Wire):
+    """Unload once the model's requests in flight have drained."""
+
+    kind: Literal["unload"] = "unload"
+    model: str
+
+
+class EmbedRequest(Wire):
+    """Texts to embed; the rows come back as JSON or as a `.npy` frame."""
+
+    kind: Literal["embed"] = "embed"
+    model: str
+    texts: list[str]
+    encoding: Literal["json", "npy"] = "npy"
+
+
+class CancelRequest(Wire):
+    """Cancel a generation, by its request id, from another connection."""
+
+    kind: Literal["cancel"] = "cancel"
+    request_id: str
+
+
+class ConfigureRequest(Wire):
+    """Change the settings a running engine may change without a restart."""
+
+    kind: Literal["configure"] = "configure"
+    # engines.launch.config.LiveConfig's JSON form (its to_dict), read back
+    # by the engine with its from_dict.
+    config: dict[str, JsonValue]
+
+
+class ShutdownRequest(Wire):
+    """Drain, then stop."""
+
+    kind: Literal["shutdown"] = "shutdown"
+
+
+Request = Annotated[
+    PingRequest
+    | StateRequest
+    | LoadRequest
+    | UnloadRequest
+    | EmbedRequest
+    | GenerateRequest
+    | CancelRequest
+    | ConfigureRequest
+    | ShutdownRequest,
+    Field(discriminator="kind"),
+]
+REQUEST = TypeAdapter(Request)
+KINDS = (
+    "ping",
+    "state",
+    "load",
+    "unload",
+    "embed",
+    "generate",
+    "generate_stream",
+    "cancel",
+    "configure",
+    "shutdown",
+)
+# pydantic's error types for a value of the wrong JSON type.
+_WRONG_TYPES = frozenset(
+    {
+        "string_type",
+        "int_type",
+        "int_from_float",
+        "float_type",
+        "bool_type",
+        "list_type",
+        "dict_type",
+        "model_type",
+        "model_attributes_type",
+    }
+)
+
+
 def tools_chars(tools: list[dict[str, Any]]) -> int:
     """The size of offered tools as MAX_TOOLS_CHARS counts it: the JSON
     (`json.dumps`' defaults) of each tool's name, description and parameters."""
@@ -208,37 +307,75 @@ def request_bytes(fields: dict[str, Any]) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def check_generate(
-    message: dict[str, Any], *, size: int | None = None
-) -> GenerateRequest:
-    """A generate request's fields, typed; bad_request naming the first bad
-    field otherwise (an unknown one included). `size`: the request's bytes as
-    they arrived (its frame's payload), else measured here."""
-    size = request_bytes(message) if size is None else size
-    if size > MAX_REQUEST_BYTES:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST,
-            f"the request is {size} bytes, over the cap of {MAX_REQUEST_BYTES}",
-        )
-    sources = sum(message.get(key) is not None for key in ("prompt", "messages"))
-    sources += message.get("prompt_tokens") is not None
-    if sources != 1:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST,
-            "send exactly one of `prompt`, `messages` and `prompt_tokens`",
-        )
+def parse_request(message: dict[str, Any], *, size: int | None = None) -> Request:
+    """A request, typed: the one check an engine makes of what arrives,
+    after authentication; bad_request naming the first bad field otherwise
+    (an unknown one included). `size`: a generate request's bytes as they
+    arrived (its frame's payload), else measured here."""
+    kind = message.get("kind")
+    if kind is None:
+        raise bad_request("missing field 'kind'")
+    if not isinstance(kind, str):
+        raise bad_request("field 'kind' has the wrong type")
+    if kind not in KINDS:
+        raise bad_request(f"unknown kind {kind!r}")
+    generate = kind in ("generate", "generate_stream")
+    if generate:
+        size = request_bytes(message) if size is None else size
+        if size > MAX_REQUEST_BYTES:
+            raise bad_request(
+                f"the request is {size} bytes, over the cap of {MAX_REQUEST_BYTES}"
+            )
     try:
-        request = GenerateRequest.model_validate(message)
+        request = REQUEST.validate_python(message)
     except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"])
-        if first["type"] == "extra_forbidden":
-            reason = "unknown field"
-        else:
-            reason = first["msg"]
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {reason}") from None
-    _check_sizes(request)
+        raise _refusal(error) from None
+    if isinstance(request, GenerateRequest):
+        _check_generate(request)
+    elif isinstance(request, EmbedRequest):
+        _check_texts(request.texts)
     return request
+
+
+def _refusal(error: ValidationError) -> ProtocolError:
+    """The bad_request for a request its model refused, naming the first bad
+    field (the kind, which pydantic puts first, left out)."""
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"][1:])
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"{where}: unknown field")
+    if first["type"] == "missing":
+        return bad_request(f"missing field {where!r}")
+    if first["type"] in _WRONG_TYPES:
+        return bad_request(f"field {where!r} has the wrong type")
+    return bad_request(f"{where}: {first['msg']}")
+
+
+def _check_generate(request: GenerateRequest) -> None:
+    sources = (request.prompt, request.messages, request.prompt_tokens)
+    if sum(source is not None for source in sources) != 1:
+        raise bad_request(
+            "send exactly one of `prompt`, `messages` and `prompt_tokens`"
+        )
+    if request.prompt is not None:
+        check_text(request.prompt, "prompt")
+    _check_sizes(request)
+
+
+def _check_texts(texts: list[str]) -> None:
+    if not texts:
+        raise bad_request("texts is empty")
+    if len(texts) > MAX_TEXTS_PER_REQUEST:
+        raise bad_request(
+            f"{len(texts)} texts exceed the cap of {MAX_TEXTS_PER_REQUEST}"
+        )
+    for index, text in enumerate(texts):
+        check_text(text, f"texts[{index}]")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise bad_request(
+                f"a text of {len(text)} characters exceeds the cap of "
+                f"{MAX_PROMPT_CHARS}"
+            )
 
 
 def _check_sizes(request: GenerateRequest) -> None:
@@ -287,58 +424,3 @@ def _check_sizes(request: GenerateRequest) -> None:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, "tool_choice is required but no tools are offered"
         )
-
-
-def _require(message: dict, key: str, kind: type | tuple, *, optional: bool = False):
-    if key not in message:
-        if optional:
-            return None
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"missing field {key!r}")
-    value = message[key]
-    if isinstance(value, bool) and kind is not bool:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {key!r} has the wrong type")
-    if not isinstance(value, kind):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {key!r} has the wrong type")
-    return value
-
-
-def validate_request(message: dict[str, Any]) -> str:
-    """Check a request's shape after authentication; returns its kind (a
-    generate request's fields are checked by engines.wire.requests)."""
-    kind = _require(message, "kind", str)
-    if kind not in KINDS:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown kind {kind!r}")
-    if kind in ("load", "unload", "embed", "generate", "generate_stream"):
-        _require(message, "model", str)
-    if kind in ("generate", "generate_stream"):
-        # The rest of a generate request's shape: engines.wire.requests.
-        prompt = _require(message, "prompt", str, optional=True)
-        if prompt is not None:
-            check_text(prompt, "prompt")
-    if kind == "cancel":
-        _require(message, "request_id", str)
-    if kind == "embed":
-        texts = _require(message, "texts", list)
-        if not texts:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "texts is empty")
-        if len(texts) > MAX_TEXTS_PER_REQUEST:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"{len(texts)} texts exceed the cap of {MAX_TEXTS_PER_REQUEST}",
-            )
-        for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "texts must be strings")
-            check_text(text, f"texts[{index}]")
-            if len(text) > MAX_PROMPT_CHARS:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    f"a text of {len(text)} characters exceeds the cap of "
-                    f"{MAX_PROMPT_CHARS}",
-                )
-        encoding = _require(message, "encoding", str, optional=True)
-        if encoding not in (None, "json", "npy"):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "encoding is json or npy")
-    if kind == "configure":
-        _require(message, "config", dict)
-    return kind

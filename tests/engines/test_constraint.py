@@ -270,7 +270,7 @@ def test_tools_over_their_total_cap_are_refused_before_rendering(engine):
 BATCHED = """
 import json
 from engines.backends.gguf import LlamaBackend
-from engines.wire.requests import check_generate
+from engines.wire.requests import parse_request
 from engines.generation.runner import GenerationRequest
 from engines.generation.sampling import SamplingParams
 
@@ -284,7 +284,7 @@ def admit(text, schema):
                "messages": [{"role": "user", "content": text}]}
     if schema:
         message["response_format"] = {"type": "json_schema", "json_schema": schema}
-    typed = check_generate(message)
+    typed = parse_request(message)
     matcher = backend.grammars.matcher_for(typed)
     events = []
     request = GenerationRequest(
@@ -344,7 +344,7 @@ LIMITS = """
 import json
 from engines.backends.gguf import LlamaBackend
 from engines.constrained.grammar import GRAMMAR_LIMITS, MASK_BUDGET_S
-from engines.wire.requests import check_generate
+from engines.wire.requests import parse_request
 from engines.generation.runner import GenerationRequest
 from engines.wire.framing import ProtocolError
 from engines.generation.sampling import SamplingParams
@@ -355,7 +355,7 @@ report = {}
 
 WIDE = {"type": "object",
         "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
-wide = check_generate({"kind": "generate", "model": "m", "prompt": "x",
+wide = parse_request({"kind": "generate", "model": "m", "prompt": "x",
     "response_format": {"type": "json_schema", "json_schema": WIDE}})
 grammars.limits = {**GRAMMAR_LIMITS, "max_grammar_size": 1000}
 try:
@@ -370,7 +370,7 @@ report["wide_compiles"] = grammars.matcher_for(wide) is not None
 tools = [{"name": f"tool_{i}", "parameters": {"type": "object",
           "properties": {f"a{j}": {"type": "integer"} for j in range(60)}}}
          for i in range(128)]
-dense = check_generate({"kind": "generate", "model": "m",
+dense = parse_request({"kind": "generate", "model": "m",
     "messages": [{"role": "user", "content": "hi"}], "tools": tools,
     "tool_choice": "required"})
 report["dense_tools_compile"] = not grammars.matcher_for(dense).is_error()
@@ -384,7 +384,7 @@ def admit(text, schema):
                "messages": [{"role": "user", "content": text}]}
     if schema:
         message["response_format"] = {"type": "json_schema", "json_schema": schema}
-    typed = check_generate(message)
+    typed = parse_request(message)
     events = []
     request = GenerationRequest(
         backend.tokenize(backend.render_prompt(message)),

@@ -8,7 +8,7 @@ from engines.wire.errors import ErrorCode, ProtocolError
 from engines.wire.requests import (
     MAX_REQUEST_BYTES,
     MAX_TOOLS_CHARS,
-    check_generate,
+    parse_request,
     request_bytes,
     tools_chars,
 )
@@ -35,7 +35,7 @@ def tools_of_size(total: int, count: int = 8) -> list[dict]:
 
 def refused(message: dict, **kwargs) -> str:
     with pytest.raises(ProtocolError) as error:
-        check_generate(message, **kwargs)
+        parse_request(message, **kwargs)
     assert error.value.code == ErrorCode.BAD_REQUEST
     return error.value.message
 
@@ -45,7 +45,7 @@ def test_tools_over_their_total_cap_are_refused():
     naming `tools`; at the cap, taken (the control)."""
     message = refused({**CHAT, "tools": tools_of_size(MAX_TOOLS_CHARS + 1)})
     assert message.startswith("tools:") and str(MAX_TOOLS_CHARS) in message
-    typed = check_generate({**CHAT, "tools": tools_of_size(MAX_TOOLS_CHARS)})
+    typed = parse_request({**CHAT, "tools": tools_of_size(MAX_TOOLS_CHARS)})
     assert len(typed.tools) == 8
 
 
@@ -64,5 +64,5 @@ def test_a_request_over_the_whole_cap_is_refused():
     message = refused(with_size(MAX_REQUEST_BYTES + 1))
     assert f"over the cap of {MAX_REQUEST_BYTES}" in message
     assert refused(CHAT, size=MAX_REQUEST_BYTES + 1)
-    assert check_generate(with_size(MAX_REQUEST_BYTES))
-    assert check_generate(CHAT, size=MAX_REQUEST_BYTES)
+    assert parse_request(with_size(MAX_REQUEST_BYTES))
+    assert parse_request(CHAT, size=MAX_REQUEST_BYTES)

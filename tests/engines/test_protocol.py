@@ -19,7 +19,7 @@ from engines.wire.framing import (
     read_frame,
     split_frames,
 )
-from engines.wire.requests import validate_request
+from engines.wire.requests import parse_request
 
 json_values = st.recursive(
     st.none()
@@ -65,11 +65,11 @@ def test_decoder_fuzz_raises_only_protocol_errors(data):
 def test_request_validation_fuzz(message):
     """Any JSON object is either a valid request or a `bad_request`."""
     try:
-        kind = validate_request(message)
+        request = parse_request(message)
     except ProtocolError as error:
         assert error.code == "bad_request"
     else:
-        assert kind == message["kind"]
+        assert request.kind == message["kind"]
 
 
 def test_header_over_the_cap_is_refused_before_reading_the_payload():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engines.wire.bounds import MAX_PROMPT_CHARS
 from engines.wire.errors import FrameTooLarge, ProtocolError
 from engines.wire.framing import HEADER, decode_message, encode_message, read_frame
-from engines.wire.requests import validate_request
+from engines.wire.requests import parse_request
 
 FUZZ = settings(max_examples=300, deadline=None)
 
@@ -141,7 +141,7 @@ def test_request_validation_fuzz(message):
     """Any request is a kind the engine serves, with text free of NUL and lone
     surrogates, or a `bad_request`."""
     try:
-        kind = validate_request(message)
+        kind = parse_request(message).kind
     except ProtocolError as error:
         assert error.code == "bad_request"
         return
@@ -169,5 +169,5 @@ def test_request_validation_fuzz(message):
 def test_request_text_is_checked(kind, field, clean, bad, needle):
     """NUL and lone surrogates are refused naming the field; clean text passes."""
     message = {"kind": kind, "model": "m"}
-    assert validate_request({**message, field: clean}) == kind
-    assert needle in refused(validate_request, {**message, field: bad}).message
+    assert parse_request({**message, field: clean}).kind == kind
+    assert needle in refused(parse_request, {**message, field: bad}).message
