@@ -85,16 +85,27 @@ def test_second_supervisor_refused_and_killed_engine_respawned(fleet):
     assert "stopped answering" in state.last_error
 
 
-def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
-    """Started with --ensure; then limits are pushed live, an env change and the
-    admin's restart action restart the engine, a new spec is spawned, a disabled
-    one is stopped, and an engine that cannot start shows a crash loop."""
+@pytest.fixture
+def ensured(fleet):
+    """The fleet started as `supervise --ensure` starts it (in the background,
+    returning once its engines answer): the pid of its engine cpu0."""
+    ensure = fleet.command("--ensure")
+    assert ensure.returncode == 0, ensure.stderr
+    return fleet.ready()
+
+
+def test_ensure_starts_the_supervisor_and_returns_once_engines_answer(fleet):
+    """`supervise --ensure` with no supervisor running starts one in the
+    background and returns only when the engines answer."""
     ensure = fleet.command("--ensure")
     assert ensure.returncode == 0, ensure.stderr
     assert "supervisor started" in ensure.stdout
     assert fleet.client().ping()["status"] == "ok"  # engines answer on return
-    pid = fleet.ready()
 
+
+def test_limits_are_pushed_to_the_running_engine(fleet, ensured):
+    """A change of the concurrency settings reaches the engine without a
+    restart."""
     concurrency = ConcurrencySettings.load()
     concurrency.max_parallel_requests = 7
     concurrency.save()
@@ -102,15 +113,17 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
         lambda: fleet.client().state()["limits"]["max_parallel_requests"] == 7,
         what="limits pushed",
     )
-    assert state_of("cpu0").pid == pid  # no restart for limits
+    assert state_of("cpu0").pid == ensured  # no restart for limits
 
-    # The catalog reaches the engine: a chat model with the admin's sampling
-    # defaults (max_tokens 3) answers through the supervised engine.
+
+def test_the_catalog_reaches_the_engine_and_learns_the_measured_memory(fleet, ensured):
+    """A chat model of the catalog answers through the supervised engine with
+    the admin's sampling defaults (max_tokens 3), and the memory its load
+    measured is stored in the catalog for the next decision."""
     reply = fleet.client().generate(
         "smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
     )
     assert reply["usage"]["completion_tokens"] <= 3
-    # The memory the load measured is stored in the catalog for the next decision.
     measured = wait_for(
         lambda: (
             ModelConfig.objects.get(name="smollm2-135m-instruct").measured_memory_mib
@@ -119,14 +132,21 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
     )
     assert measured > 50
 
-    # A hot CPU shows as `cooling` with its reason in the admin; raising the
-    # threshold there resumes the engine without a restart.
+
+def test_a_hot_cpu_shows_as_cooling_until_the_threshold_is_raised(
+    fleet, ensured, admin_client
+):
+    """A hot CPU shows as `cooling` with its reason, in the admin too, along
+    with the dashboard's facts (the devices' temperatures, the engine's memory,
+    its tokens generated, a chat model's slots and KV pool); raising the
+    threshold in the admin resumes the engine without a restart."""
+    reply = fleet.client().generate(
+        "smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
+    )
     fleet.temperatures.write_text(json.dumps({"cpu": 93}))
     wait_for(lambda: state_of("cpu0").status == "cooling", what="cooling")
-    assert "CPU (cpu) at 93 °C" in state_of("cpu0").cooling_reason
-    # The dashboard's facts: the devices' temperatures, the engine's memory
-    # and its tokens generated so far (the request above).
     recorded = state_of("cpu0")
+    assert "CPU (cpu) at 93 °C" in recorded.cooling_reason
     assert {"device": "CPU", "celsius": 93.0} in recorded.temperatures
     assert recorded.memory_mib > 50
     assert recorded.tokens_generated >= reply["usage"]["completion_tokens"] > 0
@@ -145,28 +165,40 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
     thermal.cpu_high, thermal.cpu_resume = 99, 95
     thermal.save()
     wait_for(lambda: state_of("cpu0").status == "ready", what="resumed")
-    assert state_of("cpu0").pid == pid
+    assert state_of("cpu0").pid == ensured
 
+
+def test_an_env_change_restarts_the_engine_with_that_env(fleet, ensured):
+    """A new env block restarts the engine, which gets it (empty values
+    honoured), and none of the web side's secrets."""
     spec = EngineSpec.objects.get(name="cpu0")
     spec.env = {"ROUNDHOUSE_PROBE": "", "OMP_NUM_THREADS": "1"}
     spec.save()
-    pid = fleet.ready(other_than=pid)
+    pid = fleet.ready(other_than=ensured)
     engine_env = psutil.Process(pid).environ()
     assert engine_env["ROUNDHOUSE_PROBE"] == ""  # empty values are honoured
     assert engine_env["OMP_NUM_THREADS"] == "1"
     assert "SECRET_KEY" not in engine_env and "DATABASE_URL" not in engine_env
 
+
+def test_the_admins_restart_action_restarts_the_engine(fleet, ensured, admin_client):
+    """The changelist's restart action restarts the engine and is recorded in
+    the engine's admin history."""
+    spec = EngineSpec.objects.get(name="cpu0")
     response = admin_client.post(
         reverse("admin:fleet_enginespec_changelist"),
         {"action": "restart_engines", "_selected_action": [spec.pk]},
     )
     assert response.status_code == 302
-    # Recorded in the engine's admin history.
     assert LogEntry.objects.get(object_id=str(spec.pk)).change_message == (
         "Restart requested."
     )
-    pid = fleet.ready(other_than=pid)
+    fleet.ready(other_than=ensured)
 
+
+def test_a_new_spec_is_spawned_and_a_disabled_one_stopped(fleet, ensured):
+    """A spec created while the fleet runs gets its engine; disabled, the
+    engine is stopped and its connection file removed. cpu0 runs on."""
     EngineSpec.objects.create(name="cpu1", backend="cpu", order=1)
     fleet.ready("cpu1")
     assert fleet.client("cpu1").ping()["engine"] == "cpu1"
@@ -177,7 +209,13 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
         psutil.Process(cpu1_pid).status() == psutil.STATUS_ZOMBIE
     )
     assert not (fleet.run_dir / "engines" / "cpu1.json").exists()
+    assert state_of("cpu0").pid == ensured
 
+
+def test_an_engine_that_cannot_start_shows_a_crash_loop(fleet, ensured, admin_client):
+    """A new engine whose port is taken fails to start again and again: it
+    shows a crash loop naming the cause, in the admin too; the others keep
+    serving."""
     with socket.socket() as squatter:  # the port a new engine wants is taken
         squatter.bind(("127.0.0.1", fleet.base_port + 3))
         squatter.listen()
@@ -192,7 +230,7 @@ def test_admin_changes_reach_the_running_fleet(fleet, admin_client):
         assert "address already in use" in state.last_error.lower()
         body = admin_client.get(reverse("admin:fleet_enginespec_changelist"))
         assert "crash loop (next try" in body.content.decode()
-    assert state_of("cpu0").pid == pid  # the others kept serving
+    assert state_of("cpu0").pid == ensured  # the others kept serving
 
 
 def test_sigterm_drains_in_flight_work_and_exits_cleanly(fleet):
