@@ -15,8 +15,9 @@ from engines.launch.config import ModelSpec
 from engines.runtime.residency import ResidentModel
 from engines.runtime.streaming import serve_generation
 from engines.wire.errors import ProtocolError
+from engines.wire.frames import GenerateAnswer, parse_reply
 from engines.wire.framing import decode_message, encode_message, read_frame
-from engines.wire.requests import check_generate
+from engines.wire.requests import parse_request
 from tests.waiting import wait_for
 
 PROMPT = "the cat sat on the mat"
@@ -93,10 +94,8 @@ class Call:
 
 async def serve(model, message, reader, writer, **kwargs) -> None:
     """serve_generation, as the server calls it for one request."""
-    typed = check_generate(message, size=len(encode_message(message)))
-    await serve_generation(
-        model, message, typed, reader, writer, received=0.0, **kwargs
-    )
+    request = parse_request(message, size=len(encode_message(message)))
+    await serve_generation(model, request, reader, writer, received=0.0, **kwargs)
 
 
 async def call(model, generations=None, **fields) -> Call:
@@ -130,7 +129,7 @@ async def test_a_whole_answer_is_one_frame_of_the_streams_text(model):
     pieces = [f["text"] for f in await streamed.frames() if f["event"] == "token"]
     whole = await call(model, **{**GREEDY, "kind": "generate"})
     (answer,) = await whole.frames()
-    assert answer["event"] == "done"
+    assert isinstance(parse_reply("generate", answer), GenerateAnswer)
     assert answer["text"] == "".join(pieces) != ""
     assert sum(whole.counted) == sum(streamed.counted) == 6
 
