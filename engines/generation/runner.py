@@ -301,7 +301,9 @@ class GenerationRunner:
         with self._wake:
             refused, self._pending = list(self._pending), deque()
         for request in refused:
-            request.finish({"event": "error", "code": "internal", "message": message})
+            request.finish(
+                {"event": "error", "code": ErrorCode.INTERNAL, "message": message}
+            )
         try:
             self.backend.fail_running(ErrorCode.INTERNAL.value, message)
         except Exception:
@@ -339,7 +341,11 @@ class GenerationRunner:
                 refused, self._pending = list(self._pending), deque()
         for request in refused:
             request.finish(
-                {"event": "error", "code": "cancelled", "message": "model unloading"}
+                {
+                    "event": "error",
+                    "code": ErrorCode.CANCELLED,
+                    "message": "model unloading",
+                }
             )
         try:
             for request_id in cancels:
@@ -397,7 +403,7 @@ class GenerationRunner:
                 request.finish(
                     {
                         "event": "error",
-                        "code": "overloaded",
+                        "code": ErrorCode.OVERLOADED,
                         "message": f"waited more than {self.queue_timeout_s:g} s",
                     }
                 )

@@ -491,7 +491,7 @@ class SlotBackend(PrefixSharing, GenerationBackend):
         request.finish(done)
         self.release(slot)
 
-    def fail(self, slot: Slot, message: str, code: str = "internal") -> None:
+    def fail(self, slot: Slot, message: str, code: str = ErrorCode.INTERNAL) -> None:
         """End the slot's request with an error and free the slot, its cache
         dropped (a failed pass may have left its KV half written)."""
         if slot.request is not None:

@@ -69,7 +69,7 @@ class Call:
     def hung_up(self) -> None:
         """The caller went away (an error already recorded stays)."""
         if self.status < 400:
-            self.status, self.error_code = 499, "client_closed"
+            self.status, self.error_code = 499, errors.ApiCode.CLIENT_CLOSED
 
     def usage(self) -> dict[str, int]:
         """The answer's `usage` object."""

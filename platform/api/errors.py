@@ -1,6 +1,8 @@
 """Errors of the OpenAI-compatible API: one table from engine error codes to HTTP
-statuses, and OpenAI's error-object shape for every failure the front answers."""
+statuses, the codes of the front's own refusals, and OpenAI's error-object shape
+for every failure the front answers."""
 
+import enum
 import json
 from dataclasses import dataclass
 
@@ -37,7 +39,7 @@ class ApiError(Exception):
         message = {
             "type": "error",
             "id": stream_id,
-            "code": self.code or WEBSOCKET_CODES.get(self.status, "internal"),
+            "code": self.code or WEBSOCKET_CODES.get(self.status, ErrorCode.INTERNAL),
             "status": self.status,
             "message": self.message,
         }
@@ -52,6 +54,35 @@ class ApiError(Exception):
         if self.retry_after_s is not None:
             response["Retry-After"] = str(self.retry_after_s)
         return response
+
+
+class ApiCode(enum.StrEnum):
+    """The codes of the front's own refusals and failures (an engine's are
+    ErrorCode's): each is an error's `code`, and a usage row's."""
+
+    INVALID_API_KEY = "invalid_api_key"
+    MODEL_NOT_FOUND = "model_not_found"
+    MODEL_TASK_MISMATCH = "model_task_mismatch"
+    NOT_FOUND = "not_found"
+    UNKNOWN_URL = "unknown_url"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    REQUEST_TOO_LARGE = "request_too_large"
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+    CONCURRENCY_LIMIT_EXCEEDED = "concurrency_limit_exceeded"
+    TOO_MANY_INVALID_KEYS = "too_many_invalid_keys"
+    DATABASE_UNAVAILABLE = "database_unavailable"
+    CLUSTER_UNCONFIRMED = "cluster_unconfirmed"
+    # The engine connection failed (engines.wire.client's error classes), or
+    # no engine could take the request.
+    ENGINE_DIED = "engine_died"
+    ENGINE_TIMEOUT = "engine_timeout"
+    ENGINE_UNREACHABLE = "engine_unreachable"
+    NO_ENGINE = "no_engine"
+    # The caller went away before the answer ended.
+    CLIENT_CLOSED = "client_closed"
+    # The WebSocket chat's.
+    CONVERSATION_NOT_FOUND = "conversation_not_found"
+    TOO_MANY_STREAMS = "too_many_streams"
 
 
 @dataclass(frozen=True)
@@ -99,10 +130,10 @@ DATABASE_UNAVAILABLE = Mapping(503, "server_error", retry_after_s=5)
 # (a body the schema refused is a 400 with no code: "bad_request").
 WEBSOCKET_CODES: dict[int, str] = {
     400: ErrorCode.BAD_REQUEST,
-    401: "invalid_api_key",
-    404: "not_found",
-    413: "request_too_large",
-    429: "rate_limit_exceeded",
+    401: ApiCode.INVALID_API_KEY,
+    404: ApiCode.NOT_FOUND,
+    413: ApiCode.REQUEST_TOO_LARGE,
+    429: ApiCode.RATE_LIMIT_EXCEEDED,
 }
 
 # What each step of a request can answer instead of its result. The OpenAPI
@@ -125,7 +156,7 @@ STEP_ERRORS: dict[str, tuple[Mapping, ...]] = {
 }
 
 
-def engine_error(code: str, message: str) -> ApiError:
+def engine_error(code: ErrorCode, message: str) -> ApiError:
     """The API error for an engine's error frame."""
     mapping = ENGINE_ERRORS.get(code, ENGINE_ERRORS[ErrorCode.INTERNAL])
     return from_mapping(mapping, message, code=code)
@@ -146,7 +177,7 @@ def from_mapping(
 
 
 def unauthorized(message: str) -> ApiError:
-    return from_mapping(UNAUTHORIZED, message, code="invalid_api_key")
+    return from_mapping(UNAUTHORIZED, message, code=ApiCode.INVALID_API_KEY)
 
 
 def model_not_found(name: str) -> ApiError:
@@ -154,24 +185,26 @@ def model_not_found(name: str) -> ApiError:
         NOT_FOUND,
         f"The model '{name}' does not exist or you do not have access to it.",
         param="model",
-        code="model_not_found",
+        code=ApiCode.MODEL_NOT_FOUND,
     )
 
 
 def database_unavailable(message: str) -> ApiError:
     """503 with Retry-After: the request needs the database, which is down."""
-    return from_mapping(DATABASE_UNAVAILABLE, message, code="database_unavailable")
+    return from_mapping(
+        DATABASE_UNAVAILABLE, message, code=ApiCode.DATABASE_UNAVAILABLE
+    )
 
 
 def cluster_unconfirmed(message: str) -> ApiError:
     """503: a node cut off from the cluster's database does not serve what it
     can no longer confirm is its to serve."""
-    return from_mapping(DATABASE_UNAVAILABLE, message, code="cluster_unconfirmed")
+    return from_mapping(DATABASE_UNAVAILABLE, message, code=ApiCode.CLUSTER_UNCONFIRMED)
 
 
 def method_not_allowed(method: str, path: str) -> ApiError:
     return from_mapping(
-        METHOD_NOT_ALLOWED, f"Use {method} for {path}.", code="method_not_allowed"
+        METHOD_NOT_ALLOWED, f"Use {method} for {path}.", code=ApiCode.METHOD_NOT_ALLOWED
     )
 
 
@@ -181,7 +214,7 @@ def too_large(size: int | None, cap: int) -> ApiError:
         message = f"The request body exceeds the limit of {cap} bytes."
     else:
         message = f"The request body has {size} bytes; the limit is {cap} bytes."
-    return from_mapping(TOO_LARGE, message, code="request_too_large")
+    return from_mapping(TOO_LARGE, message, code=ApiCode.REQUEST_TOO_LARGE)
 
 
 def invalid_request(
@@ -192,7 +225,7 @@ def invalid_request(
 
 
 def rate_limited(
-    message: str, retry_after_s: int, *, code: str = "rate_limit_exceeded"
+    message: str, retry_after_s: int, *, code: str = ApiCode.RATE_LIMIT_EXCEEDED
 ) -> ApiError:
     """429 with Retry-After: the key, or the client, is over a limit."""
     return ApiError(

@@ -1,10 +1,12 @@
 """Why the API refuses a request before it reaches an engine."""
 
+from .errors import ApiCode
+
 
 class KeyRejected(Exception):
     """The request's API key is missing, malformed, unknown or revoked (HTTP 401)."""
 
-    def __init__(self, message: str, *, code: str = "invalid_api_key") -> None:
+    def __init__(self, message: str, *, code: str = ApiCode.INVALID_API_KEY) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
@@ -24,7 +26,11 @@ class LimitExceeded(Exception):
     client (its address) over its failed keys (HTTP 429)."""
 
     def __init__(
-        self, message: str, retry_after_s: int, *, code: str = "rate_limit_exceeded"
+        self,
+        message: str,
+        retry_after_s: int,
+        *,
+        code: str = ApiCode.RATE_LIMIT_EXCEEDED,
     ) -> None:
         super().__init__(message)
         self.message = message

@@ -40,6 +40,7 @@ from asgiref.sync import sync_to_async
 from django.core.cache import DEFAULT_CACHE_ALIAS, cache, caches
 from django.core.cache.backends.locmem import LocMemCache
 
+from .errors import ApiCode
 from .exceptions import LimitExceeded
 from .models import ApiKey
 
@@ -181,7 +182,7 @@ def _admit(allowance: Allowance, weight: int) -> _Slot | None:
             f"have at most {allowance.max_concurrent} in flight. Ask for fewer "
             "choices (n).",
             1,
-            code="concurrency_limit_exceeded",
+            code=ApiCode.CONCURRENCY_LIMIT_EXCEEDED,
         )
     if not allowance.max_concurrent:
         return None
@@ -192,7 +193,7 @@ def _admit(allowance: Allowance, weight: int) -> _Slot | None:
             f"{allowance.max_concurrent} at once (a request with n choices "
             "counts n).",
             1,
-            code="concurrency_limit_exceeded",
+            code=ApiCode.CONCURRENCY_LIMIT_EXCEEDED,
         )
     return slot
 
@@ -303,7 +304,7 @@ class FailureThrottle:
             f"Too many requests with invalid API keys from this client. Try "
             f"again in {math.ceil(left)} s.",
             math.ceil(left),
-            code="too_many_invalid_keys",
+            code=ApiCode.TOO_MANY_INVALID_KEYS,
         )
 
     def failed(self, client: str) -> None:

@@ -110,7 +110,7 @@ async def model_route(call: Call, model: str) -> tuple[ModelRoute, Snapshot]:
             f"The model '{model}' is a {task or 'unknown'} model and cannot "
             f"serve {path}.",
             param="model",
-            code="model_task_mismatch",
+            code=errors.ApiCode.MODEL_TASK_MISMATCH,
         )
     return route, snapshot
 
@@ -181,10 +181,12 @@ async def with_engine(
                 raise engine_failure(died) from None
             if unreachable is not None:
                 raise errors.from_mapping(
-                    errors.NO_ENGINE, str(unreachable), code="engine_unreachable"
+                    errors.NO_ENGINE,
+                    str(unreachable),
+                    code=errors.ApiCode.ENGINE_UNREACHABLE,
                 ) from None
             raise errors.from_mapping(
-                errors.NO_ENGINE, none.message, code="no_engine"
+                errors.NO_ENGINE, none.message, code=errors.ApiCode.NO_ENGINE
             ) from None
         engine = call.engine = choice.engine
         call.node = GATEWAY.node_of(engine, snapshot)
@@ -204,7 +206,7 @@ async def with_engine(
                 if died is not None:
                     raise engine_failure(died) from None
                 raise errors.from_mapping(
-                    errors.NO_ENGINE, str(error), code="engine_unreachable"
+                    errors.NO_ENGINE, str(error), code=errors.ApiCode.ENGINE_UNREACHABLE
                 ) from None
             continue
         except BaseException as error:
@@ -231,12 +233,12 @@ def engine_failure(error: EngineError) -> errors.ApiError:
         return errors.engine_error(error.code, error.message)
     if isinstance(error, EngineTimeout):
         return errors.from_mapping(
-            errors.ENGINE_TIMEOUT, str(error), code="engine_timeout"
+            errors.ENGINE_TIMEOUT, str(error), code=errors.ApiCode.ENGINE_TIMEOUT
         )
     return errors.from_mapping(
         errors.ENGINE_DIED,
         f"The engine serving this model failed mid-request: {error}",
-        code="engine_died",
+        code=errors.ApiCode.ENGINE_DIED,
     )
 
 

@@ -26,6 +26,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
+from engines.wire.errors import ErrorCode
 from routing.select import ModelRoute, Snapshot
 
 from . import errors
@@ -100,7 +101,7 @@ async def _serve(
         raise
     except Exception:
         log.exception("%s failed", endpoint)
-        internal = errors.engine_error("internal", "Internal error.")
+        internal = errors.engine_error(ErrorCode.INTERNAL, "Internal error.")
         response = call.failed(internal)
     if call.engine:  # who served it (on a cluster, from any node's front)
         response[ENGINE_HEADER] = call.engine
@@ -209,5 +210,7 @@ async def openapi(request: HttpRequest) -> HttpResponse:
 async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
     """Unknown /v1/ paths answer in OpenAI's error shape, not Django's HTML."""
     return errors.from_mapping(
-        errors.NOT_FOUND, f"Unknown endpoint {request.path}.", code="unknown_url"
+        errors.NOT_FOUND,
+        f"Unknown endpoint {request.path}.",
+        code=errors.ApiCode.UNKNOWN_URL,
     ).response()

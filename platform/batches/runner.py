@@ -47,6 +47,7 @@ from api.schemas import (
     parse_object,
 )
 from api.selectors import in_db_thread
+from engines.wire.errors import ErrorCode
 from routing.select import ModelRoute, Snapshot
 
 from . import selectors, services
@@ -377,7 +378,7 @@ class BatchRun:
                     failure = database_failed(error)
                 except Exception:
                     log.exception("batch %s: line %d failed", self.batch.id, index)
-                    failure = errors.engine_error("internal", "Internal error.")
+                    failure = errors.engine_error(ErrorCode.INTERNAL, "Internal error.")
                 else:
                     if wait_s is not None:  # the batch budget is spent for now
                         await asyncio.sleep(wait_s)

@@ -23,6 +23,7 @@ from api.pipeline import admission_hold, authenticate, database_failed
 from api.schema_base import Strict
 from api.schemas import parse
 from api.selectors import in_db_thread
+from engines.wire.errors import ErrorCode
 
 from . import quotas, selectors, services
 from .models import Batch, StoredFile
@@ -81,7 +82,7 @@ async def _api(request: HttpRequest, handlers: dict[str, Handler]) -> HttpRespon
         return database_failed(error).response()
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
-        return errors.engine_error("internal", "Internal error.").response()
+        return errors.engine_error(ErrorCode.INTERNAL, "Internal error.").response()
 
 
 def _refused(error: errors.ApiError) -> HttpResponse:

@@ -214,7 +214,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 errors.rate_limited(
                     f"At most {self.MAX_STREAMS} streams run at once on one socket.",
                     1,
-                    code="too_many_streams",
+                    code=errors.ApiCode.TOO_MANY_STREAMS,
                 ).websocket_message(chat.id)
             )
             return

@@ -46,6 +46,7 @@ from api.pipeline import (
     model_route,
 )
 from engines.wire.client import EngineError
+from engines.wire.errors import ErrorCode
 
 from .schemas import Chat, chat_request
 from .selectors import conversations_owned
@@ -132,14 +133,14 @@ class ChatStream:
                 await asyncio.shield(self._end())
                 raise
             asyncio.current_task().uncancel()
-            call.status, call.error_code = 499, "cancelled"
+            call.status, call.error_code = 499, ErrorCode.CANCELLED
             self.answer.finish_reason = "cancelled"
             await asyncio.shield(self._end())
             await self._send(self._done("cancelled"))
             return
         except Exception:
             log.exception("chat stream failed")
-            failure = errors.engine_error("internal", "Internal error.")
+            failure = errors.engine_error(ErrorCode.INTERNAL, "Internal error.")
         if failure is not None:
             call.status, call.error_code = failure.status, failure.code or "error"
             self.answer.error_code = call.error_code
@@ -234,7 +235,7 @@ class ChatStream:
             raise errors.from_mapping(
                 errors.NOT_FOUND,
                 f"No conversation {pk} of yours.",
-                code="conversation_not_found",
+                code=errors.ApiCode.CONVERSATION_NOT_FOUND,
                 param="conversation",
             )
 

@@ -67,6 +67,16 @@ def test_parse_errors_are_400s(raw, needle):
     assert needle in error.value.message
 
 
+def test_the_fronts_codes_are_not_engine_codes():
+    """A code names one failure: none of the front's own codes (ApiCode) is
+    also an engine's (ErrorCode); the WebSocket chat's codes for statuses
+    are the front's (or bad_request)."""
+    assert not set(errors.ApiCode) & set(ErrorCode)
+    assert set(errors.WEBSOCKET_CODES.values()) <= set(errors.ApiCode) | {
+        ErrorCode.BAD_REQUEST
+    }
+
+
 def test_stop_strings_and_max_tokens_reach_the_engine_fields():
     request = parse(
         ChatCompletionRequest,
