@@ -238,7 +238,7 @@ class Limits:
     """Admission limits, pushed again by `configure` when the admin changes."""
 
     max_parallel_requests: int = 32
-    # The most slots a model with `auto` slots gets (engines/runtime/memory.py).
+    # The most slots a model with `auto` slots gets (engines/backends/memory.py).
     max_slots_per_model: int = 32
     # Memory for a generation model's KV pool, which its slots share.
     kv_cache_mib: int = 1024
@@ -268,7 +268,7 @@ class ModelSpec:
     max_batch_size: int = 64
     keep_alive_s: int = 300
     context_length: int | None = None
-    slots: int | None = None  # None: auto, sized by memory (engines/runtime/memory.py)
+    slots: int | None = None  # None: auto, sized by memory (engines/backends/memory.py)
     # Memory measured after an earlier load (the supervisor stores it in the
     # catalog); used instead of the estimate when known.
     measured_mib: float | None = None
@@ -294,6 +294,67 @@ class ModelSpec:
 
 
 @dataclass
+class VendorThresholds:
+    """One GPU vendor's pause/resume temperatures (°C), instead of the defaults."""
+
+    high: float
+    resume: float
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "VendorThresholds":
+        return from_known_fields(cls, data)
+
+
+@dataclass
+class Thresholds:
+    """Pause/resume temperatures (°C): the CPU's, the GPUs' defaults, and
+    per-vendor GPU overrides. engines/runtime/thermal.py judges each reading by
+    `for_device`: work pauses at `high` and resumes only below `resume`."""
+
+    cpu_high: float = 90
+    cpu_resume: float = 80
+    gpu_high: float = 85
+    gpu_resume: float = 75
+    overrides: dict[str, VendorThresholds] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Thresholds":
+        """Read the JSON form (each override an object), checked as
+        from_known_fields."""
+        if not isinstance(data, dict):
+            raise ValueError(f"Thresholds: expected an object, not {_kind(data)}")
+        typed = dict(data)
+        if "overrides" in data:
+            if not isinstance(data["overrides"], dict):
+                raise ValueError("Thresholds: overrides must be an object")
+            typed["overrides"] = {
+                vendor: VendorThresholds.from_dict(item)
+                for vendor, item in data["overrides"].items()
+            }
+        return from_known_fields(cls, typed)
+
+    def for_device(self, kind: str, vendor: str) -> tuple[float, float]:
+        """(high, resume) for a device: "cpu", or a "gpu" of `vendor`."""
+        if kind == "cpu":
+            return self.cpu_high, self.cpu_resume
+        override = self.overrides.get(vendor)
+        if override is not None:
+            return override.high, override.resume
+        return self.gpu_high, self.gpu_resume
+
+
+def _model_specs(items: Any, *, owner: str) -> dict[str, ModelSpec]:
+    """The JSON form's list of models, by name (two with one name refused)."""
+    if not isinstance(items, list):
+        raise ValueError(f"{owner}: models must be a list")
+    specs = [ModelSpec.from_dict(item) for item in items]
+    by_name = {spec.name: spec for spec in specs}
+    if len(by_name) < len(specs):
+        raise ValueError(f"{owner}: two models share a name")
+    return by_name
+
+
+@dataclass
 class EngineConfig:
     """Everything an engine process needs to start."""
 
@@ -303,10 +364,9 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     models: dict[str, ModelSpec] = field(default_factory=dict)
     preload: list[str] = field(default_factory=list)
-    # Thermal thresholds (engines/runtime/thermal.py Thresholds) and the GPUs
-    # this engine
-    # owns (UUIDs or indices): only those pause it.
-    thermal: dict[str, Any] = field(default_factory=dict)
+    # Thermal thresholds, and the GPUs this engine owns (UUIDs or indices):
+    # only those pause it (engines/runtime/thermal.py).
+    thermal: Thresholds = field(default_factory=Thresholds)
     devices: list[str] = field(default_factory=list)
     # CPU cores the process may run on (set when it starts); empty: all.
     cpus: list[int] = field(default_factory=list)
@@ -320,16 +380,9 @@ class EngineConfig:
         if "limits" in data:
             typed["limits"] = Limits.from_dict(data["limits"])
         if "models" in data:
-            if not isinstance(data["models"], list):
-                raise ValueError("EngineConfig: models must be a list")
-            specs = [ModelSpec.from_dict(item) for item in data["models"]]
-            typed["models"] = {spec.name: spec for spec in specs}
-            if len(typed["models"]) < len(specs):
-                raise ValueError("EngineConfig: two models share a name")
+            typed["models"] = _model_specs(data["models"], owner=cls.__name__)
         if "thermal" in data:
-            from engines.runtime.thermal import Thresholds  # it imports this module
-
-            Thresholds.from_dict(data["thermal"])
+            typed["thermal"] = Thresholds.from_dict(data["thermal"])
         return from_known_fields(cls, typed)
 
     def to_dict(self) -> dict[str, Any]:
@@ -340,7 +393,7 @@ class EngineConfig:
             "limits": asdict(self.limits),
             "models": [asdict(model) for model in self.models.values()],
             "preload": list(self.preload),
-            "thermal": dict(self.thermal),
+            "thermal": asdict(self.thermal),
             "devices": list(self.devices),
             "cpus": list(self.cpus),
         }
@@ -367,3 +420,68 @@ class EngineConfig:
                 f"{CONFIG_ENV} is not set: engines are started by `manage.py supervise`"
             )
         return cls.from_dict(json.loads(raw))
+
+
+@dataclass
+class LiveConfig:
+    """What `configure` changes in a running engine: the supervisor pushes it
+    when the admin changes these (the rest of EngineConfig needs a restart).
+    The request's `config` field is its `to_dict`, read back with `from_dict`
+    (unknown keys refused, as EngineConfig). A setting left out (None) stays as
+    it runs; a limits block given in part takes the defaults for the rest."""
+
+    limits: Limits | None = None
+    models: dict[str, ModelSpec] | None = None
+    thermal: Thresholds | None = None
+    devices: list[str] | None = None
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> "LiveConfig":
+        """Every live setting of a whole configuration."""
+        return cls(
+            limits=config.limits,
+            models=dict(config.models),
+            thermal=config.thermal,
+            devices=list(config.devices),
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LiveConfig":
+        """Read the JSON form (models as a list), checked as from_known_fields."""
+        if not isinstance(data, dict):
+            raise ValueError(f"LiveConfig: expected an object, not {_kind(data)}")
+        readers = {
+            "limits": Limits.from_dict,
+            "models": lambda items: _model_specs(items, owner=cls.__name__),
+            "thermal": Thresholds.from_dict,
+        }
+        typed = {
+            key: readers[key](value) if key in readers and value is not None else value
+            for key, value in data.items()
+        }
+        return from_known_fields(cls, typed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: the settings given, none for those left out."""
+        data: dict[str, Any] = {}
+        if self.limits is not None:
+            data["limits"] = asdict(self.limits)
+        if self.models is not None:
+            data["models"] = [asdict(model) for model in self.models.values()]
+        if self.thermal is not None:
+            data["thermal"] = asdict(self.thermal)
+        if self.devices is not None:
+            data["devices"] = list(self.devices)
+        return data
+
+    def apply(self, config: EngineConfig) -> None:
+        """Change a running configuration in place: each setting given
+        replaces its value."""
+        if self.limits is not None:
+            config.limits = self.limits
+        if self.models is not None:
+            config.models = self.models
+        if self.thermal is not None:
+            config.thermal = self.thermal
+        if self.devices is not None:
+            config.devices = self.devices

@@ -18,13 +18,12 @@ from engines.launch.config import (
     LOOPBACK,
     THERMAL_FILE_ENV,
     EngineConfig,
-    Limits,
-    ModelSpec,
+    LiveConfig,
 )
 from engines.launch.devices import DeviceMemory, default_memory_probes
 from engines.runtime.residency import DRAIN_TIMEOUT_S, Residency, ResidentModel
 from engines.runtime.streaming import serve_generation
-from engines.runtime.thermal import ThermalGate, Thresholds, default_probes
+from engines.runtime.thermal import ThermalGate, default_probes
 from engines.runtime.watcher import watch
 from engines.wire.bounds import AUTH_TIMEOUT_S, MAX_AUTH_FRAME_BYTES, MAX_FRAME_BYTES
 from engines.wire.errors import ErrorCode, FrameTooLarge, ProtocolError
@@ -47,7 +46,6 @@ from engines.wire.framing import (
     check_auth,
     decode_message,
     encode_array,
-    encode_message,
     frame_bytes,
     read_frame,
 )
@@ -67,9 +65,8 @@ from engines.wire.requests import (
 
 log = logging.getLogger("roundhouse.engine")
 
-# A reply and the array payload that follows it, if any. (handle_configure
-# still answers a plain dict.)
-Reply = tuple[Frame | dict[str, Any], bytes | None]
+# A reply and the array payload that follows it, if any.
+Reply = tuple[Frame, bytes | None]
 
 
 class EngineServer:
@@ -93,7 +90,7 @@ class EngineServer:
         self._generations: dict[str, GenerationRunner] = {}
         self.thermal = ThermalGate(
             default_probes(os.environ.get(THERMAL_FILE_ENV)),
-            thresholds=Thresholds.from_dict(config.thermal),
+            thresholds=config.thermal,
             devices=config.devices,
         )
         self.device_memory = DeviceMemory(
@@ -241,9 +238,7 @@ class EngineServer:
                 log.exception("request failed")
                 reply = ErrorReply(code=ErrorCode.INTERNAL, message="internal error")
                 array = None
-            data = (
-                reply.encoded() if isinstance(reply, Frame) else encode_message(reply)
-            )
+            data = reply.encoded()
             if array is not None:
                 data += frame_bytes(array)
             writer.write(data)
@@ -259,9 +254,6 @@ class EngineServer:
 
     async def _dispatch(self, request: Request) -> Reply:
         """A request but a generation to the handler of its kind."""
-        if isinstance(request, ConfigureRequest):
-            # handle_configure reads the request's fields as a dict.
-            return await self.handle_configure(request.model_dump())
         handler: Callable[[Any], Awaitable[Reply]] = getattr(
             self, f"handle_{request.kind}"
         )
@@ -384,31 +376,24 @@ class EngineServer:
         )
         return reply, encode_array(rows) if request.encoding == "npy" else None
 
-    async def handle_configure(self, message: dict) -> Reply:
-        config = message["config"]
+    async def handle_configure(self, request: ConfigureRequest) -> Reply:
+        """Apply the request's LiveConfig: the settings it gives replace the
+        running ones, without a restart."""
         try:
-            limits = Limits.from_dict(config.get("limits", vars(self.config.limits)))
-            models = (
-                {item["name"]: ModelSpec.from_dict(item) for item in config["models"]}
-                if "models" in config
-                else self.config.models
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            live = LiveConfig.from_dict(request.config)
+        except ValueError as error:
             raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"bad configuration: {error!r}"
+                ErrorCode.BAD_REQUEST, f"bad configuration: {error}"
             ) from None
-        self.config.limits, self.config.models = limits, models
-        if "thermal" in config or "devices" in config:
-            self.config.thermal = dict(config.get("thermal", self.config.thermal))
-            self.config.devices = [str(d) for d in config.get("devices", [])]
+        live.apply(self.config)
+        if live.thermal is not None or live.devices is not None:
             self.device_memory.devices = set(self.config.devices)
             self.thermal.configure(
-                thresholds=Thresholds.from_dict(self.config.thermal),
-                devices=self.config.devices,
+                thresholds=self.config.thermal, devices=self.config.devices
             )
-        self.residency.configure(limits)
+        self.residency.configure(self.config.limits)
         log.info("configuration updated")
-        return {"status": "ok"}, None
+        return OkReply(), None
 
     async def handle_cancel(self, request: CancelRequest) -> Reply:
         runner = self._generations.get(request.request_id)

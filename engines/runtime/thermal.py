@@ -2,8 +2,9 @@
 
 A hot CPU pauses every engine (each engine reads the CPU); a hot GPU pauses only
 the engine that owns it (each engine judges only its own cards). Each card is
-judged by its vendor's thresholds. Work pauses at `high` and resumes only below
-`resume` (hysteresis), so an engine does not flap around one temperature.
+judged by its vendor's thresholds (engines/launch/config.py Thresholds). Work
+pauses at `high` and resumes only below `resume` (hysteresis), so an engine does
+not flap around one temperature.
 Sensors are read without torch: psutil, nvidia-smi, sysfs; tests drive the same
 interface from a JSON file (ROUNDHOUSE_THERMAL_FILE, see engines/launch/config.py).
 """
@@ -12,13 +13,13 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import psutil
 
-from engines.launch.config import from_known_fields
+from engines.launch.config import Thresholds
 from engines.launch.devices import amd_cards, nvidia_smi_rows
 
 log = logging.getLogger("roundhouse.engine.thermal")
@@ -114,29 +115,6 @@ def default_probes(thermal_file: str | None) -> list[Probe]:
     return [CpuProbe(), NvidiaProbe(), AmdProbe()]
 
 
-@dataclass
-class Thresholds:
-    """Pause/resume temperatures: CPU, GPU defaults, per-vendor GPU overrides."""
-
-    cpu_high: float = 90
-    cpu_resume: float = 80
-    gpu_high: float = 85
-    gpu_resume: float = 75
-    overrides: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Thresholds":
-        return from_known_fields(cls, data)
-
-    def for_reading(self, reading: Reading) -> tuple[float, float]:
-        if reading.kind == "cpu":
-            return self.cpu_high, self.cpu_resume
-        override = self.overrides.get(reading.vendor)
-        if override:
-            return override["high"], override["resume"]
-        return self.gpu_high, self.gpu_resume
-
-
 class ThermalGate:
     """Decides whether this engine may run work now, from its probes."""
 
@@ -187,7 +165,7 @@ class ThermalGate:
                 continue  # another engine's card
             key = (reading.kind, reading.device)
             seen.add(key)
-            high, resume = self.thresholds.for_reading(reading)
+            high, resume = self.thresholds.for_device(reading.kind, reading.vendor)
             label = "CPU" if reading.kind == "cpu" else f"GPU {reading.device}"
             temperatures[label] = round(reading.celsius, 1)
             if reading.celsius >= high:

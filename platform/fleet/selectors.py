@@ -11,7 +11,13 @@ from django.utils import timezone
 from catalog.models import ModelConfig
 from catalog.selectors import models_servable_by
 from cluster.selectors import NodeView, nodes_now
-from engines.launch.config import EngineConfig, Limits, ModelSpec
+from engines.launch.config import (
+    EngineConfig,
+    Limits,
+    ModelSpec,
+    Thresholds,
+    VendorThresholds,
+)
 from routing import select as routes
 from routing.compat import EngineView
 from routing.placement import NodeRoute
@@ -102,23 +108,23 @@ class DesiredEngine:
         return self.config.to_json()
 
 
-def thermal_thresholds() -> dict:
+def thermal_thresholds() -> Thresholds:
     """ThermalSettings and its per-vendor overrides, as engines read them."""
     settings = ThermalSettings.load()
-    return {
-        "cpu_high": settings.cpu_high,
-        "cpu_resume": settings.cpu_resume,
-        "gpu_high": settings.gpu_high,
-        "gpu_resume": settings.gpu_resume,
-        "overrides": {
-            row.vendor: {"high": row.high, "resume": row.resume}
+    return Thresholds(
+        cpu_high=settings.cpu_high,
+        cpu_resume=settings.cpu_resume,
+        gpu_high=settings.gpu_high,
+        gpu_resume=settings.gpu_resume,
+        overrides={
+            row.vendor: VendorThresholds(high=row.high, resume=row.resume)
             for row in settings.overrides.all()
         },
-    }
+    )
 
 
 def engine_config(
-    *, spec: EngineSpec, server: ServerSettings, thermal: dict
+    *, spec: EngineSpec, server: ServerSettings, thermal: Thresholds
 ) -> EngineConfig:
     """The typed configuration one engine starts with and is pushed live."""
     limits = engine_limits(spec=spec)

@@ -35,6 +35,7 @@ from pathlib import Path
 import psutil
 from django.utils import timezone
 
+from engines.launch.config import LiveConfig
 from engines.launch.process import spawn_engine
 from engines.wire.client import (
     EngineClient,
@@ -55,9 +56,6 @@ log = logging.getLogger("roundhouse.supervisor")
 
 # A model placed on an engine whose load failed is tried again after this long.
 PLACED_LOAD_RETRY_S = 10.0
-
-# What `configure` changes in a running engine; the rest needs a restart.
-LIVE_SETTINGS = ("limits", "models", "thermal", "devices")
 
 
 class Supervisor:
@@ -201,15 +199,15 @@ class Supervisor:
 
     def _push_config(self, engine: RunningEngine) -> None:
         key = engine.desired.config_key
-        config = engine.desired.config.to_dict()
-        live = {name: config[name] for name in LIVE_SETTINGS}
+        # Only what `configure` changes live (LiveConfig); the rest needs a restart.
+        live = LiveConfig.of(engine.desired.config)
 
         def pushed(ok: bool) -> None:
             if ok:
                 engine.pushed_config = key
                 log.info("pushed new settings to engine %s", engine.desired.name)
 
-        self._ask(engine, "configure", pushed, config=live)
+        self._ask(engine, "configure", pushed, config=live.to_dict())
 
     # -- processes ------------------------------------------------------------
 

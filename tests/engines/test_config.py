@@ -13,7 +13,10 @@ from engines.launch.config import (
     MAX_ENV_STRING,
     EngineConfig,
     Limits,
+    LiveConfig,
     ModelSpec,
+    Thresholds,
+    VendorThresholds,
     env_problems,
 )
 from engines.launch.process import write_config_file
@@ -40,7 +43,9 @@ def full_config() -> EngineConfig:
             "embed": ModelSpec(name="embed", format="embedding", path="/m/e"),
         },
         preload=["embed"],
-        thermal={"gpu_high": 88, "overrides": {"amd": {"high": 95, "resume": 92}}},
+        thermal=Thresholds(
+            gpu_high=88, overrides={"amd": VendorThresholds(high=95, resume=92)}
+        ),
         devices=["GPU-1"],
         cpus=[0, 2],
     )
@@ -64,6 +69,11 @@ def test_a_configuration_reads_back_as_written():
         ),
         (lambda d: d["models"][0].update(temp=1), "ModelSpec: unknown keys temp"),
         (lambda d: d["thermal"].update(cpu_hot=1), "Thresholds: unknown keys cpu_hot"),
+        (
+            lambda d: d["thermal"]["overrides"]["amd"].pop("resume"),
+            "VendorThresholds: missing keys resume",
+        ),
+        (lambda d: d["thermal"].update(overrides=[]), "overrides must be an object"),
         (lambda d: d.pop("port"), "EngineConfig: missing keys port"),
         (lambda d: d["models"][1].pop("path"), "ModelSpec: missing keys path"),
         (lambda d: d.update(port="8791"), "port is str, not int"),
@@ -92,6 +102,63 @@ def test_keys_with_defaults_may_be_left_out():
     assert Limits.from_dict({"queue_limit": 1}).queue_limit == 1
     with pytest.raises(ValueError, match="missing keys name, format, path"):
         ModelSpec.from_dict({})
+
+
+def test_thresholds_judge_the_cpu_the_gpus_and_each_vendor_override():
+    """The CPU has its own pair; a GPU takes its vendor's override where there
+    is one, else the GPU defaults."""
+    thresholds = full_config().thermal
+    assert thresholds.for_device("cpu", "cpu") == (90, 80)
+    assert thresholds.for_device("gpu", "amd") == (95, 92)
+    assert thresholds.for_device("gpu", "nvidia") == (88, 75)
+
+
+def test_a_live_configuration_reads_back_as_written():
+    """What the supervisor pushes with `configure` (every live setting of a
+    whole configuration) reads back field for field, and applied to another
+    configuration gives it those settings and leaves the rest."""
+    config = full_config()
+    live = LiveConfig.of(config)
+    again = LiveConfig.from_dict(json.loads(json.dumps(live.to_dict())))
+    assert again == live
+    running = EngineConfig(name="gpu0", port=9000, preload=["embed"])
+    again.apply(running)
+    assert (running.limits, running.models) == (config.limits, config.models)
+    assert (running.thermal, running.devices) == (config.thermal, config.devices)
+    assert (running.port, running.cpus) == (9000, [])
+
+
+def test_a_live_configuration_changes_only_what_it_gives():
+    """A push of limits alone changes the limits (the block's missing keys
+    take their defaults) and leaves the models, thermal and devices."""
+    running = full_config()
+    live = LiveConfig.from_dict({"limits": {"queue_limit": 3}})
+    assert live.to_dict() == {"limits": vars(Limits(queue_limit=3))}
+    live.apply(running)
+    assert running.limits == Limits(queue_limit=3)
+    assert running.models == full_config().models
+    assert (running.thermal, running.devices) == (full_config().thermal, ["GPU-1"])
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"port": 9000}, "LiveConfig: unknown keys port"),
+        ({"limits": {"max_paralel": 3}}, "Limits: unknown keys max_paralel"),
+        ({"models": [{}]}, "ModelSpec: missing keys name"),
+        ({"models": {}}, "LiveConfig: models must be a list"),
+        ({"thermal": {"cpu_hot": 1}}, "Thresholds: unknown keys cpu_hot"),
+        ({"devices": [0]}, "devices is list"),
+        ([], "LiveConfig: expected an object, not list"),
+    ],
+)
+def test_a_live_configuration_refuses_what_it_does_not_describe(data, message):
+    """Each is a ValueError naming the key (the engine answers bad_request);
+    an empty push, which changes nothing, is the control."""
+    assert LiveConfig.from_dict({}) == LiveConfig()
+    with pytest.raises(ValueError) as error:
+        LiveConfig.from_dict(data)
+    assert message in str(error.value)
 
 
 def test_the_configuration_file_is_private_and_deleted_once_read(tmp_path, monkeypatch):

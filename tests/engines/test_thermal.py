@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.runtime.thermal import FileProbe, ThermalGate, Thresholds
+from engines.launch.config import Thresholds
+from engines.runtime.thermal import FileProbe, ThermalGate
 from tests.engines.conftest import start_engine
 from tests.waiting import wait_for
 
@@ -31,7 +32,7 @@ def write_temperatures(path: Path, *, cpu: float, gpus=()) -> None:
 
 def gate_for(path: Path, devices=("GPU-A",), **thresholds) -> ThermalGate:
     return ThermalGate(
-        [FileProbe(path)], thresholds=Thresholds(**thresholds), devices=devices
+        [FileProbe(path)], thresholds=Thresholds.from_dict(thresholds), devices=devices
     )
 
 

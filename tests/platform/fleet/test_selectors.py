@@ -5,7 +5,7 @@ import json
 import pytest
 from django.utils import timezone
 
-from engines.launch.config import EngineConfig
+from engines.launch.config import EngineConfig, VendorThresholds
 from fleet.models import EngineState, EngineStatus, ThermalOverride, ThermalSettings
 from fleet.selectors import engines_desired, routing_snapshot
 from fleet.services import engine_state_record
@@ -56,7 +56,7 @@ def test_the_configuration_the_supervisor_writes_is_what_the_engine_reads():
     assert isinstance(config, EngineConfig)
     assert config.models["chatty"].sampling == {"temperature": 0.3}
     assert config.models["chatty"].measured_mib == 300
-    assert config.thermal["overrides"] == {"amd": {"high": 95, "resume": 92}}
+    assert config.thermal.overrides == {"amd": VendorThresholds(high=95, resume=92)}
     assert (config.devices, config.cpus) == (["GPU-1"], [0, 1])
     assert EngineConfig.from_dict(json.loads(desired.config_key)) == config
 
