@@ -11,7 +11,6 @@ cards show none. The catalog runs this in a child process with a timeout and
 kills it past that; the process ends after one model."""
 
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,12 +20,7 @@ import psutil
 from engines.backends.factory import load_backend
 from engines.backends.memory import estimate_model_mib
 from engines.inspection.messages import MIB, ProbeRequest, ProbeResult, tool_main
-from engines.launch.config import (
-    DEVICE_MEMORY_FILE_ENV,
-    GPU_BACKENDS,
-    Limits,
-    ModelSpec,
-)
+from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec, device_memory_file
 from engines.launch.devices import DeviceMemory, default_memory_probes
 from engines.wire.errors import ProtocolError
 
@@ -69,7 +63,7 @@ def probe(request: ProbeRequest) -> ProbeResult:
     _import_library(request.format)
     cards = None
     if request.backend in GPU_BACKENDS:
-        probes = default_memory_probes(os.environ.get(DEVICE_MEMORY_FILE_ENV))
+        probes = default_memory_probes(device_memory_file())
         cards = DeviceMemory(probes, request.devices)
     process = psutil.Process()
     gc.collect()

@@ -1,6 +1,7 @@
 """What an engine is told at spawn and by `configure`, and the environment
-variables it reads (all of them, each commented). No Django here: the supervisor
-serialises everything an engine needs into these variables.
+variables it reads (all of them, each commented, and read only here: the
+functions below). No Django here: the supervisor serialises everything an
+engine needs into these variables.
 
 One typed schema for both sides: the supervisor builds an `EngineConfig` and the
 engine reads it back with `from_dict`, which refuses unknown keys, missing
@@ -115,6 +116,43 @@ def inherited_environment(base: Mapping[str, str]) -> dict[str, str]:
         if (key in INHERITED_ENV or key.startswith(INHERITED_ENV_PREFIXES))
         and key not in NEVER_INHERITED_ENV
     }
+
+
+def offline_environment_set() -> None:
+    """Put OFFLINE_ENV in this process's environment where a variable is not
+    set already (the ML libraries read it when they are imported)."""
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def token_from_environment() -> str:
+    """TOKEN_ENV, removed from os.environ once read so that the engine's own
+    children do not inherit it; empty when unset."""
+    return os.environ.pop(TOKEN_ENV, "")
+
+
+def lifeline_fd_from_environment() -> int | None:
+    """LIFELINE_FD_ENV, removed from os.environ once read (the engine's own
+    children must not watch it); None when unset. ValueError: not a number."""
+    value = os.environ.pop(LIFELINE_FD_ENV, "")
+    return int(value) if value else None
+
+
+def config_in_environment() -> bool:
+    """Whether a configuration was handed over (CONFIG_ENV or CONFIG_FILE_ENV)."""
+    return bool(os.environ.get(CONFIG_ENV) or os.environ.get(CONFIG_FILE_ENV))
+
+
+def thermal_file() -> str | None:
+    """THERMAL_FILE_ENV: the temperature file to read instead of the sensors;
+    None when unset or empty (read the sensors)."""
+    return os.environ.get(THERMAL_FILE_ENV) or None
+
+
+def device_memory_file() -> str | None:
+    """DEVICE_MEMORY_FILE_ENV: the GPU memory file to read instead of
+    nvidia-smi / sysfs; None when unset or empty (read the cards)."""
+    return os.environ.get(DEVICE_MEMORY_FILE_ENV) or None
 
 
 # Backends whose models live in device memory.

@@ -25,11 +25,12 @@ from collections.abc import Callable
 
 from engines.launch.config import (
     CONFIG_ENV,
-    CONFIG_FILE_ENV,
-    LIFELINE_FD_ENV,
-    OFFLINE_ENV,
     TOKEN_ENV,
     EngineConfig,
+    config_in_environment,
+    lifeline_fd_from_environment,
+    offline_environment_set,
+    token_from_environment,
 )
 
 log = logging.getLogger("roundhouse.engine")
@@ -122,16 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for key, value in OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)
-    token = os.environ.pop(TOKEN_ENV, "")
+    offline_environment_set()
+    token = token_from_environment()
     if not token:
         print(
             f"{TOKEN_ENV} is not set: engines are started by `manage.py supervise`",
             file=sys.stderr,
         )
         return 2
-    if not (os.environ.get(CONFIG_ENV) or os.environ.get(CONFIG_FILE_ENV)):
+    if not config_in_environment():
         print(f"{CONFIG_ENV} is not set", file=sys.stderr)
         return 2
     try:
@@ -159,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     stopper = Stopper(DRAIN_TIMEOUT_S + STOP_GRACE_S)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stopper.on_signal)
-    lifeline = os.environ.pop(LIFELINE_FD_ENV, "")
-    if lifeline:
-        watch_lifeline(int(lifeline), stopper)
+    lifeline = lifeline_fd_from_environment()
+    if lifeline is not None:
+        watch_lifeline(lifeline, stopper)
 
     server = EngineServer(config, token)
 

@@ -14,11 +14,11 @@ import psutil
 
 from engines.generation.runner import GenerationRunner
 from engines.launch.config import (
-    DEVICE_MEMORY_FILE_ENV,
     LOOPBACK,
-    THERMAL_FILE_ENV,
     EngineConfig,
     LiveConfig,
+    device_memory_file,
+    thermal_file,
 )
 from engines.launch.devices import DeviceMemory, default_memory_probes
 from engines.runtime.residency import DRAIN_TIMEOUT_S, Residency, ResidentModel
@@ -89,12 +89,12 @@ class EngineServer:
         self._connections: set[asyncio.Task] = set()
         self._generations: dict[str, GenerationRunner] = {}
         self.thermal = ThermalGate(
-            default_probes(os.environ.get(THERMAL_FILE_ENV)),
+            default_probes(thermal_file()),
             thresholds=config.thermal,
             devices=config.devices,
         )
         self.device_memory = DeviceMemory(
-            default_memory_probes(os.environ.get(DEVICE_MEMORY_FILE_ENV)),
+            default_memory_probes(device_memory_file()),
             config.devices,
         )
         # Set while the engine may compute; cleared while it cools. One for the

@@ -16,6 +16,7 @@ import argparse
 import os
 
 import uvicorn
+from django.conf import settings
 
 # Long streams get this long to finish when the front is stopped; then their
 # connections are closed, which cancels their requests in the engines.
@@ -23,23 +24,23 @@ GRACEFUL_SHUTDOWN_S = 10
 
 
 def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "roundhouse.settings")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--host",
-        default=os.environ.get("ROUNDHOUSE_HOST", "127.0.0.1"),
+        default=settings.ROUNDHOUSE_HOST,
         help="address to listen on (ROUNDHOUSE_HOST; default 127.0.0.1)",
     )
     parser.add_argument(
         "--port",
         type=int,
-        default=int(os.environ.get("ROUNDHOUSE_PORT", "8000")),
+        default=settings.ROUNDHOUSE_PORT,
         help="port to listen on (ROUNDHOUSE_PORT; default 8000)",
     )
     parser.add_argument(
         "--no-access-log", action="store_true", help="do not log each request"
     )
     args = parser.parse_args(argv)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "roundhouse.settings")
     uvicorn.run(
         "roundhouse.asgi:application",
         host=args.host,

@@ -306,8 +306,10 @@ LOGGING = {
 ROUNDHOUSE_ADMIN_USER = env.str("ROUNDHOUSE_ADMIN_USER", default="admin")
 ROUNDHOUSE_ADMIN_PASSWORD = env.str("ROUNDHOUSE_ADMIN_PASSWORD", default="")
 
-# ROUNDHOUSE_PORT / ROUNDHOUSE_HOST (read by roundhouse/serve.py, not here): where
-# the front listens, default 127.0.0.1:8000.
+# ROUNDHOUSE_HOST / ROUNDHOUSE_PORT: where the front listens (roundhouse/serve.py,
+# whose --host and --port override them), default 127.0.0.1:8000.
+ROUNDHOUSE_HOST = env.str("ROUNDHOUSE_HOST", default="127.0.0.1")
+ROUNDHOUSE_PORT = env.int("ROUNDHOUSE_PORT", default=8000)
 
 # -- cluster (cluster/, fleet/membership.py) ----------------------------------------
 # A host joins with `manage.py supervise --node NAME`; its identity lives in the
