@@ -1,4 +1,5 @@
-"""Prompt caching, shared by the slot backends (engines/generation/slots.py).
+"""Prompt caching: a PrefixSharing object, which each slot backend
+(engines/generation/slots.py SlotBackend) holds and calls.
 
 A slot keeps the KV of the tokens it last evaluated (`tokens`) when its
 request ends. A new request goes to the free slot whose tokens share the
@@ -13,38 +14,122 @@ waits (`awaiting`) until the other slot has read it, then copies it. A prefix
 is copied from a slot in the same KV group where one holds it, else from
 another group where the backend can."""
 
-from typing import TYPE_CHECKING
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from engines.generation.slot import Slot
+from engines.generation.slot import Slot
 
 # A shared prefix shorter than this (a chat template's opening) neither steers
 # a request to a slot nor is copied or waited for.
 MIN_SHARED_PREFIX = 32
 
+# Make the target slot's KV the source slot's first `count` tokens (the
+# target's own dropped); how many were copied (0: none).
+CopyPrefix = Callable[[Slot, Slot, int], int]
+
+
+@dataclass
+class Choice:
+    """The free slot a new request takes, the prefix of its prompt the slot's
+    own cache holds (`shared`), and the slot in use it could copy a longer
+    prefix from (`donor`, None where there is none) with that prefix's length
+    (`lent`)."""
+
+    slot: Slot
+    shared: int
+    donor: Slot | None
+    lent: int
+
 
 class PrefixSharing:
     """Choosing a slot by its cached prefix, and copying prefixes between
-    slots; mixed into SlotBackend, whose slots, KV groups and settings
-    (`prompt_cache`, `copies_prefix`, `copies_across_groups`) it reads."""
+    slots, for one model's slots. The backend gives its KV groups (`group_of`)
+    and, where it can share KV between slots, its `copy` (`across_groups`:
+    also between slots of different groups); it passes its slots to each
+    call. `enabled` is the model's `prompt_cache` (changed live)."""
+
+    def __init__(
+        self,
+        *,
+        group_of: Callable[[Slot], int],
+        copy: CopyPrefix | None = None,
+        across_groups: bool = False,
+        enabled: bool = True,
+    ) -> None:
+        self.group_of = group_of
+        self._copy = copy
+        self.across_groups = across_groups
+        self.enabled = enabled
+        # Prompt tokens copied from a slot in use instead of evaluated.
+        self.copied_tokens = 0
+
+    def choose(self, slots: list[Slot], prompt: list[int], *, whole: bool) -> Choice:
+        """Where a new request with this prompt goes (`whole`: its prompt is
+        read whole, for its log-probabilities: nothing is taken from a cache
+        or another slot)."""
+        lent_in = {} if whole else self._busy_prefixes(slots, prompt)
+        slot, shared = self._cached_slot(slots, prompt, lent_in)
+        donor, lent = self._lender(lent_in, self.group_of(slot))
+        return Choice(slot, 0 if whole else shared, donor, lent)
+
+    def copy(self, source: Slot, target: Slot, count: int, prompt: list[int]) -> int:
+        """Give the target slot the source's first `count` tokens of the
+        prompt (its KV and `tokens`); how many it got (0: none, nothing
+        changed in `tokens`)."""
+        copied = self._copy(source, target, count) if self._copy is not None else 0
+        if copied:
+            target.tokens[:] = prompt[:copied]
+            self.copied_tokens += copied
+        return copied
+
+    def settle_awaiting(
+        self, slots: list[Slot], fail: Callable[[Slot, str], None]
+    ) -> None:
+        """Slots waiting for a prefix another slot was reading: copy it once
+        read (or what is left of it, if that slot's request ended or failed
+        first); then they read the rest of their prompt. A copy that raises
+        fails its slot's request (`fail`). Run before a step."""
+        for slot in sorted(slots, key=lambda s: s.used_at):
+            if slot.request is None or slot.awaiting is None:
+                continue
+            donor, request, count = slot.awaiting
+            if donor.request is request and len(donor.tokens) < count:
+                continue  # still reading it
+            slot.awaiting = None
+            prompt = slot.request.prompt_tokens
+            available = common_prefix(donor.tokens[:count], prompt)
+            if available <= slot.n_past:
+                continue
+            try:
+                copied = self.copy(donor, slot, available, prompt)
+            except Exception as error:
+                fail(slot, f"copying a cached prefix failed: {error!r}")
+                continue
+            if copied:
+                slot.n_past = slot.cached = copied
+                slot.todo = list(prompt[copied:])
 
     def _cached_slot(
-        self, prompt: list[int], lent_in: dict[int, tuple["Slot", int]]
-    ) -> tuple["Slot", int]:
+        self,
+        slots: list[Slot],
+        prompt: list[int],
+        lent_in: dict[int, tuple[Slot, int]],
+    ) -> tuple[Slot, int]:
         """The free slot to take: the one that starts with the longest prefix
         of the prompt, from its own cache or copied from a slot in use in its
         group (ties: the KV group whose requests hold the fewest tokens, then
         the least recently used slot); and its own cache's share."""
-        held = [0] * self.kv_groups
-        for slot in self.slots:
+        held: Counter[int] = Counter()
+        for slot in slots:
             if slot.request is not None:
                 held[self.group_of(slot)] += len(slot.tokens) + len(slot.todo)
         best, best_key, best_shared = None, None, 0
-        for slot in self.slots:
+        for slot in slots:
             if slot.request is not None:
                 continue
             group = self.group_of(slot)
-            shared = common_prefix(slot.tokens, prompt) if self.prompt_cache else 0
+            shared = common_prefix(slot.tokens, prompt) if self.enabled else 0
             score = max(shared, self._lender(lent_in, group)[1])
             if score < MIN_SHARED_PREFIX:
                 score = 0
@@ -53,16 +138,18 @@ class PrefixSharing:
                 best, best_key, best_shared = slot, key, shared
         return best, best_shared
 
-    def _busy_prefixes(self, prompt: list[int]) -> dict[int, tuple["Slot", int]]:
+    def _busy_prefixes(
+        self, slots: list[Slot], prompt: list[int]
+    ) -> dict[int, tuple[Slot, int]]:
         """Per KV group, the slot in use whose tokens share the longest prefix
         with the prompt (a slot still reading its prompt: the prompt it will
         hold; ties: the one holding more of it now), and that prefix's length
         (empty: nothing to copy)."""
         best: dict[int, tuple[Slot, int]] = {}
         ready: dict[int, int] = {}
-        if not (self.prompt_cache and self.copies_prefix):
+        if not self.enabled or self._copy is None:
             return best
-        for slot in self.slots:
+        for slot in slots:
             if slot.request is None:
                 continue
             held = slot.request.prompt_tokens if slot.todo else slot.tokens
@@ -76,47 +163,14 @@ class PrefixSharing:
         return best
 
     def _lender(
-        self, lent_in: dict[int, tuple["Slot", int]], group: int
-    ) -> tuple["Slot | None", int]:
+        self, lent_in: dict[int, tuple[Slot, int]], group: int
+    ) -> tuple[Slot | None, int]:
         """The slot in use a slot of `group` would copy a prefix from: one in
         its group, else (where the backend copies across groups) the one with
         the longest prefix in any group."""
-        if group in lent_in or not self.copies_across_groups:
+        if group in lent_in or not self.across_groups:
             return lent_in.get(group, (None, 0))
         return max(lent_in.values(), key=lambda lent: lent[1], default=(None, 0))
-
-    def settle_awaiting(self) -> None:
-        """Slots waiting for a prefix another slot was reading: copy it once
-        read (or what is left of it, if that slot's request ended or failed
-        first); then they read the rest of their prompt. Run before a step."""
-        for slot in sorted(self.slots, key=lambda s: s.used_at):
-            if slot.request is None or slot.awaiting is None:
-                continue
-            donor, request, count = slot.awaiting
-            if donor.request is request and len(donor.tokens) < count:
-                continue  # still reading it
-            slot.awaiting = None
-            prompt = slot.request.prompt_tokens
-            available = common_prefix(donor.tokens[:count], prompt)
-            if available <= slot.n_past:
-                continue
-            try:
-                copied = self._copy_prefix(donor, slot, available)
-            except Exception as error:
-                self.fail(slot, f"copying a cached prefix failed: {error!r}")
-                continue
-            if copied:
-                slot.tokens[:] = prompt[:copied]
-                slot.n_past = slot.cached = copied
-                slot.todo = list(prompt[copied:])
-                self.copied_tokens += copied
-
-    def _copy_prefix(self, source: "Slot", target: "Slot", count: int) -> int:
-        """Make the target's KV the source's first `count` tokens (the target's
-        own dropped; both in one KV group unless copies_across_groups); how
-        many were copied. Backends that cannot share KV between slots
-        (copies_prefix False) copy nothing."""
-        return 0
 
 
 def common_prefix(cached: list[int], prompt: list[int]) -> int:

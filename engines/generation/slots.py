@@ -4,7 +4,7 @@ max_tokens, context), its text/usage events, cancel and release. The backends
 (engines/backends/) decode; engines/generation/runner.py runs them.
 
 Prompt caching (which slot a request takes, prefixes copied between slots):
-engines/generation/prefix_sharing.py.
+the PrefixSharing each backend holds (engines/generation/prefix_sharing.py).
 
 KV groups: a backend may split its slots into `kv_groups` groups, each with
 its own share of the KV pool (llama.cpp: one context per group); the pool's
@@ -34,7 +34,7 @@ from engines.wire.errors import ErrorCode
 
 log = logging.getLogger("roundhouse.engine.generation")
 
-# A backend's context when none is given (engines/runtime/memory.py plans one for
+# A backend's context when none is given (engines/backends/memory.py plans one for
 # every model an engine loads).
 DEFAULT_CONTEXT = 2048
 # Batch requests (Batch API lines) yield to interactive ones. While an
@@ -51,7 +51,7 @@ BATCH_TOKENS_BESIDE_LIVE = 4
 INTERACTIVE_WINDOW_S = 2.0
 
 
-class SlotBackend(PrefixSharing, GenerationBackend):
+class SlotBackend(GenerationBackend):
     """Slot bookkeeping shared by the backends: admission into a free slot, the
     end conditions of a request (EOS, stop string, max_tokens, context), the
     text/usage events, cancel and release. Subclasses decode."""
@@ -59,15 +59,12 @@ class SlotBackend(PrefixSharing, GenerationBackend):
     slots: list[Slot]
     ctx_per_slot: int  # the tokens one request may hold, prompt and answer
     pool_tokens: int  # the KV the slots hold together (their caches included)
-    # Keep each slot's KV between requests (the model's `prompt_cache`).
-    prompt_cache: bool = True
     _admissions: int = 0
-    # Prompt tokens copied from a slot in use instead of evaluated.
-    copied_tokens: int = 0
     # Whether _copy_prefix can share a slot's KV with another slot, and with
     # one in another KV group.
     copies_prefix: bool = False
     copies_across_groups: bool = False
+    _prefix_sharing: PrefixSharing | None = None
     # The groups the slots are split over, each with an equal share of the pool.
     kv_groups: int = 1
     # Passes so far, and when an interactive request was last in a slot.
@@ -87,6 +84,38 @@ class SlotBackend(PrefixSharing, GenerationBackend):
         self.pool_tokens = max(
             self.ctx_per_slot, pool_tokens or self.ctx_per_slot * self.n_slots
         )
+
+    @property
+    def prefix_sharing(self) -> PrefixSharing:
+        """The model's prompt cache over its slots (made on first use, with
+        this backend's KV groups and _copy_prefix)."""
+        if self._prefix_sharing is None:
+            self._prefix_sharing = PrefixSharing(
+                group_of=self.group_of,
+                copy=self._copy_prefix if self.copies_prefix else None,
+                across_groups=self.copies_across_groups,
+            )
+        return self._prefix_sharing
+
+    @property
+    def prompt_cache(self) -> bool:
+        """Whether slots keep their KV between requests (the model's
+        `prompt_cache`; the engine changes it live)."""
+        return self.prefix_sharing.enabled
+
+    @prompt_cache.setter
+    def prompt_cache(self, enabled: bool) -> None:
+        self.prefix_sharing.enabled = enabled
+
+    @property
+    def copied_tokens(self) -> int:
+        """Prompt tokens copied from a slot in use instead of evaluated."""
+        return self.prefix_sharing.copied_tokens
+
+    def settle_awaiting(self) -> None:
+        """Copy the prefixes slots wait for, once read (PrefixSharing); run
+        before a step."""
+        self.prefix_sharing.settle_awaiting(self.slots, self.fail)
 
     def group_of(self, slot: Slot) -> int:
         """The KV group of a slot (contiguous runs of slots, sizes within one)."""
@@ -184,6 +213,13 @@ class SlotBackend(PrefixSharing, GenerationBackend):
     def _make_grammar_tokenizer(self) -> Any:
         """The model's vocabulary as llguidance reads it
         (engines/constrained/grammar.py)."""
+
+    def _copy_prefix(self, source: Slot, target: Slot, count: int) -> int:
+        """Make the target's KV the source's first `count` tokens (the target's
+        own dropped; both in one KV group unless copies_across_groups); how
+        many were copied. Backends that cannot share KV between slots
+        (copies_prefix False) copy nothing."""
+        return 0
 
     # -- constraints -------------------------------------------------------------------
 
@@ -303,27 +339,21 @@ class SlotBackend(PrefixSharing, GenerationBackend):
             )
             return
         prompt = request.prompt_tokens
+        sharing = self.prefix_sharing
         # A prompt whose log-probabilities are asked for is read whole.
-        lent_in = {} if request.prompt_logprobs else self._busy_prefixes(prompt)
-        slot, shared = self._cached_slot(prompt, lent_in)
-        donor, lent = self._lender(lent_in, self.group_of(slot))
-        if request.prompt_logprobs:
-            shared = 0
+        choice = sharing.choose(self.slots, prompt, whole=request.prompt_logprobs)
+        slot, donor = choice.slot, choice.donor
         # At least the prompt's last token is evaluated: its logits give the
         # first token.
-        keep, lend = min(shared, len(prompt) - 1), min(lent, len(prompt) - 1)
+        keep = min(choice.shared, len(prompt) - 1)
+        lend = min(choice.lent, len(prompt) - 1)
         # A slot in use may hold a longer prefix (a common system prompt):
         # copied where the backend can, instead of evaluated again; one still
         # reading it is waited for.
         ready = lend > keep and len(donor.tokens) >= lend
         try:
-            copied = self._copy_prefix(donor, slot, lend) if ready else 0
-            if copied:
-                slot.tokens[:] = prompt[:copied]
-                keep = copied
-                self.copied_tokens += copied
-            else:
-                keep = self._keep(slot, keep)
+            copied = sharing.copy(donor, slot, lend, prompt) if ready else 0
+            keep = copied if copied else self._keep(slot, keep)
         except BaseException:
             self._forget(slot)
             raise
