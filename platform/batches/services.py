@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from celery import current_app
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
@@ -55,6 +56,9 @@ REQUEUE_AFTER_S = 900.0
 # an input that exhausts its memory did, would otherwise kill every worker
 # that resumes it).
 MAX_CRASHES = 3
+# The Celery task that runs a batch (tasks.run_batch), queued by its name: the
+# task module calls these services, never the other way round.
+RUN_BATCH_TASK = "batches.run"
 
 
 class LeaseLost(Exception):
@@ -214,10 +218,8 @@ def batch_queue(batch_id: str) -> None:
     Batch.objects.filter(pk=batch_id).update(queued_at=timezone.now())
 
     def send() -> None:
-        from .tasks import run_batch  # the task module imports these services
-
         try:
-            run_batch.delay(batch_id)
+            current_app.send_task(RUN_BATCH_TASK, args=[batch_id])
         except Exception:
             log.exception("could not queue batch %s", batch_id)
 

@@ -11,7 +11,7 @@ from celery.signals import worker_ready
 from . import runner, services
 
 
-@shared_task(name="batches.run")
+@shared_task(name=services.RUN_BATCH_TASK)
 def run_batch(batch_id: str) -> None:
     """Answer the batch's lines that are not answered yet, then write its files."""
     runner.run_batch(batch_id)

@@ -4,6 +4,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -17,6 +18,11 @@ log = logging.getLogger("roundhouse.catalog")
 # A new measurement replaces the stored one only when it moved this much: the
 # stored figure feeds the engines' configuration, which should not churn.
 MEASUREMENT_TOLERANCE = 0.1
+# The Celery tasks of the catalog (tasks.py), queued by their names: the task
+# module calls these services, never the other way round.
+INSPECT_TASK = "catalog.inspect_model"
+MEASURE_TASK = "catalog.measure_model"
+REQUANTIZE_TASK = "catalog.requantize_model"
 
 
 def model_memory_record(
@@ -63,13 +69,11 @@ def model_inspection_run(*, model_id: int) -> bool:
 def model_inspection_queue(*, model: ModelConfig) -> None:
     """Queue the model's inspection for when the current transaction commits
     (at once outside one): the worker then reads the committed row."""
-    from .tasks import inspect_model
-
     model_id = model.pk
 
     def send() -> None:
         try:
-            inspect_model.delay(model_id)
+            current_app.send_task(INSPECT_TASK, args=[model_id])
         except Exception:  # the broker is down: the save stands, say so
             log.exception("could not queue the inspection of model %s", model_id)
 
@@ -106,14 +110,14 @@ def _job_write(model_id: int, **fields) -> None:
     ModelConfig.objects.filter(pk=model_id).update(**fields)
 
 
-def _queue_on_commit(task, model_id: int, *, job: str, what: str) -> None:
-    """Send `task(model_id)` once the current transaction commits (at once
-    outside one). A broker that is down fails the job, with the reason, and
-    is logged: the request that asked for it stands."""
+def _queue_on_commit(task: str, model_id: int, *, job: str, what: str) -> None:
+    """Send the task named `task`, with `model_id`, once the current
+    transaction commits (at once outside one). A broker that is down fails the
+    job, with the reason, and is logged: the request that asked for it stands."""
 
     def send() -> None:
         try:
-            task.delay(model_id)
+            current_app.send_task(task, args=[model_id])
         except Exception as error:  # the broker is down
             log.exception("could not queue the %s of model %s", what, model_id)
             _job_write(
@@ -126,11 +130,9 @@ def _queue_on_commit(task, model_id: int, *, job: str, what: str) -> None:
 
 def model_memory_measure_queue(*, model: ModelConfig) -> None:
     """Mark the model's memory measurement queued, and queue it."""
-    from .tasks import measure_model
-
     _job_write(model.pk, memory_job=JobState.QUEUED, memory_job_progress="queued")
     _queue_on_commit(
-        measure_model, model.pk, job="memory_job", what="memory measurement"
+        MEASURE_TASK, model.pk, job="memory_job", what="memory measurement"
     )
 
 
@@ -177,7 +179,6 @@ def model_requantize_queue(*, model: ModelConfig, quantization: str) -> ModelCon
     model's; ValidationError: the variant's name is taken by another
     model."""
     from .requantize import variant_name, variant_path
-    from .tasks import requantize_model
 
     if model.format != ModelFormat.GGUF:
         raise ValueError(f"{model.name} is not a GGUF model")
@@ -209,7 +210,7 @@ def model_requantize_queue(*, model: ModelConfig, quantization: str) -> ModelCon
             variant.pk, requantize_job=JobState.QUEUED, requantize_job_progress="queued"
         )
         _queue_on_commit(
-            requantize_model, variant.pk, job="requantize_job", what="requantization"
+            REQUANTIZE_TASK, variant.pk, job="requantize_job", what="requantization"
         )
     return variant
 
