@@ -80,7 +80,7 @@ class Engine:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             try:
-                if self.client.ping()["phase"] == "ready":
+                if self.client.ping().phase == "ready":
                     return
             except EngineError:
                 pass
@@ -89,14 +89,14 @@ class Engine:
 
     def configure(self, *, window_ms: float, max_batch: int) -> None:
         spec = model_spec(window_ms=window_ms, max_batch=max_batch)
-        self.client.call("configure", config={"models": [spec]})
+        self.client.configure({"models": [spec]})
 
     def rss(self) -> int:
         return psutil.Process(self.process.pid).memory_info().rss
 
     def stop(self) -> None:
         try:
-            self.client.call("shutdown")
+            self.client.shutdown()
             self.process.wait(30)
         except (EngineError, subprocess.TimeoutExpired):
             self.process.kill()

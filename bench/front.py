@@ -63,6 +63,8 @@ from bench.generation import (  # noqa: E402
     sse_events,
 )
 from engines.wire.client import AsyncEngineClient, connect_and_send  # noqa: E402
+from engines.wire.frames import DoneFrame, StartFrame, TokenFrame  # noqa: E402
+from engines.wire.requests import GenerateRequest  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"  # its name in the seed migration
 ENGINE = "cpu0"
@@ -211,20 +213,21 @@ async def direct_stream(client: AsyncEngineClient, index: int, tokens: int) -> S
     """The same chat completion through the engine client (the anchor)."""
     start = time.perf_counter()
     admitted, first, parts, engine_ttft = None, None, [], 0.0
-    async for frame in client.generate_stream(
-        MODEL,
+    request = GenerateRequest(
+        model=MODEL,
         messages=messages_for(index),
         max_tokens=tokens,
         temperature=0,
         seed=SEED,
-    ):
-        if frame["event"] == "start":
+    )
+    async for frame in client.generate_stream(request):
+        if isinstance(frame, StartFrame):
             admitted = time.perf_counter() - start
-        if frame["event"] == "token" and frame.get("text"):
+        if isinstance(frame, TokenFrame) and frame.text:
             first = first or time.perf_counter() - start
-            parts.append(frame["text"])
-        if frame["event"] == "done":
-            engine_ttft = frame["timings"]["first_token_ms"] / 1000
+            parts.append(frame.text)
+        if isinstance(frame, DoneFrame):
+            engine_ttft = (frame.timings.first_token_ms or 0.0) / 1000
     total = time.perf_counter() - start
     return Stream(admitted or total, first or total, total, "".join(parts), engine_ttft)
 

@@ -32,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from engines.launch.process import spawn_engine  # noqa: E402
 from engines.wire.client import AsyncEngineClient, EngineClient, EngineError  # noqa: E402
+from engines.wire.frames import TokenFrame  # noqa: E402
+from engines.wire.requests import GenerateRequest  # noqa: E402
 
 MODELS_DIR = Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models"))
 MODEL_PATH = MODELS_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -208,7 +210,7 @@ class RoundhouseEngine(Server):
         client = EngineClient(port=self.port, token=self.token)
         while True:
             try:
-                if client.ping()["phase"] == "ready":
+                if client.ping().phase == "ready":
                     break
             except EngineError:
                 pass
@@ -220,15 +222,16 @@ class RoundhouseEngine(Server):
     async def stream(self, index: int) -> tuple[float, int]:
         start = time.perf_counter()
         first, tokens = None, 0
-        async for frame in self.client.generate_stream(
-            "smollm2",
+        request = GenerateRequest(
+            model="smollm2",
             prompt=prompt_for(index),
             max_tokens=TOKENS,
             ignore_eos=True,
             temperature=0,
-        ):
-            if frame["event"] == "token":
-                tokens += frame["tokens"]
+        )
+        async for frame in self.client.generate_stream(request):
+            if isinstance(frame, TokenFrame):
+                tokens += frame.tokens
                 first = first or time.perf_counter() - start
         return first or 0.0, tokens
 

@@ -79,6 +79,7 @@ from bench.load import (  # noqa: E402
 )
 from bench.reliability_report import dump, log_summary, report  # noqa: E402
 from engines.wire.client import EngineClient, EngineError  # noqa: E402
+from engines.wire.frames import StateReply  # noqa: E402
 
 BURST_TIMEOUT_S = 120.0  # the burst's requests wait in the engine's queue
 DB_DOWN_S = 10.0
@@ -113,7 +114,7 @@ class Bench:
         self.results: list[Result] = []
         self.abuse_phases: list[abuse.Phase] = []
 
-    async def engine_state(self) -> dict | None:
+    async def engine_state(self) -> StateReply | None:
         try:
             client = EngineClient.for_engine(self.platform.run_dir, ENGINE)
             return await asyncio.to_thread(client.state)
@@ -363,7 +364,7 @@ class Bench:
         ratio = 0.0
         end = time.monotonic() + RSS_DEADLINE_S
         while True:
-            mib = self.platform.fleet_rss_mib(state.get("rss_mib", 0.0))
+            mib = self.platform.fleet_rss_mib(state.rss_mib)
             ratio = mib / self.idle_mib - 1
             if abs(ratio) <= RSS_TOLERANCE or time.monotonic() >= end:
                 break
@@ -377,8 +378,8 @@ class Bench:
                 f"({self.rss_parts(state)})"
             )
 
-    def rss_parts(self, state: dict) -> str:
-        parts = [f"engine {state.get('rss_mib', 0):.0f}"]
+    def rss_parts(self, state: StateReply) -> str:
+        parts = [f"engine {state.rss_mib:.0f}"]
         for label, process in (
             ("supervisor", self.platform.supervisor),
             ("front", self.platform.front),
@@ -410,7 +411,7 @@ class Bench:
         samples = []
         for _ in range(3):
             state = await self.engine_state() or state
-            samples.append(self.platform.fleet_rss_mib(state.get("rss_mib", 0.0)))
+            samples.append(self.platform.fleet_rss_mib(state.rss_mib))
             await asyncio.sleep(1)
         self.idle_mib = statistics.median(samples)
         self.idle_parts = self.rss_parts(state)
@@ -447,17 +448,17 @@ class Bench:
             await follower
 
 
-def leases(state: dict) -> str:
+def leases(state: StateReply) -> str:
     """The engine's leases and queue, "" when there are none."""
     held = []
-    if state.get("queue_depth"):
-        held.append(f"queue {state['queue_depth']}")
-    if state.get("slots_in_use"):
-        held.append(f"slots {state['slots_in_use']}")
-    for model in state.get("models", []):
+    if state.queue_depth:
+        held.append(f"queue {state.queue_depth}")
+    if state.slots_in_use:
+        held.append(f"slots {state.slots_in_use}")
+    for model in state.models:
         for key in ("inflight", "queued", "busy"):
-            if model.get(key):
-                held.append(f"{model['name']} {key} {model[key]}")
+            if getattr(model, key):
+                held.append(f"{model.name} {key} {getattr(model, key)}")
     return ", ".join(held)
 
 

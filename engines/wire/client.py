@@ -1,6 +1,8 @@
 """Clients of an engine: asyncio for the web process, blocking for Celery, the
-supervisor and scripts. Both speak engines/wire/framing.py and raise one error type
-per failure."""
+supervisor and scripts. Both speak engines/wire/framing.py, send typed requests
+(engines/wire/requests.py), read typed replies (engines/wire/frames.py) and
+raise one error type per failure: a reply that does not match its schema is an
+error (EngineReplyInvalid), never read in part."""
 
 import asyncio
 import json
@@ -8,21 +10,46 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
+from pydantic import ValidationError
 
 from engines.launch.config import LOOPBACK
 from engines.wire.bounds import CONTROL_TIMEOUT_S, MAX_FRAME_BYTES
 from engines.wire.errors import ErrorCode, ProtocolError
-from engines.wire.framing import (
-    auth_frame,
-    decode_array,
-    decode_message,
-    encode_message,
-    read_frame,
-    recv_frame,
+from engines.wire.frames import (
+    CancelReply,
+    DoneFrame,
+    EmbedReply,
+    ErrorReply,
+    Frame,
+    GenerateAnswer,
+    LoadReply,
+    OkReply,
+    PingReply,
+    StartFrame,
+    StateReply,
+    TokenFrame,
+    UnloadReply,
+    parse_reply,
 )
+from engines.wire.framing import auth_frame, decode_array, read_frame, recv_frame
+from engines.wire.requests import (
+    CancelRequest,
+    ConfigureRequest,
+    EmbedRequest,
+    GenerateRequest,
+    LoadRequest,
+    PingRequest,
+    Request,
+    ShutdownRequest,
+    StateRequest,
+    UnloadRequest,
+    parse_request,
+)
+
+Encoding = Literal["json", "npy"]
 
 # Model work (a first load, a big batch) can take a while; control frames cannot.
 REQUEST_TIMEOUT_S = 120.0
@@ -47,11 +74,11 @@ class EngineDied(EngineError):
 
 
 class EngineRequestError(EngineError):
-    """The engine answered with an error code (see protocol.ErrorCode)."""
+    """The engine answered with an error code (engines.wire.errors.ErrorCode)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code = ErrorCode(code)
         self.message = message
 
 
@@ -59,16 +86,63 @@ class EngineUnauthorized(EngineRequestError):
     """The engine refused the token."""
 
 
-def _raise_for_error(reply: dict[str, Any]) -> None:
-    if reply.get("status") == "ok":
-        return
-    code = str(reply.get("code", ErrorCode.INTERNAL))
-    message = str(reply.get("message", "engine error"))
-    if code == ErrorCode.UNAUTHORIZED:
-        raise EngineUnauthorized(code, message)
-    if code == ErrorCode.UNREACHABLE:
-        raise EngineUnreachable(message)
-    raise EngineRequestError(code, message)
+class EngineReplyInvalid(EngineRequestError):
+    """The engine answered something its reply's schema refuses (a key it
+    does not know, one missing, a frame out of order): an internal error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.INTERNAL, message)
+
+
+def _reply(kind: str, payload: bytes, engine: str) -> Frame:
+    """The reply to a request of `kind` (a stream's: one of its frames); the
+    error it answers raised."""
+    try:
+        reply = parse_reply(kind, payload)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise EngineReplyInvalid(
+            f"engine {engine}: its {kind} reply does not match the protocol: "
+            f"{where}: {first['msg']}"
+        ) from None
+    if isinstance(reply, ErrorReply):
+        if reply.code == ErrorCode.UNAUTHORIZED:
+            raise EngineUnauthorized(reply.code, reply.message)
+        if reply.code == ErrorCode.UNREACHABLE:
+            raise EngineUnreachable(reply.message)
+        raise EngineRequestError(reply.code, reply.message)
+    return reply
+
+
+def _built(kind: str, fields: dict[str, Any]) -> Request:
+    """The request of `kind` with these fields, checked as the engine will."""
+    try:
+        return parse_request({"kind": kind, **fields})
+    except ProtocolError as error:
+        raise EngineRequestError(error.code, error.message) from None
+
+
+class _Stream:
+    """The order of a stream's frames: a start, tokens, then a done."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.started = False
+
+    def frame(self, payload: bytes) -> StartFrame | TokenFrame | DoneFrame:
+        frame = _reply("generate_stream", payload, self.engine)
+        if isinstance(frame, StartFrame) == self.started:
+            what = "a second start" if self.started else f"a {frame.event} first"
+            raise EngineReplyInvalid(f"engine {self.engine}: {what} in a stream")
+        self.started = True
+        return frame
+
+
+def _embed_request(model: str, texts: list[str], encoding: Encoding) -> EmbedRequest:
+    """An embed request, built, not checked here: the caller's edge checked
+    its texts (the REST schema), and the engine checks what arrives."""
+    return EmbedRequest.model_construct(model=model, texts=texts, encoding=encoding)
 
 
 def _timeout_for(kind: str, timeout: float | None) -> float:
@@ -77,11 +151,11 @@ def _timeout_for(kind: str, timeout: float | None) -> float:
     return CONTROL_TIMEOUT_S if kind in CONTROL_KINDS else REQUEST_TIMEOUT_S
 
 
-def _embeddings(reply: dict[str, Any], array: bytes | None) -> np.ndarray:
-    if reply.get("encoding") == "json":
-        return np.asarray(reply["embeddings"], dtype=np.float32)
+def _embeddings(reply: EmbedReply, array: bytes | None) -> np.ndarray:
+    if reply.embeddings is not None:
+        return np.asarray(reply.embeddings, dtype=np.float32)
     if array is None:
-        raise EngineRequestError(ErrorCode.INTERNAL, "embedding payload missing")
+        raise EngineReplyInvalid("embedding payload missing")
     return decode_array(array)
 
 
@@ -153,10 +227,10 @@ class _EngineAddress:
         self.name = name or f"port {port}"
         self._token = token
 
-    def _opening(self, message: dict[str, Any]) -> bytes:
+    def _opening(self, message: Request) -> bytes:
         """What a connection sends first: its auth frame, then the request
         (one write: the engine reads the request once the token is checked)."""
-        return auth_frame(self._token) + encode_message(message)
+        return auth_frame(self._token) + message.encoded()
 
     @classmethod
     def for_engine(cls, run_dir: Path | str, name: str):
@@ -206,16 +280,15 @@ class AsyncEngineClient(_EngineAddress):
     """An asyncio client: one short connection per request."""
 
     async def request(
-        self, message: dict[str, Any], *, timeout: float | None = None
-    ) -> tuple[dict[str, Any], bytes | None]:
-        """Send one request; returns the reply and its array payload, if any."""
-        kind = str(message.get("kind", ""))
-        limit = _timeout_for(kind, timeout)
+        self, message: Request, *, timeout: float | None = None
+    ) -> tuple[Frame, bytes | None]:
+        """Send one request; returns its reply and its array payload, if any."""
+        limit = _timeout_for(message.kind, timeout)
         reader, writer = await self._open(message)
         try:
             await writer.drain()
             async with asyncio.timeout(limit):
-                reply, array = await self._read_reply(reader)
+                return await self._read_reply(reader, message.kind)
         except TimeoutError:
             raise EngineTimeout(
                 f"engine {self.name}: no answer in {limit:g} s"
@@ -226,11 +299,9 @@ class AsyncEngineClient(_EngineAddress):
             ) from None
         finally:
             writer.close()
-        _raise_for_error(reply)
-        return reply, array
 
     async def _open(
-        self, message: dict[str, Any]
+        self, message: Request
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Connect and send one request (see `connect_and_send`)."""
         data = self._opening(message)
@@ -239,51 +310,63 @@ class AsyncEngineClient(_EngineAddress):
         except (OSError, TimeoutError) as error:
             raise _unreachable(self.name, error) from None
 
-    async def _read_reply(self, reader) -> tuple[dict[str, Any], bytes | None]:
+    async def _read_reply(self, reader, kind: str) -> tuple[Frame, bytes | None]:
         payload = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
         if payload is None:
             raise ConnectionError("connection closed before the answer")
-        reply = decode_message(payload)
+        reply = _reply(kind, payload, self.name)
         array = None
-        if reply.get("encoding") == "npy":
+        if isinstance(reply, EmbedReply) and reply.encoding == "npy":
             array = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
             if array is None:
                 raise ConnectionError("connection closed before the array")
         return reply, array
 
-    async def call(self, kind: str, **fields: Any) -> dict[str, Any]:
-        reply, _ = await self.request({"kind": kind, **fields})
+    async def call(self, kind: str, **fields: Any) -> Frame:
+        """The request of `kind` built from `fields` (refused here as the
+        engine would refuse it), sent; its reply."""
+        reply, _ = await self.request(_built(kind, fields))
         return reply
 
-    async def ping(self) -> dict[str, Any]:
-        return await self.call("ping")
+    async def ping(self) -> PingReply:
+        reply, _ = await self.request(PingRequest())
+        return cast(PingReply, reply)
 
-    async def state(self) -> dict[str, Any]:
-        return await self.call("state")
+    async def state(self) -> StateReply:
+        reply, _ = await self.request(StateRequest())
+        return cast(StateReply, reply)
+
+    async def load(self, model: str, *, timeout: float | None = None) -> LoadReply:
+        reply, _ = await self.request(LoadRequest(model=model), timeout=timeout)
+        return cast(LoadReply, reply)
+
+    async def unload(self, model: str, *, timeout: float | None = None) -> UnloadReply:
+        reply, _ = await self.request(UnloadRequest(model=model), timeout=timeout)
+        return cast(UnloadReply, reply)
 
     async def embed(
-        self, model: str, texts: list[str], *, encoding: str = "npy"
+        self, model: str, texts: list[str], *, encoding: Encoding = "npy"
     ) -> np.ndarray:
         rows, _ = await self.embed_counted(model, texts, encoding=encoding)
         return rows
 
     async def embed_counted(
-        self, model: str, texts: list[str], *, encoding: str = "npy"
+        self, model: str, texts: list[str], *, encoding: Encoding = "npy"
     ) -> tuple[np.ndarray, int]:
         """The rows and the texts' token total, as the model counted them."""
-        reply, array = await self.request(
-            {"kind": "embed", "model": model, "texts": texts, "encoding": encoding}
-        )
-        tokens = int(reply.get("usage", {}).get("prompt_tokens", 0))
-        return _embeddings(reply, array), tokens
+        message = _embed_request(model, texts, encoding)
+        reply, array = await self.request(message)
+        header = cast(EmbedReply, reply)
+        return _embeddings(header, array), header.usage.prompt_tokens
 
-    async def generate(self, model: str, **fields: Any) -> dict[str, Any]:
+    async def generate(self, request: GenerateRequest) -> GenerateAnswer:
         """The whole answer: text, finish_reason, usage, timings, request_id."""
-        return await self.call("generate", model=model, **fields)
+        reply, _ = await self.request(request.model_copy(update={"kind": "generate"}))
+        return cast(GenerateAnswer, reply)
 
     async def generate_stream(
-        self, model: str, *, timeout: float | None = None, **fields: Any
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, request: GenerateRequest, *, timeout: float | None = None
+    ) -> AsyncIterator[StartFrame | TokenFrame | DoneFrame]:
         """Frames as the engine decodes: start, token..., then done. Closing the
         iterator early hangs up, which cancels the request in the engine.
 
@@ -291,8 +374,9 @@ class AsyncEngineClient(_EngineAddress):
         `asyncio.timeout`, not `asyncio.wait_for`, which in Python 3.11 runs
         what it awaits in a task of its own: a task and a loop pass per token."""
         limit = timeout or REQUEST_TIMEOUT_S
-        message = {"kind": "generate_stream", "model": model, **fields}
+        message = request.model_copy(update={"kind": "generate_stream"})
         reader, writer = await self._open(message)
+        order = _Stream(self.name)
         try:
             await writer.drain()
             while True:
@@ -305,16 +389,24 @@ class AsyncEngineClient(_EngineAddress):
                     raise EngineDied(f"engine {self.name}: {error}") from None
                 if payload is None:
                     raise EngineDied(f"engine {self.name} closed the stream")
-                frame = decode_message(payload)
-                _raise_for_error(frame)
+                frame = order.frame(payload)
                 yield frame
-                if frame.get("event") == "done":
+                if isinstance(frame, DoneFrame):
                     return
         finally:
             writer.close()
 
     async def cancel(self, request_id: str) -> bool:
-        return (await self.call("cancel", request_id=request_id))["cancelled"]
+        reply, _ = await self.request(CancelRequest(request_id=request_id))
+        return cast(CancelReply, reply).cancelled
+
+    async def configure(self, config: dict[str, Any]) -> OkReply:
+        reply, _ = await self.request(ConfigureRequest(config=config))
+        return cast(OkReply, reply)
+
+    async def shutdown(self) -> OkReply:
+        reply, _ = await self.request(ShutdownRequest())
+        return cast(OkReply, reply)
 
 
 # -- blocking client ----------------------------------------------------------------
@@ -324,11 +416,10 @@ class EngineClient(_EngineAddress):
     """A blocking client for Celery workers, the supervisor and scripts."""
 
     def request(
-        self, message: dict[str, Any], *, timeout: float | None = None
-    ) -> tuple[dict[str, Any], bytes | None]:
-        """Send one request; returns the reply and its array payload, if any."""
-        kind = str(message.get("kind", ""))
-        limit = _timeout_for(kind, timeout)
+        self, message: Request, *, timeout: float | None = None
+    ) -> tuple[Frame, bytes | None]:
+        """Send one request; returns its reply and its array payload, if any."""
+        limit = _timeout_for(message.kind, timeout)
         try:
             sock = socket.create_connection((LOOPBACK, self.port), CONTROL_TIMEOUT_S)
         except OSError as error:
@@ -337,8 +428,10 @@ class EngineClient(_EngineAddress):
             sock.settimeout(limit)
             try:
                 sock.sendall(self._opening(message))
-                reply = decode_message(recv_frame(sock))
-                array = recv_frame(sock) if reply.get("encoding") == "npy" else None
+                reply = _reply(message.kind, recv_frame(sock), self.name)
+                array = None
+                if isinstance(reply, EmbedReply) and reply.encoding == "npy":
+                    array = recv_frame(sock)
             except TimeoutError:
                 raise EngineTimeout(
                     f"engine {self.name}: no answer in {limit:g} s"
@@ -349,50 +442,61 @@ class EngineClient(_EngineAddress):
                 ) from None
             except ProtocolError as error:
                 raise EngineRequestError(error.code, error.message) from None
-        _raise_for_error(reply)
         return reply, array
 
-    def call(self, kind: str, **fields: Any) -> dict[str, Any]:
-        reply, _ = self.request({"kind": kind, **fields})
+    def call(self, kind: str, **fields: Any) -> Frame:
+        """The request of `kind` built from `fields` (refused here as the
+        engine would refuse it), sent; its reply."""
+        reply, _ = self.request(_built(kind, fields))
         return reply
 
-    def ping(self) -> dict[str, Any]:
-        return self.call("ping")
+    def ping(self) -> PingReply:
+        reply, _ = self.request(PingRequest())
+        return cast(PingReply, reply)
 
-    def state(self) -> dict[str, Any]:
-        return self.call("state")
+    def state(self) -> StateReply:
+        reply, _ = self.request(StateRequest())
+        return cast(StateReply, reply)
+
+    def load(self, model: str, *, timeout: float | None = None) -> LoadReply:
+        reply, _ = self.request(LoadRequest(model=model), timeout=timeout)
+        return cast(LoadReply, reply)
+
+    def unload(self, model: str, *, timeout: float | None = None) -> UnloadReply:
+        reply, _ = self.request(UnloadRequest(model=model), timeout=timeout)
+        return cast(UnloadReply, reply)
 
     def embed(
-        self, model: str, texts: list[str], *, encoding: str = "npy"
+        self, model: str, texts: list[str], *, encoding: Encoding = "npy"
     ) -> np.ndarray:
-        reply, array = self.request(
-            {"kind": "embed", "model": model, "texts": texts, "encoding": encoding}
-        )
-        return _embeddings(reply, array)
+        message = _embed_request(model, texts, encoding)
+        reply, array = self.request(message)
+        return _embeddings(cast(EmbedReply, reply), array)
 
-    def generate(self, model: str, **fields: Any) -> dict[str, Any]:
+    def generate(self, request: GenerateRequest) -> GenerateAnswer:
         """The whole answer: text, finish_reason, usage, timings, request_id."""
-        return self.call("generate", model=model, **fields)
+        reply, _ = self.request(request.model_copy(update={"kind": "generate"}))
+        return cast(GenerateAnswer, reply)
 
     def generate_stream(
-        self, model: str, *, timeout: float | None = None, **fields: Any
-    ) -> Iterator[dict[str, Any]]:
+        self, request: GenerateRequest, *, timeout: float | None = None
+    ) -> Iterator[StartFrame | TokenFrame | DoneFrame]:
         """Frames as the engine decodes: start, token..., then done. Closing the
         generator early hangs up, which cancels the request in the engine."""
         try:
             sock = socket.create_connection((LOOPBACK, self.port), CONTROL_TIMEOUT_S)
         except OSError as error:
             raise EngineUnreachable(f"engine {self.name}: {error}") from None
-        message = {"kind": "generate_stream", "model": model, **fields}
+        message = request.model_copy(update={"kind": "generate_stream"})
+        order = _Stream(self.name)
         with sock:
             sock.settimeout(timeout or REQUEST_TIMEOUT_S)
             try:
                 sock.sendall(self._opening(message))
                 while True:
-                    frame = decode_message(recv_frame(sock))
-                    _raise_for_error(frame)
+                    frame = order.frame(recv_frame(sock))
                     yield frame
-                    if frame.get("event") == "done":
+                    if isinstance(frame, DoneFrame):
                         return
             except TimeoutError:
                 raise EngineTimeout(f"engine {self.name}: stream stalled") from None
@@ -400,4 +504,13 @@ class EngineClient(_EngineAddress):
                 raise EngineDied(f"engine {self.name}: {error}") from None
 
     def cancel(self, request_id: str) -> bool:
-        return self.call("cancel", request_id=request_id)["cancelled"]
+        reply, _ = self.request(CancelRequest(request_id=request_id))
+        return cast(CancelReply, reply).cancelled
+
+    def configure(self, config: dict[str, Any]) -> OkReply:
+        reply, _ = self.request(ConfigureRequest(config=config))
+        return cast(OkReply, reply)
+
+    def shutdown(self) -> OkReply:
+        reply, _ = self.request(ShutdownRequest())
+        return cast(OkReply, reply)

@@ -52,6 +52,7 @@ from engines.wire.client import AsyncEngineClient, EngineUnreachable, connect_an
 from engines.wire.errors import ErrorCode, ProtocolError
 from engines.wire.frames import ErrorReply
 from engines.wire.framing import auth_frame, decode_message, encode_message, read_frame
+from engines.wire.requests import Request
 
 log = logging.getLogger("roundhouse.link")
 
@@ -382,10 +383,10 @@ class RemoteEngineClient(AsyncEngineClient):
         self.pool = pool
         self.peer = peer
 
-    def _opening(self, message: dict[str, Any]) -> bytes:
-        return encode_message(message)  # the relay authenticates to the engine
+    def _opening(self, message: Request) -> bytes:
+        return message.encoded()  # the relay authenticates to the engine
 
-    async def _open(self, message: dict[str, Any]):
+    async def _open(self, message: Request):
         data = self._opening(message)
         try:
             link = await self.pool.link(self.peer)

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 
 from engines.wire.requests import FUNCTION_NAME
+from engines.wire.requests import ResponseFormat as EngineFormat
 
 from .schema_base import FunctionName, JsonSchema, NoNul, Strict, Text
 
@@ -75,8 +76,12 @@ ResponseFormat = Annotated[
 ]
 
 
-def engine_format(fmt: TextFormat | JsonObjectFormat | JsonSchemaResponseFormat):
+def engine_format(
+    fmt: TextFormat | JsonObjectFormat | JsonSchemaResponseFormat,
+) -> EngineFormat:
+    """The response format as the engine takes it (built from a checked body:
+    not checked again)."""
     if isinstance(fmt, JsonSchemaResponseFormat):
         schema = fmt.json_schema.schema_ or {"type": "object"}
-        return {"type": "json_schema", "json_schema": schema}
-    return {"type": fmt.type}
+        return EngineFormat.model_construct(type="json_schema", json_schema=schema)
+    return EngineFormat.model_construct(type=fmt.type)

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from engines.wire.frames import GenerateAnswer
+from engines.wire.requests import GenerateRequest
 from routing.select import ModelRoute, Snapshot
 
 from . import errors
@@ -36,32 +38,32 @@ async def generation_answer(
     *,
     chat: bool,
     priority: Priority = "interactive",
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], GenerateAnswer]:
     """Generate every choice on the routed engine (each in a slot of its
     batch); the answer's body and the first choice's engine reply (ApiError
     when any fails: the others are cancelled)."""
     requests = engine_requests(payload, priority, call=call)
     created = int(time.time())
 
-    async def one(fields: dict[str, Any]) -> dict[str, Any]:
+    async def one(request: GenerateRequest) -> GenerateAnswer:
         return await with_engine(
-            call, route, snapshot, lambda client: client.generate(route.name, **fields)
+            call, route, snapshot, lambda client: client.generate(request)
         )
 
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(fields)) for fields in requests]
+            tasks = [group.create_task(one(request)) for request in requests]
     except ExceptionGroup as failed:  # the first failure is the answer's
         raise failed.exceptions[0] from None
     replies = [task.result() for task in tasks]
     tally = Tally(per_prompt=payload.choices_per_prompt)
     for index, reply in enumerate(replies):
-        tally.ended(index, reply.get("usage", {}))
+        tally.ended(index, reply.usage)
     call.counted(tally.usage())
     choices = []
-    for index, (fields, reply) in enumerate(zip(requests, replies, strict=True)):
-        reason = finish_reason(reply.get("finish_reason", "stop"))
-        entries = reply.get("logprobs")
+    for index, (request, reply) in enumerate(zip(requests, replies, strict=True)):
+        reason = finish_reason(reply.finish_reason)
+        entries = reply.logprobs
         if chat:
             choice = {
                 "index": index,
@@ -70,22 +72,22 @@ async def generation_answer(
                 "finish_reason": reason,
             }
         else:
-            echoed = _echoed(fields, reply) if payload.echo else ""
+            echoed = _echoed(request, reply) if payload.echo else ""
             logprobs = None
             if entries is not None:
                 # Echoed, the prompt's tokens come first (from offset 0).
-                scored = reply.get("prompt_logprobs", []) + entries
+                scored = (reply.prompt_logprobs or []) + entries
                 offset = 0 if payload.echo else len(echoed)
                 logprobs, _ = completion_logprobs(scored, offset)
             choice = {
                 "index": index,
-                "text": echoed + reply.get("text", ""),
+                "text": echoed + reply.text,
                 "logprobs": logprobs,
                 "finish_reason": reason,
             }
         choices.append(choice)
     body = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + replies[0]["request_id"],
+        "id": ("chatcmpl-" if chat else "cmpl-") + replies[0].request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": route.name,
@@ -97,12 +99,12 @@ async def generation_answer(
     return body, replies[0]
 
 
-def _echoed(fields: dict[str, Any], frame: dict[str, Any]) -> str:
+def _echoed(request: GenerateRequest, reply: GenerateAnswer) -> str:
     """A completion's prompt as echoed: its text as sent, or the text of the
     tokens it was sent as (the engine's)."""
-    if isinstance(fields.get("prompt"), str):
-        return fields["prompt"]
-    return frame.get("prompt_text", "")
+    if request.prompt is not None:
+        return request.prompt
+    return reply.prompt_text or ""
 
 
 async def embedding_answer(

@@ -17,6 +17,8 @@ from typing import Any
 
 from django.http import HttpResponse
 
+from engines.wire.frames import Ending, Usage
+
 from . import errors, metrics, services, usage
 from .gateway import GATEWAY
 from .models import ApiKey
@@ -80,22 +82,21 @@ class Call:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def counted(self, usage: dict) -> None:
+    def counted(self, usage: Usage) -> None:
         """Take the engine's final count of the request's tokens."""
-        self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens))
-        self.completion_tokens = int(usage.get("completion_tokens", 0))
-        self.cached_tokens = int(usage.get("cached_tokens", 0))
+        self.prompt_tokens = usage.prompt_tokens
+        self.completion_tokens = usage.completion_tokens
+        self.cached_tokens = usage.cached_tokens
 
-    def timings(self, reply: dict) -> dict:
+    def timings(self, reply: Ending) -> dict:
         """Which engine answered, and its own times from the request's arrival
         (Roundhouse's addition to OpenAI's shape, like llama.cpp server's
         `timings`): what the front and the network add is the rest."""
-        measured = reply.get("timings") or {}
         return {
             "engine": self.engine,
             "node": self.node,
-            "engine_first_token_ms": measured.get("first_token_ms"),
-            "engine_total_ms": measured.get("total_ms"),
+            "engine_first_token_ms": reply.timings.first_token_ms,
+            "engine_total_ms": reply.timings.total_ms,
         }
 
     async def end(self) -> None:

@@ -11,6 +11,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engines.wire.frames import (
+    CalledTool,
+    GenerateAnswer,
+    Logprob,
+    StartFrame,
+    StreamEvent,
+    ToolCallDelta,
+    Usage,
+)
+from engines.wire.requests import GenerateRequest
 from routing.affinity import prefix_keys
 from routing.select import ModelRoute, Snapshot
 
@@ -29,23 +39,31 @@ def finish_reason(reason: str) -> str:
 
 def engine_requests(
     payload: Payload, priority: Priority, *, call: Call
-) -> list[dict[str, Any]]:
+) -> list[GenerateRequest]:
     """The engine requests of the call's choices, in choice order: the
     body's fields, our own request id (unique across engines and their
     restarts, which engine ids are not), the priority (a batch line yields
     to interactive requests in the engine) and the caller (whose limits
     admitted it: the engine shares its slots fairly between callers). A
     chat's message prefixes go on the call, for cache-aware routing."""
-    requests = payload.engine_requests()
-    for fields in requests:
-        fields["request_id"] = uuid.uuid4().hex
-        if priority != "interactive":
-            fields["priority"] = priority
-        if call.caller:
-            fields["caller"] = call.caller
-    if requests and requests[0].get("messages"):
-        call.prefixes = prefix_keys(payload.model, requests[0]["messages"])
+    envelope: dict[str, Any] = {}
+    if priority != "interactive":
+        envelope["priority"] = priority
+    if call.caller:
+        envelope["caller"] = call.caller
+    requests = [
+        request.model_copy(update={**envelope, "request_id": uuid.uuid4().hex})
+        for request in payload.engine_requests()
+    ]
+    if requests and requests[0].messages:
+        call.prefixes = prefix_keys(payload.model, engine_messages(requests[0]))
     return requests
+
+
+def engine_messages(request: GenerateRequest) -> list[dict[str, Any]]:
+    """A chat request's messages as JSON objects (what a stored turn, and a
+    prefix's routing key, are made of)."""
+    return [turn.model_dump(exclude_none=True) for turn in request.messages or ()]
 
 
 @dataclass
@@ -58,35 +76,35 @@ class Tally:
     cached: dict[int, int] = field(default_factory=dict)
     completion: dict[int, int] = field(default_factory=dict)
 
-    def started(self, index: int, start: dict[str, Any]) -> None:
+    def started(self, index: int, start: StartFrame) -> None:
         if index % self.per_prompt == 0:
-            self.prompt[index] = int(start.get("prompt_tokens", 0))
+            self.prompt[index] = start.prompt_tokens
 
-    def ended(self, index: int, usage: dict[str, Any]) -> None:
+    def ended(self, index: int, usage: Usage) -> None:
         if index % self.per_prompt == 0:
-            self.prompt[index] = int(usage.get("prompt_tokens", 0))
-            self.cached[index] = int(usage.get("cached_tokens", 0))
-        self.completion[index] = int(usage.get("completion_tokens", 0))
+            self.prompt[index] = usage.prompt_tokens
+            self.cached[index] = usage.cached_tokens
+        self.completion[index] = usage.completion_tokens
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> Usage:
         """In the engine's shape, for Call.counted."""
-        return {
-            "prompt_tokens": sum(self.prompt.values()),
-            "completion_tokens": sum(self.completion.values()),
-            "cached_tokens": sum(self.cached.values()),
-        }
+        return Usage(
+            prompt_tokens=sum(self.prompt.values()),
+            completion_tokens=sum(self.completion.values()),
+            cached_tokens=sum(self.cached.values()),
+        )
 
 
 # -- shapes --------------------------------------------------------------------
 
 
-def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+def chat_logprobs(entries: list[Logprob]) -> dict[str, Any]:
     """Chat's `logprobs` (the engine's entries are in its shape already)."""
-    return {"content": entries, "refusal": None}
+    return {"content": [entry.model_dump() for entry in entries], "refusal": None}
 
 
 def completion_logprobs(
-    entries: list[dict[str, Any]], offset: int
+    entries: list[Logprob], offset: int
 ) -> tuple[dict[str, Any], int]:
     """Completions' `logprobs` for these tokens, the first at character
     `offset` of the choice's text; and the offset after them."""
@@ -97,54 +115,53 @@ def completion_logprobs(
         "text_offset": [],
     }
     for entry in entries:
-        out["tokens"].append(entry["token"])
-        out["token_logprobs"].append(entry["logprob"])
+        out["tokens"].append(entry.token)
+        out["token_logprobs"].append(entry.logprob)
         # An echoed prompt's first token has no log-probability, nor top.
         out["top_logprobs"].append(
             None
-            if entry["logprob"] is None
-            else {top["token"]: top["logprob"] for top in entry["top_logprobs"]}
+            if entry.logprob is None
+            else {top.token: top.logprob for top in entry.top_logprobs}
         )
         out["text_offset"].append(offset)
-        offset += len(entry["token"])
+        offset += len(entry.token)
     return out, offset
 
 
-def tool_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
+def tool_calls(calls: list[CalledTool]) -> list[dict[str, Any]]:
     """A message's `tool_calls` from the engine's complete calls."""
     return [
         {
-            "id": call["id"],
+            "id": call.id,
             "type": "function",
-            "function": {"name": call["name"], "arguments": call["arguments"]},
+            "function": {"name": call.name, "arguments": call.arguments},
         }
         for call in calls
     ]
 
 
-def tool_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def tool_call_deltas(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
     """A chunk's `delta.tool_calls` from the engine's deltas: a call's id,
     type and name come with its first delta, its arguments in pieces."""
     out = []
     for delta in deltas:
-        item: dict[str, Any] = {"index": delta["index"]}
-        function: dict[str, str] = {"arguments": delta.get("arguments", "")}
-        if "id" in delta:
-            item["id"] = delta["id"]
+        item: dict[str, Any] = {"index": delta.index}
+        function: dict[str, str] = {"arguments": delta.arguments}
+        if delta.id is not None:
+            item["id"] = delta.id
             item["type"] = "function"
-            function = {"name": delta["name"], **function}
+            function = {"name": delta.name or "", **function}
         item["function"] = function
         out.append(item)
     return out
 
 
-def chat_message(reply: dict[str, Any]) -> dict[str, Any]:
+def chat_message(reply: GenerateAnswer) -> dict[str, Any]:
     """The assistant message of a whole (non-streamed) answer."""
-    text = reply.get("text", "")
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if reply.get("tool_calls"):
-        message["content"] = text if text.strip() else None
-        message["tool_calls"] = tool_calls(reply["tool_calls"])
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+    if reply.tool_calls:
+        message["content"] = reply.text if reply.text.strip() else None
+        message["tool_calls"] = tool_calls(reply.tool_calls)
     return message
 
 
@@ -155,10 +172,10 @@ async def choices_open(
     call: Call,
     route: ModelRoute,
     snapshot: Snapshot,
-    requests: list[dict],
+    requests: list[GenerateRequest],
     *,
     per_prompt: int,
-) -> tuple[list[tuple[AsyncIterator[dict], dict]], Tally]:
+) -> tuple[list[tuple[AsyncIterator[StreamEvent], StartFrame]], Tally]:
     """Open every choice's engine stream at once (each waits for its slot);
     the streams and their start frames, in choice order, and the tally of
     their usage (the call counts their prompts' tokens from here). A refusal
@@ -180,13 +197,13 @@ async def choices_open(
     tally = Tally(per_prompt=per_prompt)
     for index, (_, start) in enumerate(opened):
         tally.started(index, start)
-    call.prompt_tokens = tally.usage()["prompt_tokens"]
+    call.prompt_tokens = tally.usage().prompt_tokens
     return opened, tally
 
 
 async def merged(
-    streams: list[AsyncIterator[dict]],
-) -> AsyncIterator[tuple[int, dict]]:
+    streams: list[AsyncIterator[StreamEvent]],
+) -> AsyncIterator[tuple[int, StreamEvent]]:
     """The frames of several streams as they come, each with its choice's
     index; an error in one ends them all (raised here). One stream is
     relayed as it is."""
@@ -197,7 +214,7 @@ async def merged(
     queue: asyncio.Queue = asyncio.Queue()
     ended = object()
 
-    async def pump(index: int, frames: AsyncIterator[dict]) -> None:
+    async def pump(index: int, frames: AsyncIterator[StreamEvent]) -> None:
         try:
             async for frame in frames:
                 queue.put_nowait((index, frame, None))

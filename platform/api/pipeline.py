@@ -24,6 +24,8 @@ from engines.wire.client import (
     EngineTimeout,
     EngineUnreachable,
 )
+from engines.wire.frames import StartFrame, StreamEvent
+from engines.wire.requests import GenerateRequest
 from routing.select import ModelRoute, NoEngine, Snapshot
 
 from . import errors
@@ -243,8 +245,8 @@ def engine_failure(error: EngineError) -> errors.ApiError:
 
 
 async def generation_open(
-    call: Call, route: ModelRoute, snapshot: Snapshot, fields: dict[str, Any]
-) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any]]:
+    call: Call, route: ModelRoute, snapshot: Snapshot, request: GenerateRequest
+) -> tuple[AsyncIterator[StreamEvent], StartFrame]:
     """Start a streamed generation on the routed engine: its frames and its
     start frame, which comes once a slot took the request (admission errors
     are raised here, before anything is sent to the caller). The call records
@@ -253,7 +255,7 @@ async def generation_open(
     the request there."""
 
     async def open_stream(client):
-        frames = client.generate_stream(route.name, **fields)
+        frames = client.generate_stream(request)
         try:
             start = await anext(frames)
         except BaseException:
@@ -262,6 +264,6 @@ async def generation_open(
         return frames, start
 
     frames, start = await with_engine(call, route, snapshot, open_stream)
-    call.prompt_tokens = int(start.get("prompt_tokens", 0))
+    call.prompt_tokens = start.prompt_tokens
     call.held.push_async_callback(frames.aclose)
     return frames, start

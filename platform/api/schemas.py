@@ -31,6 +31,12 @@ from engines.wire.requests import (
     MAX_REQUEST_BYTES,
     MAX_TOOLS,
     MAX_TOOLS_CHARS,
+    Function,
+    FunctionCall,
+    GenerateRequest,
+    NamedTool,
+    ToolCall,
+    Turn,
     request_bytes,
     tools_chars,
 )
@@ -86,15 +92,25 @@ class ChatMessage(Strict):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
-    def engine_message(self) -> dict[str, Any]:
-        """The message as the engine takes it."""
+    def engine_message(self) -> Turn:
+        """The message as the engine takes it (built from this checked
+        message: not checked again)."""
         role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": self.text()}
+        fields: dict[str, Any] = {"role": role, "content": self.text()}
         if self.tool_calls:
-            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            fields["tool_calls"] = [
+                ToolCall.model_construct(
+                    id=call.id,
+                    type=call.type,
+                    function=FunctionCall.model_construct(
+                        name=call.function.name, arguments=call.function.arguments
+                    ),
+                )
+                for call in self.tool_calls
+            ]
         if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
+            fields["tool_call_id"] = self.tool_call_id
+        return Turn.model_construct(**fields)
 
 
 class StreamOptions(Strict):
@@ -153,18 +169,28 @@ class Sampling(Strict):
     def prompt_count(self) -> int:
         return 1
 
-    def engine_requests(self) -> list[dict[str, Any]]:
+    def engine_requests(self) -> list[GenerateRequest]:
         """The engine requests that make the answer's choices, in choice
         order: each prompt's `n` choices (a seed moves on by one per choice,
-        so that seeded choices differ)."""
+        so that seeded choices differ). Built from this checked body: the
+        body is the front's one check of them, the engine's the other."""
         out = []
-        for prompt in self.engine_prompts():
+        for request in self._prompt_requests():
             for number in range(self.choices_per_prompt):
-                fields = {**self.engine_fields(), **prompt}
                 if self.seed is not None and number:
-                    fields["seed"] = (self.seed + number) % (MAX_SEED + 1)
-                out.append(fields)
+                    seed = (self.seed + number) % (MAX_SEED + 1)
+                    out.append(request.model_copy(update={"seed": seed}))
+                else:
+                    out.append(request)
         return out
+
+    def _prompt_requests(self) -> list[GenerateRequest]:
+        """One engine request per prompt."""
+        shared = self.engine_fields()
+        return [
+            GenerateRequest.model_construct(model=self.model, **shared, **prompt)
+            for prompt in self.engine_prompts()
+        ]
 
     def engine_prompts(self) -> list[dict[str, Any]]:
         """Each prompt's own engine fields."""
@@ -174,10 +200,9 @@ class Sampling(Strict):
         """Each engine request this body makes fits the engines' cap on a
         whole request (less the room the pipeline's own fields take); over
         it, the error names the field that holds most of it."""
-        shared = self.engine_fields()
         limit = MAX_REQUEST_BYTES - ENVELOPE_BYTES
-        for prompt in self.engine_prompts():
-            fields = {**shared, **prompt}
+        for request in self._prompt_requests():
+            fields = body_fields(request)
             size = request_bytes(fields)
             if size > limit:
                 largest = max(fields, key=lambda key: request_bytes({key: fields[key]}))
@@ -189,7 +214,7 @@ class Sampling(Strict):
                 )
 
     def engine_fields(self) -> dict[str, Any]:
-        """The engine fields every prompt's requests share."""
+        """The engine fields every prompt's requests share (GenerateRequest's)."""
         raise NotImplementedError
 
 
@@ -233,7 +258,8 @@ class ChatCompletionRequest(Sampling):
                 "response_format", "a JSON answer cannot be asked for with tools"
             )
         if self.tools:
-            size = tools_chars(self.engine_fields()["tools"])
+            offered = [tool.model_dump() for tool in self.engine_fields()["tools"]]
+            size = tools_chars(offered)
             if size > MAX_TOOLS_CHARS:
                 raise field_error(
                     "tools",
@@ -257,22 +283,30 @@ class ChatCompletionRequest(Sampling):
             fields["response_format"] = engine_format(self.response_format)
         if self.tools:
             fields["tools"] = [
-                {
-                    "name": tool.function.name,
-                    "description": tool.function.description or "",
-                    "parameters": tool.function.parameters
+                Function.model_construct(
+                    name=tool.function.name,
+                    description=tool.function.description or "",
+                    parameters=tool.function.parameters
                     or {"type": "object", "properties": {}},
-                }
+                )
                 for tool in self.tools
             ]
             choice = self.tool_choice
             if isinstance(choice, NamedToolChoice):
-                fields["tool_choice"] = {"name": choice.function.name}
+                fields["tool_choice"] = NamedTool.model_construct(
+                    name=choice.function.name
+                )
             elif choice is not None:
                 fields["tool_choice"] = choice
             if self.parallel_tool_calls is not None:
                 fields["parallel_tool_calls"] = self.parallel_tool_calls
         return fields
+
+
+def body_fields(request: GenerateRequest) -> dict[str, Any]:
+    """The fields of an engine request that its body gave, as JSON: not the
+    envelope (the model, and what the pipeline adds: ENVELOPE_BYTES)."""
+    return request.model_dump(mode="json", exclude_unset=True, exclude={"model"})
 
 
 TokenIds = Annotated[

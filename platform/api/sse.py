@@ -12,6 +12,7 @@ from typing import Any
 from django.http import HttpResponse, StreamingHttpResponse
 
 from engines.wire.client import EngineError
+from engines.wire.frames import DoneFrame, Ending, Logprob, StartFrame, TokenFrame
 from routing.select import ModelRoute, Snapshot
 
 from .calls import Call
@@ -37,12 +38,11 @@ def sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def dropped_header(response: HttpResponse, frame: dict) -> None:
+def dropped_header(response: HttpResponse, frame: StartFrame | Ending) -> None:
     """How many of the oldest messages the engine dropped to fit the model's
     context (its context overflow setting allows it): the answer's header."""
-    dropped = int(frame.get("dropped_messages") or 0)
-    if dropped:
-        response[DROPPED_HEADER] = str(dropped)
+    if frame.dropped_messages:
+        response[DROPPED_HEADER] = str(frame.dropped_messages)
 
 
 async def generation_stream(
@@ -62,7 +62,7 @@ async def generation_stream(
     )
     first_start = opened[0][1]
     base = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + first_start.get("request_id", ""),
+        "id": ("chatcmpl-" if chat else "cmpl-") + first_start.request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": route.name,
@@ -74,23 +74,26 @@ async def generation_stream(
     offsets = [0] * len(opened)
     echoes = [""] * len(opened)
     if not chat and payload.echo:
-        for index, ((_, start), fields) in enumerate(
+        for index, ((_, start), request) in enumerate(
             zip(opened, requests, strict=True)
         ):
-            echoes[index] = fields.get("prompt") or start.get("prompt_text", "")
+            echoes[index] = request.prompt or start.prompt_text or ""
             offsets[index] = len(echoes[index])
 
     def chunk(
-        index: int, frame: dict[str, Any] | None, reason: str | None, **extra
+        index: int,
+        text: str = "",
+        entries: list[Logprob] | None = None,
+        frame: TokenFrame | None = None,
+        reason: str | None = None,
+        **extra,
     ) -> bytes:
-        """One choice's chunk: a token frame's text, tool-call deltas and
-        log-probabilities, or (frame None) its finish."""
-        text = frame.get("text", "") if frame else ""
-        entries = frame.get("logprobs") if frame else None
+        """One choice's chunk: text, log-probabilities and a token frame's
+        tool-call deltas, or its finish `reason`."""
         if chat:
             delta: dict[str, Any] = {"content": text} if text else {}
-            if frame and frame.get("tool_calls"):
-                delta["tool_calls"] = tool_call_deltas(frame["tool_calls"])
+            if frame and frame.tool_calls:
+                delta["tool_calls"] = tool_call_deltas(frame.tool_calls)
             choice = {
                 "index": index,
                 "delta": delta,
@@ -129,36 +132,30 @@ async def generation_stream(
                     }
                 )
             elif echoes[index] and payload.logprobs is None:
-                pending[index] = chunk(index, {"text": echoes[index]}, None)
+                pending[index] = chunk(index, echoes[index])
         relay = merged([frames for frames, _ in opened])
         try:
             async for index, frame in relay:
-                if frame.get("prompt_logprobs"):
+                if isinstance(frame, TokenFrame) and frame.prompt_logprobs:
                     # The echoed prompt leaves with its log-probabilities.
-                    echoed = {
-                        "text": echoes[index],
-                        "logprobs": frame["prompt_logprobs"],
-                    }
                     offsets[index] = 0
-                    pending[index] = chunk(index, echoed, None)
-                if frame.get("event") == "token":
+                    echoed = frame.prompt_logprobs
+                    pending[index] = chunk(index, echoes[index], echoed)
+                if isinstance(frame, TokenFrame):
                     if call.first_token_at is None:
                         call.first_token_at = time.perf_counter()
                     # Counted as they come: a stream cut short (the caller gone,
                     # the engine dead or silent) gets no final usage.
-                    call.completion_tokens += int(frame.get("tokens", 1))
-                    if not (
-                        frame.get("text")
-                        or frame.get("tool_calls")
-                        or frame.get("logprobs")
-                    ):
+                    call.completion_tokens += frame.tokens
+                    if not (frame.text or frame.tool_calls or frame.logprobs):
                         continue  # tokens inside a call's markup: counted only
-                    yield pending[index] + chunk(index, frame, None)
+                    piece = chunk(index, frame.text, frame.logprobs, frame)
+                    yield pending[index] + piece
                     pending[index] = b""
-                elif frame.get("event") == "done":
-                    tally.ended(index, frame.get("usage", {}))
-                    reason = finish_reason(frame.get("finish_reason", "stop"))
-                    ending = chunk(index, None, reason, timings=call.timings(frame))
+                elif isinstance(frame, DoneFrame):
+                    tally.ended(index, frame.usage)
+                    reason = finish_reason(frame.finish_reason)
+                    ending = chunk(index, reason=reason, timings=call.timings(frame))
                     out = pending[index] + ending
                     pending[index] = b""
                     remaining -= 1

@@ -181,9 +181,7 @@ async def _load(engine: str, model: str) -> None:
             f"Could not load {model} on {engine}: {error}", level="error"
         )
         return
-    await dashboard_notice(
-        f"Loaded {model} on {engine} ({loaded.get('memory_mib', 0):.0f} MiB)."
-    )
+    await dashboard_notice(f"Loaded {model} on {engine} ({loaded.memory_mib:.0f} MiB).")
 
 
 async def _unload(engine: str, model: str) -> None:

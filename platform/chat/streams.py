@@ -31,6 +31,7 @@ from api import errors
 from api.calls import Call, after_answer
 from api.choices import (
     choices_open,
+    engine_messages,
     engine_requests,
     finish_reason,
     merged,
@@ -47,6 +48,7 @@ from api.pipeline import (
 )
 from engines.wire.client import EngineError
 from engines.wire.errors import ErrorCode
+from engines.wire.frames import DoneFrame, TokenFrame
 
 from .schemas import Chat, chat_request
 from .selectors import conversations_owned
@@ -57,12 +59,12 @@ log = logging.getLogger("roundhouse.chat")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-def _choice_end(index: int, frame: dict) -> dict:
+def _choice_end(index: int, frame: DoneFrame) -> dict:
     """How one of several choices ended (the `done` message lists them)."""
     return {
         "index": index,
-        "finish_reason": finish_reason(frame.get("finish_reason", "")),
-        "tool_calls": tool_calls(frame.get("tool_calls", [])),
+        "finish_reason": finish_reason(frame.finish_reason),
+        "tool_calls": tool_calls(frame.tool_calls or []),
     }
 
 
@@ -163,7 +165,7 @@ class ChatStream:
             call, route, snapshot, requests, per_prompt=request.choices_per_prompt
         )
         start = opened[0][1]
-        self._messages = requests[0]["messages"]
+        self._messages = engine_messages(requests[0])
         self.answer.model, self.answer.engine = route.name, call.engine
         self._started = True
         # The oldest messages the model did not see: the conversation was
@@ -175,53 +177,51 @@ class ChatStream:
                 "model": route.name,
                 "engine": call.engine,
                 "node": call.node,
-                "dropped_messages": int(start.get("dropped_messages") or 0),
+                "dropped_messages": start.dropped_messages,
             }
         )
         # Several choices (`n`): each message names its choice's `index`; the
         # stored turn is the first choice's.
         several = len(opened) > 1
-        ends: dict[int, dict] = {}
+        ends: dict[int, DoneFrame] = {}
         relay = merged([frames for frames, _ in opened])
         # The call's end closes the engine streams: the relay must have
         # stopped reading them by then.
         self.call.held.push_async_callback(relay.aclose)
         async for index, frame in relay:
-            event = frame.get("event")
-            if event == "token":
+            if isinstance(frame, TokenFrame):
                 if call.first_token_at is None:
                     call.first_token_at = time.perf_counter()
                     # Refresh the fleet snapshot and stale keys now that the
                     # answer is under way, as REST does.
                     asyncio.get_running_loop().call_later(0.1, after_answer)
-                call.completion_tokens += int(frame.get("tokens", 1))
-                text = frame.get("text", "")
-                message = {"type": "token", "id": chat.id, "text": text}
-                if frame.get("tool_calls"):
-                    message["tool_calls"] = tool_call_deltas(frame["tool_calls"])
-                if frame.get("logprobs"):
-                    message["logprobs"] = frame["logprobs"]
-                if not (text or "tool_calls" in message or "logprobs" in message):
+                call.completion_tokens += frame.tokens
+                message = {"type": "token", "id": chat.id, "text": frame.text}
+                if frame.tool_calls:
+                    message["tool_calls"] = tool_call_deltas(frame.tool_calls)
+                if frame.logprobs:
+                    message["logprobs"] = [e.model_dump() for e in frame.logprobs]
+                if not (frame.text or frame.tool_calls or frame.logprobs):
                     continue  # tokens inside a call's markup: counted only
                 if several:
                     message["index"] = index
                 if index == 0:
-                    self._parts.append(text)
+                    self._parts.append(frame.text)
                 await self._send(message)
-            elif event == "done":
-                tally.ended(index, frame.get("usage", {}))
+            elif isinstance(frame, DoneFrame):
+                tally.ended(index, frame.usage)
                 ends[index] = frame
                 if len(ends) < len(opened):
                     continue
                 call.counted(tally.usage())
                 first = ends[0]
-                reason = finish_reason(first.get("finish_reason", "stop"))
+                reason = finish_reason(first.finish_reason)
                 self.answer.finish_reason = reason
                 engine_timings = call.timings(first)
                 await self._end()
                 done = self._done(reason, engine_timings)
-                if first.get("tool_calls"):
-                    done["tool_calls"] = tool_calls(first["tool_calls"])
+                if first.tool_calls:
+                    done["tool_calls"] = tool_calls(first.tool_calls)
                 if several:
                     done["choices"] = [
                         _choice_end(number, end) for number, end in sorted(ends.items())

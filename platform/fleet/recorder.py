@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from django.db import DatabaseError, InterfaceError, close_old_connections
 
 from catalog.services import model_memory_record
+from engines.wire.frames import StateReply
 
 from .models import ServerSettings
 from .selectors import DesiredEngine, engines_desired
@@ -41,22 +42,22 @@ SLOT_PLAN_FIELDS = (
 )
 
 
-def resident_models_of(state: dict) -> list[dict]:
+def resident_models_of(state: StateReply) -> list[dict]:
     """An engine state's resident models as EngineState records them."""
     return [
         {
-            "name": item["name"],
-            "memory_mib": item["memory_mib"],
-            "queued": item.get("queued", 0),
-            "busy": item.get("busy", 0),
+            "name": item.name,
+            "memory_mib": item.memory_mib,
+            "queued": item.queued,
+            "busy": item.busy,
             # A generation model's slots and the KV pool they share.
             **{
-                field: item[field]
+                field: getattr(item, field)
                 for field in SLOT_PLAN_FIELDS
-                if item.get(field) is not None
+                if getattr(item, field) is not None
             },
         }
-        for item in state.get("models", [])
+        for item in state.models
     ]
 
 

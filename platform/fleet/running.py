@@ -7,6 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engines.wire.frames import ModelState, StateReply
+
 from .selectors import DesiredEngine
 
 
@@ -49,7 +51,7 @@ class RunningEngine:
     handled_restart: object = None
     last_error: str = ""
     log_path: Path = field(default_factory=Path)
-    last_state: dict = field(default_factory=dict)
+    last_state: StateReply | None = None
     recorded_memory: dict[str, tuple[float, float]] = field(default_factory=dict)
     poll: Future | None = None
     operation: Future | None = None  # stop, restart, replace or kill
@@ -61,6 +63,11 @@ class RunningEngine:
     @property
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    @property
+    def resident(self) -> list[ModelState]:
+        """The models its last state said it holds (none before one came)."""
+        return self.last_state.models if self.last_state is not None else []
 
 
 def log_tail(path: Path, lines: int = 5) -> str:

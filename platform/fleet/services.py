@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from engines.launch.process import popen_detached_kwargs
 from engines.wire.client import AsyncEngineClient, EngineClient, EngineError
+from engines.wire.frames import ModelState
 
 from .models import EngineSpec, EngineState
 from .supervisor_lock import SupervisorLock
@@ -32,17 +33,15 @@ MODEL_LOAD_TIMEOUT_S = 600.0
 
 async def engine_model_load(
     *, engine: str, model: str, client: AsyncEngineClient | None = None
-) -> dict:
+) -> ModelState:
     """Load `model` on the running engine `engine` now (it stays until it is
     idle past its keep-alive or evicted); the engine's account of it, with
     its measured memory. EngineError when the engine cannot be reached or
     refuses (a model it does not serve, not enough memory). `client`: how to
     reach it (an engine of another node); default: this host's loopback."""
     client = client or AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
-    reply, _ = await client.request(
-        {"kind": "load", "model": model}, timeout=MODEL_LOAD_TIMEOUT_S
-    )
-    return reply["model"]
+    reply = await client.load(model, timeout=MODEL_LOAD_TIMEOUT_S)
+    return reply.model
 
 
 async def engine_model_unload(
@@ -51,9 +50,7 @@ async def engine_model_unload(
     """Unload `model` from the running engine `engine` once its requests in
     flight are done; EngineError and `client` as for `engine_model_load`."""
     client = client or AsyncEngineClient.for_engine(settings.RUN_DIR, engine)
-    await client.request(
-        {"kind": "unload", "model": model}, timeout=MODEL_LOAD_TIMEOUT_S
-    )
+    await client.unload(model, timeout=MODEL_LOAD_TIMEOUT_S)
 
 
 def engine_state_record(*, spec_id: int, **fields) -> None:

@@ -43,6 +43,7 @@ from engines.wire.client import (
     connection_file,
     write_connection_file,
 )
+from engines.wire.frames import StateReply
 
 from .leftovers import engine_leftovers_end
 from .membership import Membership
@@ -366,7 +367,7 @@ class Supervisor:
             or now < engine.next_placed_load
         ):
             return
-        held = {item["name"] for item in engine.last_state.get("models", [])}
+        held = {item.name for item in engine.resident}
         missing = sorted(
             self.membership.placed.get(engine.desired.name, frozenset()) - held
         )
@@ -454,11 +455,11 @@ class Supervisor:
         if used_mib <= self.ram_cap_mib:
             return
         idle = [
-            (model.get("idle_s", 0), engine, model["name"])
+            (model.idle_s, engine, model.name)
             for engine in self.engines.values()
             if engine.alive and engine.operation is None and engine.request is None
-            for model in engine.last_state.get("models", [])
-            if not model.get("inflight") and not model.get("queued")
+            for model in engine.resident
+            if not model.inflight and not model.queued
         ]
         if not idle:
             return
@@ -472,20 +473,18 @@ class Supervisor:
             engine.desired.name,
         )
         self._ask(engine, "unload", lambda ok: None, model=name)
-        engine.last_state["models"] = [
-            m for m in engine.last_state.get("models", []) if m["name"] != name
-        ]
+        kept = [model for model in engine.resident if model.name != name]
+        engine.last_state = engine.last_state.model_copy(update={"models": kept})
 
-    def _answered(self, engine: RunningEngine, state: dict, now: float) -> None:
+    def _answered(self, engine: RunningEngine, state: StateReply, now: float) -> None:
         engine.answered_at = now
         engine.last_state = state
-        if state.get("healthy") is False:
-            self._unhealthy(engine, str(state.get("unhealthy_reason") or "no reason"))
+        if not state.healthy:
+            self._unhealthy(engine, state.unhealthy_reason or "no reason")
             return
-        phase = state.get("phase", "ready")
-        if state.get("cooling_reason"):
+        if state.cooling_reason:
             status = EngineStatus.COOLING
-        elif phase == "loading":
+        elif state.phase == "loading":
             status = EngineStatus.LOADING
         else:
             status = EngineStatus.READY
@@ -493,13 +492,13 @@ class Supervisor:
             engine.ready_since = engine.ready_since or now
             if now - engine.ready_since > self.timing.healthy_after:
                 engine.crash_streak = 0
-        for item in state.get("models", []):
+        for item in state.models:
             # A load's measurement does not change while the model stays resident:
             # store it once per load, not on every poll.
-            measured = (item["memory_mib"], item.get("device_memory_mib", 0.0))
-            if engine.recorded_memory.get(item["name"]) != measured:
-                self.recorder.memory(item["name"], *measured)
-                engine.recorded_memory[item["name"]] = measured
+            measured = (item.memory_mib, item.device_memory_mib)
+            if engine.recorded_memory.get(item.name) != measured:
+                self.recorder.memory(item.name, *measured)
+                engine.recorded_memory[item.name] = measured
         self._record(
             engine,
             status=status,
@@ -507,15 +506,12 @@ class Supervisor:
             port=engine.desired.port,
             heartbeat_at=timezone.now(),
             resident_models=resident_models_of(state),
-            queue_depth=int(state.get("queue_depth", 0)),
-            slots_in_use=int(state.get("slots_in_use", 0)),
-            cooling_reason=str(state.get("cooling_reason", "")),
-            temperatures=[
-                {"device": str(t["device"]), "celsius": float(t["celsius"])}
-                for t in state.get("temperatures", [])
-            ],
-            memory_mib=state.get("rss_mib"),
-            tokens_generated=int(state.get("tokens_generated", 0)),
+            queue_depth=state.queue_depth,
+            slots_in_use=state.slots_in_use,
+            cooling_reason=state.cooling_reason,
+            temperatures=[t.model_dump() for t in state.temperatures],
+            memory_mib=state.rss_mib,
+            tokens_generated=state.tokens_generated,
             backoff_until=None,
         )
 

@@ -106,7 +106,7 @@ def started(process: subprocess.Popen, client: EngineClient, *, timeout: float) 
         if process.poll() is not None:
             return "exited"
         try:
-            return "ready" if client.ping()["phase"] == "ready" else ""
+            return "ready" if client.ping().phase == "ready" else ""
         except EngineError:
             return ""
 
@@ -196,7 +196,7 @@ def engine_limits():
     before: dict[int, tuple[EngineProcess, dict]] = {}
 
     def change(engine: EngineProcess, **changes) -> dict:
-        current = engine.client().state()["limits"]
+        current = engine.client().state().limits
         before.setdefault(engine.port, (engine, current))
         limits = {**current, **changes}
         engine.client().call("configure", config={"limits": limits})

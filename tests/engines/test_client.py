@@ -10,6 +10,7 @@ import pytest
 from engines.wire.bounds import MAX_AUTH_FRAME_BYTES
 from engines.wire.client import AsyncEngineClient, EngineUnreachable
 from engines.wire.framing import decode_message, recv_frame
+from engines.wire.requests import PingRequest
 from tests.waiting import await_for, suspended_in
 
 
@@ -36,7 +37,7 @@ async def test_the_request_is_sent_before_the_first_yield(listener):
     the event loop held, the engine's side can already read the whole request:
     in a burst of requests each leaves as soon as it is handled."""
     client = AsyncEngineClient(port=listener.getsockname()[1], token="t0ken")
-    opening = asyncio.ensure_future(client._open({"kind": "ping"}))
+    opening = asyncio.ensure_future(client._open(PingRequest()))
     await asyncio.sleep(0)  # the task's first step runs before this returns
     listener.settimeout(1)
     assert received(listener) == ({"kind": "auth", "token": "t0ken"}, {"kind": "ping"})
@@ -63,7 +64,7 @@ async def test_a_full_listen_queue_waits_for_the_handshake():
             except BlockingIOError:
                 break
         client = AsyncEngineClient(port=address[1], token="t0ken")
-        opening = asyncio.ensure_future(client._open({"kind": "ping"}))
+        opening = asyncio.ensure_future(client._open(PingRequest()))
         # It has had its chance to fail: it is waiting for the connection.
         await await_for(
             lambda: "open_connection" in suspended_in(opening),

@@ -8,10 +8,12 @@ import pytest
 
 from engines.constrained.toolcalls import ToolCallStream, template_messages
 from engines.wire.client import EngineRequestError
-from engines.wire.requests import MAX_TOOLS_CHARS
+from engines.wire.framing import auth_frame, encode_message
+from engines.wire.requests import MAX_TOOLS_CHARS, GenerateRequest
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
+from tests.engines.test_server import raw_exchange
 
 SMOL = "smollm2-135m-instruct"
 TOOLED = "smollm2-with-a-tools-template"
@@ -140,30 +142,32 @@ def test_a_template_that_knows_tools_renders_them(engine):
     """The tools go to the template's own `tools` (its tojson writes JSON,
     not HTML escapes); past calls reach it with parsed arguments."""
     reply = engine.client().generate(
-        TOOLED,
-        messages=[
-            {"role": "user", "content": "Weather?"},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "c1",
-                        "type": "function",
-                        "function": {
-                            "name": "get_weather",
-                            "arguments": '{"city": "Oslo"}',
-                        },
-                    }
-                ],
-            },
-            {"role": "tool", "content": "Rain", "tool_call_id": "c1"},
-        ],
-        tools=[WEATHER],
-        max_tokens=1,
-        echo=True,
+        GenerateRequest(
+            model=TOOLED,
+            messages=[
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {
+                                "name": "get_weather",
+                                "arguments": '{"city": "Oslo"}',
+                            },
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "Rain", "tool_call_id": "c1"},
+            ],
+            tools=[WEATHER],
+            max_tokens=1,
+            echo=True,
+        )
     )
-    prompt = reply["prompt_text"]
+    prompt = reply.prompt_text
     assert '"description": "Weather <now> & later"' in prompt
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt
     assert "# Tools" not in prompt  # not our own instructions
@@ -171,41 +175,47 @@ def test_a_template_that_knows_tools_renders_them(engine):
 
 def test_a_template_without_tools_gets_them_in_a_system_message(engine):
     reply = engine.client().generate(
-        SMOL,
-        messages=[{"role": "user", "content": "Weather?"}],
-        tools=[WEATHER],
-        max_tokens=1,
-        echo=True,
+        GenerateRequest(
+            model=SMOL,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[WEATHER],
+            max_tokens=1,
+            echo=True,
+        )
     )
-    prompt = reply["prompt_text"]
+    prompt = reply.prompt_text
     assert prompt.index("# Tools") < prompt.index("Weather?")
     assert '"name": "get_weather"' in prompt and "<tool_call>" in prompt
     # tool_choice none: no tools offered at all.
     none = engine.client().generate(
-        SMOL,
-        messages=[{"role": "user", "content": "Weather?"}],
-        tools=[WEATHER],
-        tool_choice="none",
-        max_tokens=1,
-        echo=True,
+        GenerateRequest(
+            model=SMOL,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[WEATHER],
+            tool_choice="none",
+            max_tokens=1,
+            echo=True,
+        )
     )
-    assert "# Tools" not in none["prompt_text"]
+    assert "# Tools" not in none.prompt_text
 
 
 def test_a_named_tool_is_called_with_valid_arguments(engine):
     reply = engine.client().generate(
-        SMOL,
-        messages=[{"role": "user", "content": "What is the weather in Rome?"}],
-        tools=[WEATHER],
-        tool_choice={"name": "get_weather"},
-        parallel_tool_calls=False,
-        temperature=0,
-        max_tokens=60,
+        GenerateRequest(
+            model=SMOL,
+            messages=[{"role": "user", "content": "What is the weather in Rome?"}],
+            tools=[WEATHER],
+            tool_choice={"name": "get_weather"},
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=60,
+        )
     )
-    assert reply["finish_reason"] == "tool_calls"
-    [call] = reply["tool_calls"]
-    assert call["name"] == "get_weather"
-    assert set(json.loads(call["arguments"])) == {"city"}
+    assert reply.finish_reason == "tool_calls"
+    [call] = reply.tool_calls
+    assert call.name == "get_weather"
+    assert set(json.loads(call.arguments)) == {"city"}
 
 
 # -- refusals ------------------------------------------------------------------
@@ -236,16 +246,19 @@ def test_a_named_tool_is_called_with_valid_arguments(engine):
     ],
 )
 def test_bad_constraints_are_refused(engine, fields, says):
-    """Each bad constraint is `bad_request`, saying what is wrong."""
+    """Each bad constraint is `bad_request` from the engine, saying what is
+    wrong (sent as it is: no client checks it on the way)."""
     base = (
         {}
         if "prompt_tokens" in fields
         else {"messages": [{"role": "user", "content": "hi"}]}
     )
-    with pytest.raises(EngineRequestError) as refused:
-        engine.client().generate(SMOL, max_tokens=4, **base, **fields)
-    assert refused.value.code == "bad_request"
-    assert says in refused.value.message
+    message = {"kind": "generate", "model": SMOL, "max_tokens": 4, **base, **fields}
+    reply = raw_exchange(
+        engine.port, auth_frame(engine.token) + encode_message(message)
+    )
+    assert reply["code"] == "bad_request"
+    assert says in reply["message"]
 
 
 def test_tools_over_their_total_cap_are_refused_before_rendering(engine):
@@ -258,11 +271,12 @@ def test_tools_over_their_total_cap_are_refused_before_rendering(engine):
     ]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with pytest.raises(EngineRequestError) as refused:
-        engine.client().generate(SMOL, tools=big, **chat)
+        engine.client().generate(GenerateRequest(model=SMOL, tools=big, **chat))
     assert refused.value.code == "bad_request"
     assert f"over the cap of {MAX_TOOLS_CHARS}" in refused.value.message
     small = [{**tool, "description": "d"} for tool in big[:2]]
-    assert engine.client().generate(SMOL, tools=small, **chat)["finish_reason"]
+    request = GenerateRequest(model=SMOL, tools=small, **chat)
+    assert engine.client().generate(request).finish_reason
 
 
 # -- constrained slots in the batch ---------------------------------------------

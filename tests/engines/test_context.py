@@ -7,6 +7,7 @@ import json
 import pytest
 
 from engines.wire.client import EngineRequestError
+from engines.wire.requests import GenerateRequest
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
@@ -57,7 +58,12 @@ def long_conversation(turns: int) -> list[dict]:
 def test_a_long_conversation_is_refused_with_the_counts(engine):
     with pytest.raises(EngineRequestError) as error:
         engine.client().generate(
-            REFUSING, messages=long_conversation(12), max_tokens=8, temperature=0
+            GenerateRequest(
+                model=REFUSING,
+                messages=long_conversation(12),
+                max_tokens=8,
+                temperature=0,
+            )
         )
     assert error.value.code == "context_length_exceeded"
     message = error.value.message
@@ -70,9 +76,11 @@ def test_a_conversation_that_fits_is_answered_whole(engine):
     """The control: nothing dropped when it fits, on either setting."""
     for model in (REFUSING, DROPPING):
         reply = engine.client().generate(
-            model, messages=long_conversation(1), max_tokens=4, temperature=0
+            GenerateRequest(
+                model=model, messages=long_conversation(1), max_tokens=4, temperature=0
+            )
         )
-        assert reply["dropped_messages"] == 0
+        assert reply.dropped_messages == 0
 
 
 def test_the_oldest_turns_are_dropped_where_the_model_allows(engine):
@@ -82,25 +90,27 @@ def test_the_oldest_turns_are_dropped_where_the_model_allows(engine):
     messages = long_conversation(12)
     frames = list(
         engine.client().generate_stream(
-            DROPPING, messages=messages, max_tokens=16, temperature=0
+            GenerateRequest(
+                model=DROPPING, messages=messages, max_tokens=16, temperature=0
+            )
         )
     )
     start, done = frames[0], frames[-1]
-    assert start["event"] == "start" and done["event"] == "done"
-    dropped = start["dropped_messages"]
-    assert dropped == done["dropped_messages"]
+    assert start.event == "start" and done.event == "done"
+    dropped = start.dropped_messages
+    assert dropped == done.dropped_messages
     assert dropped > 0 and dropped % 2 == 0  # whole turns
     assert dropped <= len(messages) - 2
     # Room was left for the answer: prompt plus max_tokens fit the context.
-    assert done["usage"]["prompt_tokens"] + 16 <= 256
+    assert done.usage.prompt_tokens + 16 <= 256
     # The same conversation, cut by hand as the engine did, gives the same
     # prompt: the system prompt stayed, the oldest turns went.
     kept = [messages[0], *messages[1 + dropped :]]
     by_hand = engine.client().generate(
-        REFUSING, messages=kept, max_tokens=16, temperature=0
+        GenerateRequest(model=REFUSING, messages=kept, max_tokens=16, temperature=0)
     )
-    assert by_hand["usage"]["prompt_tokens"] == done["usage"]["prompt_tokens"]
-    assert by_hand["dropped_messages"] == 0
+    assert by_hand.usage.prompt_tokens == done.usage.prompt_tokens
+    assert by_hand.dropped_messages == 0
     # And no more than needed: with one turn fewer dropped, no room is left.
     fuller = [messages[0], *messages[1 + dropped - 2 :]]
     assert prompt_tokens(engine, fuller) + 16 > 256
@@ -109,10 +119,12 @@ def test_the_oldest_turns_are_dropped_where_the_model_allows(engine):
 def prompt_tokens(engine, messages: list[dict]) -> int:
     """The prompt's token count, read from the answer or from the refusal."""
     try:
-        reply = engine.client().generate(REFUSING, messages=messages, max_tokens=1)
+        reply = engine.client().generate(
+            GenerateRequest(model=REFUSING, messages=messages, max_tokens=1)
+        )
     except EngineRequestError as error:
         return int(error.message.split("this prompt has ")[1].split(" ")[0])
-    return reply["usage"]["prompt_tokens"]
+    return reply.usage.prompt_tokens
 
 
 def test_what_cannot_fit_even_with_every_turn_dropped_is_refused(engine):
@@ -121,7 +133,9 @@ def test_what_cannot_fit_even_with_every_turn_dropped_is_refused(engine):
         {"role": "user", "content": "Hello?"},
     ]
     with pytest.raises(EngineRequestError) as error:
-        engine.client().generate(DROPPING, messages=messages, max_tokens=4)
+        engine.client().generate(
+            GenerateRequest(model=DROPPING, messages=messages, max_tokens=4)
+        )
     assert error.value.code == "context_length_exceeded"
     assert "context holds 256" in error.value.message
 

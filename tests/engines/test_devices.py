@@ -16,6 +16,7 @@ from django.conf import settings
 
 from engines.launch.devices import DeviceMemory, FileMemoryProbe, NvidiaMemoryProbe
 from engines.wire.client import EngineRequestError
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 
 SMI_OUTPUT = """GPU-aaaa, 0, 81559, 1024
@@ -95,15 +96,17 @@ def gpu_engine(tmp_path, monkeypatch):
 
 
 def resident(engine) -> dict[str, float]:
-    return {
-        m["name"]: m["device_memory_mib"] for m in engine.client().state()["models"]
-    }
+    return {m.name: m.device_memory_mib for m in engine.client().state().models}
 
 
 def test_loads_evict_by_device_memory_lru_first(gpu_engine):
     """Two 400 MiB models fit on the card; the third evicts the least recently
     used one, though models-max (5) and host RAM have room to spare."""
-    use = lambda name: gpu_engine.client().generate(name, prompt="hi", max_tokens=1)  # noqa: E731
+
+    def use(name):
+        request = GenerateRequest(model=name, prompt="hi", max_tokens=1)
+        return gpu_engine.client().generate(request)
+
     use("a")
     gpu_engine.set_used(500)  # what a real card would now show
     use("b")
@@ -115,7 +118,9 @@ def test_loads_evict_by_device_memory_lru_first(gpu_engine):
 
 def test_a_model_larger_than_the_card_fails_at_once(gpu_engine):
     with pytest.raises(EngineRequestError) as error:
-        gpu_engine.client().generate("huge", prompt="hi", max_tokens=1)
+        gpu_engine.client().generate(
+            GenerateRequest(model="huge", prompt="hi", max_tokens=1)
+        )
     assert error.value.code == "insufficient_memory"
     assert "of GPU memory" in error.value.message
     assert "short by" in error.value.message

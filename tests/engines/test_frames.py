@@ -1,10 +1,14 @@
 """The typed replies of an engine (engines/wire/frames.py): each kind reads
 back as it was sent; a reply with a key its schema does not know, or without
-one it needs, is refused (each with its control)."""
+one it needs, is refused (each with its control); and the client turns a
+mismatched reply into an error, not a partial read."""
+
+import json
 
 import pytest
 from pydantic import ValidationError
 
+from engines.wire.client import EngineReplyInvalid, _reply
 from engines.wire.errors import ErrorCode
 from engines.wire.frames import (
     CalledTool,
@@ -223,3 +227,15 @@ def test_an_error_code_outside_the_enum_is_refused():
     assert parse_reply("ping", known).code is ErrorCode.OVERLOADED
     with pytest.raises(ValidationError):
         parse_reply("ping", {**known, "code": "on_fire"})
+
+
+def test_the_client_turns_a_mismatch_into_an_error():
+    """The client raises EngineReplyInvalid (an internal error) for a reply
+    its schema refuses, naming the key; a good reply is returned (the
+    control)."""
+    good = sent(PingReply(engine="cpu0", pid=1, phase="ready"))
+    assert _reply("ping", json.dumps(good).encode(), "cpu0").pid == 1
+    with pytest.raises(EngineReplyInvalid) as refused:
+        _reply("ping", json.dumps({**good, "uptime": 3}).encode(), "cpu0")
+    assert refused.value.code is ErrorCode.INTERNAL
+    assert "uptime" in refused.value.message

@@ -9,6 +9,8 @@ import pytest
 from django.conf import settings
 
 from engines.wire.client import EngineRequestError
+from engines.wire.frames import ModelState
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 from tests.waiting import wait_for
 
@@ -48,13 +50,13 @@ def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def model_state(engine, name: str) -> dict:
-    return next(m for m in engine.client().state()["models"] if m["name"] == name)
+def model_state(engine, name: str) -> ModelState:
+    return next(m for m in engine.client().state().models if m.name == name)
 
 
 def wait_idle(engine, name: str, timeout: float = 30) -> None:
     wait_for(
-        lambda: not model_state(engine, name)["busy"],
+        lambda: not model_state(engine, name).busy,
         timeout=timeout,
         what="the slot freed",
     )
@@ -69,46 +71,48 @@ def test_chat_answer_arrives_as_a_stream(llm_engine):
         "temperature": 0,
         "max_tokens": 40,
     }
-    frames = list(client.generate_stream(SMOL, **fields))
-    assert frames[0]["event"] == "start" and frames[0]["request_id"]
-    tokens = [f for f in frames if f["event"] == "token"]
+    frames = list(client.generate_stream(GenerateRequest(model=SMOL, **fields)))
+    assert frames[0].event == "start" and frames[0].request_id
+    tokens = [f for f in frames if f.event == "token"]
     done = frames[-1]
-    assert done["event"] == "done" and done["finish_reason"] in ("stop", "length")
+    assert done.event == "done" and done.finish_reason in ("stop", "length")
     assert len(tokens) >= 5
-    assert sum(f["tokens"] for f in tokens) == done["usage"]["completion_tokens"]
-    assert done["usage"]["prompt_tokens"] > 10
+    assert sum(f.tokens for f in tokens) == done.usage.completion_tokens
+    assert done.usage.prompt_tokens > 10
     # The start frame names the prompt's tokens: a stream cut short still has them.
-    assert frames[0]["prompt_tokens"] == done["usage"]["prompt_tokens"]
+    assert frames[0].prompt_tokens == done.usage.prompt_tokens
     # The engine's own times: the first token came before the end, both after
     # the request arrived.
-    assert 0 < done["timings"]["first_token_ms"] <= done["timings"]["total_ms"]
+    assert 0 < done.timings.first_token_ms <= done.timings.total_ms
 
-    whole = client.generate(SMOL, **fields)
-    assert whole["text"] == "".join(f["text"] for f in tokens)
+    whole = client.generate(GenerateRequest(model=SMOL, **fields))
+    assert whole.text == "".join(f.text for f in tokens)
     for count in ("prompt_tokens", "completion_tokens"):
-        assert whole["usage"][count] == done["usage"][count]
+        assert getattr(whole.usage, count) == getattr(done.usage, count)
     # The same prompt again: all of it but its last token came from the cache.
-    assert whole["usage"]["cached_tokens"] == done["usage"]["prompt_tokens"] - 1
+    assert whole.usage.cached_tokens == done.usage.prompt_tokens - 1
 
 
 def test_max_tokens_and_stop_strings(llm_engine):
     """max_tokens ends with `length`; a stop string ends the text just before it."""
     client = llm_engine.client()
     fields = {"messages": chat("Write two sentences about dogs."), "temperature": 0}
-    short = client.generate(SMOL, **fields, max_tokens=5)
-    assert short["finish_reason"] == "length"
-    assert short["usage"]["completion_tokens"] == 5
+    short = client.generate(GenerateRequest(model=SMOL, **fields, max_tokens=5))
+    assert short.finish_reason == "length"
+    assert short.usage.completion_tokens == 5
 
-    full = client.generate(SMOL, **fields, max_tokens=60)["text"]
+    full = client.generate(GenerateRequest(model=SMOL, **fields, max_tokens=60)).text
     assert len(full) > 30
     stop = full[15:19]  # a stop string that first appears mid-answer
-    stopped = client.generate(SMOL, **fields, max_tokens=60, stop=[stop])
-    assert stopped["finish_reason"] == "stop"
-    assert stopped["text"] == full[: full.index(stop)]
+    stopped = client.generate(
+        GenerateRequest(model=SMOL, **fields, max_tokens=60, stop=[stop])
+    )
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full[: full.index(stop)]
 
 
 def generated_logprobs(frames) -> list[dict]:
-    return [entry for f in frames if f["event"] == "token" for entry in f["logprobs"]]
+    return [entry for f in frames if f.event == "token" for entry in f.logprobs]
 
 
 def test_no_cross_talk_between_slots(llm_engine):
@@ -136,7 +140,7 @@ def test_no_cross_talk_between_slots(llm_engine):
 
     def run(prompt: str) -> list[dict]:
         frames = llm_engine.client().generate_stream(
-            SMOL, messages=chat(prompt), **fields
+            GenerateRequest(model=SMOL, messages=chat(prompt), **fields)
         )
         return generated_logprobs(frames)
 
@@ -149,7 +153,7 @@ def test_no_cross_talk_between_slots(llm_engine):
             return [
                 f
                 async for f in client.generate_stream(
-                    SMOL, messages=chat(prompt), **fields
+                    GenerateRequest(model=SMOL, messages=chat(prompt), **fields)
                 )
             ]
 
@@ -159,12 +163,12 @@ def test_no_cross_talk_between_slots(llm_engine):
     compared = 0
     for solo, batched in zip(alone, concurrent, strict=True):
         for a, b in zip(solo, batched, strict=False):  # lengths may differ
-            if a["token"] != b["token"]:
-                top = a["top_logprobs"]
-                gap = top[0]["logprob"] - top[1]["logprob"]
+            if a.token != b.token:
+                top = a.top_logprobs
+                gap = top[0].logprob - top[1].logprob
                 assert gap < 0.5, f"diverged at a confident token (gap {gap:.3f})"
                 break
-            assert abs(a["logprob"] - b["logprob"]) < 0.5
+            assert abs(a.logprob - b.logprob) < 0.5
             compared += 1
     assert compared >= 60  # most of the 8 x 32 tokens were compared
 
@@ -173,42 +177,48 @@ def test_cancel_ends_the_stream_and_frees_the_slot(llm_engine):
     """`cancel` by request id ends the stream with `cancelled`; the slot frees."""
     client = llm_engine.client()
     stream = client.generate_stream(
-        SMOL, prompt="Once upon a time", max_tokens=400, ignore_eos=True
+        GenerateRequest(
+            model=SMOL, prompt="Once upon a time", max_tokens=400, ignore_eos=True
+        )
     )
     start = next(stream)
     next(stream)  # decoding has begun
-    assert model_state(llm_engine, SMOL)["busy"] == 1
-    assert llm_engine.client().cancel(start["request_id"]) is True
+    assert model_state(llm_engine, SMOL).busy == 1
+    assert llm_engine.client().cancel(start.request_id) is True
     rest = list(stream)
-    assert rest[-1]["event"] == "done" and rest[-1]["finish_reason"] == "cancelled"
-    assert rest[-1]["usage"]["completion_tokens"] < 400
+    assert rest[-1].event == "done" and rest[-1].finish_reason == "cancelled"
+    assert rest[-1].usage.completion_tokens < 400
     wait_idle(llm_engine, SMOL)
-    assert llm_engine.client().cancel(start["request_id"]) is False
+    assert llm_engine.client().cancel(start.request_id) is False
 
 
 def test_disconnect_cancels_and_frees_the_slot(llm_engine):
     """A caller that hangs up mid-stream is cancelled; its slot is free again."""
     stream = llm_engine.client().generate_stream(
-        SMOL, prompt="The history of ships", max_tokens=400, ignore_eos=True
+        GenerateRequest(
+            model=SMOL, prompt="The history of ships", max_tokens=400, ignore_eos=True
+        )
     )
     next(stream), next(stream)
-    assert model_state(llm_engine, SMOL)["busy"] == 1
-    steps = model_state(llm_engine, SMOL)["steps"]
+    assert model_state(llm_engine, SMOL).busy == 1
+    steps = model_state(llm_engine, SMOL).steps
     stream.close()
     wait_idle(llm_engine, SMOL)
-    assert model_state(llm_engine, SMOL)["steps"] - steps < 50
+    assert model_state(llm_engine, SMOL).steps - steps < 50
 
 
 def test_base_model_serves_completions_but_refuses_chat(llm_engine):
     """Gemma 3 270M has no chat template: completions work, chat is refused."""
     client = llm_engine.client()
     reply = client.generate(
-        GEMMA, prompt="The capital of France is", max_tokens=6, temperature=0
+        GenerateRequest(
+            model=GEMMA, prompt="The capital of France is", max_tokens=6, temperature=0
+        )
     )
-    assert reply["usage"]["completion_tokens"] >= 1
-    assert reply["text"].strip()
+    assert reply.usage.completion_tokens >= 1
+    assert reply.text.strip()
     with pytest.raises(EngineRequestError) as error:
-        client.generate(GEMMA, messages=chat("hi"))
+        client.generate(GenerateRequest(model=GEMMA, messages=chat("hi")))
     assert error.value.code == "bad_request"
     assert "no chat template" in error.value.message
 
@@ -228,7 +238,7 @@ def test_base_model_serves_completions_but_refuses_chat(llm_engine):
 def test_bad_generation_requests(llm_engine, fields, needle):
     """Malformed generation requests are `bad_request` naming the problem."""
     with pytest.raises(EngineRequestError) as error:
-        llm_engine.client().generate(SMOL, **fields)
+        llm_engine.client().generate(GenerateRequest(model=SMOL, **fields))
     assert error.value.code == "bad_request"
     assert needle in error.value.message
 
@@ -240,7 +250,9 @@ def test_many_streams_share_the_decode_loop(llm_engine):
     def run(index: int) -> None:
         frames = list(
             llm_engine.client().generate_stream(
-                SMOL, prompt=f"Story {index}:", max_tokens=16, ignore_eos=True
+                GenerateRequest(
+                    model=SMOL, prompt=f"Story {index}:", max_tokens=16, ignore_eos=True
+                )
             )
         )
         results[index] = frames[-1]
@@ -250,8 +262,8 @@ def test_many_streams_share_the_decode_loop(llm_engine):
         thread.start()
     for thread in threads:
         thread.join(120)
-    assert all(r and r["finish_reason"] == "length" for r in results)
-    assert all(r["usage"]["completion_tokens"] == 16 for r in results)
+    assert all(r and r.finish_reason == "length" for r in results)
+    assert all(r.usage.completion_tokens == 16 for r in results)
     wait_idle(llm_engine, SMOL)
 
 
@@ -263,7 +275,7 @@ def test_two_models_stream_at_once(llm_engine):
 
         async def run(model, **fields):
             stream = client.generate_stream(
-                model, max_tokens=12, ignore_eos=True, **fields
+                GenerateRequest(model=model, max_tokens=12, ignore_eos=True, **fields)
             )
             return [frame async for frame in stream][-1]
 
@@ -273,25 +285,25 @@ def test_two_models_stream_at_once(llm_engine):
         )
 
     for done in asyncio.run(both()):
-        assert done["finish_reason"] == "length"
-        assert done["usage"]["completion_tokens"] == 12
+        assert done.finish_reason == "length"
+        assert done.usage.completion_tokens == 12
 
 
 def test_a_model_that_fails_to_load_leaves_the_engine_serving(llm_engine):
     """A file llama.cpp cannot load is an error for that request only."""
     client = llm_engine.client()
     with pytest.raises(EngineRequestError) as error:
-        client.generate("broken", prompt="hello")
+        client.generate(GenerateRequest(model="broken", prompt="hello"))
     assert error.value.code == "internal"
     assert "cannot load" in error.value.message
-    assert client.generate(SMOL, prompt="Hi", max_tokens=2)["usage"]
-    assert "broken" not in [m["name"] for m in client.state()["models"]]
+    assert client.generate(GenerateRequest(model=SMOL, prompt="Hi", max_tokens=2))
+    assert "broken" not in [m.name for m in client.state().models]
 
 
 def long_running_stream(client):
     """A SmolLM2 stream already decoding, which keeps its slot for seconds."""
     stream = client.generate_stream(
-        SMOL, prompt="Long", max_tokens=300, ignore_eos=True
+        GenerateRequest(model=SMOL, prompt="Long", max_tokens=300, ignore_eos=True)
     )
     next(stream), next(stream)
     return stream
@@ -311,7 +323,12 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(
 
             def run(index=index):
                 client.generate(
-                    SMOL, prompt=f"Tale {index}", max_tokens=24, ignore_eos=True
+                    GenerateRequest(
+                        model=SMOL,
+                        prompt=f"Tale {index}",
+                        max_tokens=24,
+                        ignore_eos=True,
+                    )
                 )
                 finished.append(index)
 
@@ -319,13 +336,13 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(
             threads[-1].start()
             wait_for(
                 lambda index=index: (
-                    model_state(llm_engine, SMOL)["queued"]
-                    + model_state(llm_engine, SMOL)["busy"]
+                    model_state(llm_engine, SMOL).queued
+                    + model_state(llm_engine, SMOL).busy
                     >= index + 1 - len(finished)
                 ),
                 what=f"request {index} queued or running",
             )
-            assert model_state(llm_engine, SMOL)["busy"] <= 1
+            assert model_state(llm_engine, SMOL).busy <= 1
         for thread in threads:
             thread.join(60)
         assert finished == [0, 1, 2, 3]
@@ -333,7 +350,10 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(
         # back: with a queue timeout of 0 the next request must find it free.
         wait_for(
             lambda: (
-                not any(model_state(llm_engine, SMOL)[k] for k in ("inflight", "busy"))
+                not any(
+                    getattr(model_state(llm_engine, SMOL), k)
+                    for k in ("inflight", "busy")
+                )
             ),
             what="the lease given back",
         )
@@ -341,7 +361,7 @@ def test_admission_is_fifo_under_max_parallel_and_timeout_zero(
         engine_limits(llm_engine, queue_timeout_s=0)
         stream = long_running_stream(client)
         with pytest.raises(EngineRequestError) as error:
-            client.generate(SMOL, prompt="Now?", max_tokens=2)
+            client.generate(GenerateRequest(model=SMOL, prompt="Now?", max_tokens=2))
         assert error.value.code == "overloaded"
         assert "queue timeout is 0" in error.value.message
         stream.close()
@@ -360,34 +380,38 @@ def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine, engine_limit
         stream = long_running_stream(client)
         waiter = threading.Thread(
             target=lambda: outcome.setdefault(
-                "queued", client.generate(SMOL, prompt="Wait", max_tokens=2)
+                "queued",
+                client.generate(
+                    GenerateRequest(model=SMOL, prompt="Wait", max_tokens=2)
+                ),
             )
         )
         waiter.start()
         wait_for(
-            lambda: model_state(llm_engine, SMOL)["queued"] >= 1,
-            what="a request queued",
+            lambda: model_state(llm_engine, SMOL).queued >= 1, what="a request queued"
         )
         with pytest.raises(EngineRequestError) as error:
-            client.generate(SMOL, prompt="Third", max_tokens=2)
+            client.generate(GenerateRequest(model=SMOL, prompt="Third", max_tokens=2))
         assert error.value.code == "overloaded"
         assert "already wait" in error.value.message
         stream.close()
         waiter.join(60)
-        assert outcome["queued"]["usage"]["completion_tokens"] >= 1
+        assert outcome["queued"].usage.completion_tokens >= 1
 
         short = {**tight, "queue_limit": 8, "queue_timeout_s": 0.3}
         engine_limits(llm_engine, **short)
         stream = long_running_stream(client)
         with pytest.raises(EngineRequestError) as error:
-            client.generate(SMOL, prompt="Late", max_tokens=2)
+            client.generate(GenerateRequest(model=SMOL, prompt="Late", max_tokens=2))
         assert error.value.code == "overloaded"
         assert "waited more than 0.3 s" in error.value.message
         # Refused while the long request still runs, not when its slot freed.
-        assert model_state(llm_engine, SMOL)["busy"] == 1
+        assert model_state(llm_engine, SMOL).busy == 1
         # A stream refused in the queue gets the error as its first frame, not
         # a start frame (the front has not answered 200 yet: it answers 429).
-        frames = client.generate_stream(SMOL, prompt="Late too", max_tokens=2)
+        frames = client.generate_stream(
+            GenerateRequest(model=SMOL, prompt="Late too", max_tokens=2)
+        )
         with pytest.raises(EngineRequestError) as error:
             next(frames)
         assert error.value.code == "overloaded"

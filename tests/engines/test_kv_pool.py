@@ -7,6 +7,8 @@ import threading
 import pytest
 
 from engines.wire.client import EngineRequestError
+from engines.wire.frames import GenerateAnswer, ModelState
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
 from tests.waiting import wait_for
@@ -44,18 +46,20 @@ def engine(tmp_path_factory):
     engine.stop()
 
 
-def resident(engine, name: str) -> dict:
-    models = engine.client().state()["models"]
-    return next(model for model in models if model["name"] == name)
+def resident(engine, name: str) -> ModelState:
+    models = engine.client().state().models
+    return next(model for model in models if model.name == name)
 
 
-def ask(engine, model: str, question: str, **fields) -> dict:
+def ask(engine, model: str, question: str, **fields) -> GenerateAnswer:
     messages = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": question},
     ]
     fields = {"temperature": 0, "max_tokens": 8, **fields}
-    return engine.client().generate(model, messages=messages, **fields)
+    return engine.client().generate(
+        GenerateRequest(model=model, messages=messages, **fields)
+    )
 
 
 def while_busy(engine, model: str, then):
@@ -71,10 +75,16 @@ def while_busy(engine, model: str, then):
         ]
         client = engine.client()
         stream = client.generate_stream(
-            model, messages=messages, max_tokens=400, ignore_eos=True, temperature=0
+            GenerateRequest(
+                model=model,
+                messages=messages,
+                max_tokens=400,
+                ignore_eos=True,
+                temperature=0,
+            )
         )
         for frame in stream:
-            if frame.get("event") == "token":
+            if frame.event == "token":
                 started.set()
                 break
         release.wait(120)
@@ -96,27 +106,29 @@ def test_a_prefix_in_use_is_copied_and_the_answer_does_not_change(engine):
     that slot (copied_tokens grows; cached_tokens counts it) instead of
     evaluating it; its greedy answer is the one of a model without any cache,
     which copies nothing (the control)."""
-    before = resident(engine, SHARED)["copied_tokens"]
+    before = resident(engine, SHARED).copied_tokens
     shared = while_busy(engine, SHARED, lambda: ask(engine, SHARED, "Name a ship."))
-    copied = resident(engine, SHARED)["copied_tokens"] - before
+    copied = resident(engine, SHARED).copied_tokens - before
     plain = while_busy(engine, PLAIN, lambda: ask(engine, PLAIN, "Name a ship."))
-    assert shared["text"] == plain["text"]
-    assert plain["usage"]["cached_tokens"] == 0
-    assert resident(engine, PLAIN)["copied_tokens"] == 0
+    assert shared.text == plain.text
+    assert plain.usage.cached_tokens == 0
+    assert resident(engine, PLAIN).copied_tokens == 0
     # The whole system prompt (well over 100 tokens) came from the other slot.
     assert copied > 100
-    assert shared["usage"]["cached_tokens"] == copied
+    assert shared.usage.cached_tokens == copied
 
 
 def test_one_conversation_may_use_more_than_an_equal_share_of_the_pool(engine):
     """Four slots share 591 tokens: a 400-token prompt (well over a quarter)
     is answered; the pool and the plan show in the engine's state."""
     prompt = "Count the boats: " + "boat " * 380
-    reply = engine.client().generate(POOLED, prompt=prompt, max_tokens=4)
-    assert reply["usage"]["prompt_tokens"] > 380
+    reply = engine.client().generate(
+        GenerateRequest(model=POOLED, prompt=prompt, max_tokens=4)
+    )
+    assert reply.usage.prompt_tokens > 380
     model = resident(engine, POOLED)
-    assert (model["slots"], model["kv_pool_tokens"], model["context"]) == (4, POOL, 512)
-    assert model["slots_auto"] is False
+    assert (model.slots, model.kv_pool_tokens, model.context) == (4, POOL, 512)
+    assert model.slots_auto is False
 
 
 def test_idle_caches_are_dropped_when_the_pool_needs_the_room(engine):
@@ -127,29 +139,31 @@ def test_idle_caches_are_dropped_when_the_pool_needs_the_room(engine):
     client = engine.client()
     first = "Count the boats: " + "boat " * 330
     second = "Count the cats: " + "cat " * 330
-    client.generate(POOLED, prompt=first, max_tokens=2)
-    again = client.generate(POOLED, prompt=first, max_tokens=2)
-    assert again["usage"]["cached_tokens"] > 300  # the control: it was kept
-    client.generate(POOLED, prompt=second, max_tokens=2)
-    after = client.generate(POOLED, prompt=first, max_tokens=2)
-    assert after["usage"]["cached_tokens"] < 10
+    client.generate(GenerateRequest(model=POOLED, prompt=first, max_tokens=2))
+    again = client.generate(GenerateRequest(model=POOLED, prompt=first, max_tokens=2))
+    assert again.usage.cached_tokens > 300  # the control: it was kept
+    client.generate(GenerateRequest(model=POOLED, prompt=second, max_tokens=2))
+    after = client.generate(GenerateRequest(model=POOLED, prompt=first, max_tokens=2))
+    assert after.usage.cached_tokens < 10
 
 
 def test_auto_slots_follow_the_memory_budget_up_to_the_cap(engine):
     """Auto slots: one per 1,024 tokens of the pool (a context, if shorter): a
     591-token budget with a 1,024-token context gives one slot, whose pool is
     then the whole context."""
-    engine.client().generate(AUTO, prompt="Hello", max_tokens=1)
+    engine.client().generate(GenerateRequest(model=AUTO, prompt="Hello", max_tokens=1))
     model = resident(engine, AUTO)
-    assert model["slots_auto"] is True
-    assert model["slots"] == 1
-    assert model["kv_pool_tokens"] == 1024
-    assert model["kv_mib"] == pytest.approx(1024 * KV_PER_TOKEN / 2**20, abs=0.1)
+    assert model.slots_auto is True
+    assert model.slots == 1
+    assert model.kv_pool_tokens == 1024
+    assert model.kv_mib == pytest.approx(1024 * KV_PER_TOKEN / 2**20, abs=0.1)
 
 
 def test_a_prompt_over_the_context_is_refused_with_the_counts(engine):
     with pytest.raises(EngineRequestError) as error:
-        engine.client().generate(POOLED, prompt="boat " * 600, max_tokens=4)
+        engine.client().generate(
+            GenerateRequest(model=POOLED, prompt="boat " * 600, max_tokens=4)
+        )
     assert error.value.code == "context_length_exceeded"
     assert "context holds 512" in error.value.message
 
@@ -165,23 +179,28 @@ def test_a_full_pool_fails_the_newest_request_and_the_others_go_on(engine):
     def run(index: int) -> None:
         try:
             outcomes[index] = engine.client().generate(
-                POOLED, prompt=prompt + f" ({index})", max_tokens=60, ignore_eos=True
+                GenerateRequest(
+                    model=POOLED,
+                    prompt=prompt + f" ({index})",
+                    max_tokens=60,
+                    ignore_eos=True,
+                )
             )
         except EngineRequestError as error:
             outcomes[index] = error
 
     first = threading.Thread(target=run, args=(0,))
     first.start()
-    wait_for(lambda: resident(engine, POOLED)["busy"] >= 1, what="a slot busy")
+    wait_for(lambda: resident(engine, POOLED).busy >= 1, what="a slot busy")
     others = [threading.Thread(target=run, args=(n,)) for n in (1, 2)]
     for worker in others:
         worker.start()
     for worker in [first, *others]:
         worker.join(120)
     failed = [n for n, o in outcomes.items() if isinstance(o, EngineRequestError)]
-    answered = [n for n, o in outcomes.items() if isinstance(o, dict)]
+    answered = [n for n, o in outcomes.items() if isinstance(o, GenerateAnswer)]
     assert len(failed) == 1 and 0 in answered
     assert outcomes[failed[0]].code == "overloaded"
     assert "KV pool" in outcomes[failed[0]].message
     for n in answered:
-        assert outcomes[n]["usage"]["completion_tokens"] == 60
+        assert outcomes[n].usage.completion_tokens == 60

@@ -93,7 +93,7 @@ def test_a_configuration_too_large_for_the_environment_goes_through_a_file(
     engine = engines(big, config_dir=tmp_path / "engines")
     engine.wait_ready()
     state = engine.client.state()
-    assert state["limits"]["queue_limit"] == 7
+    assert state.limits["queue_limit"] == 7
     environ = psutil.Process(engine.process.pid).environ()
     assert CONFIG_ENV not in environ and CONFIG_FILE_ENV in environ
     assert list((tmp_path / "engines").iterdir()) == []  # read, then deleted
@@ -173,7 +173,7 @@ def test_an_engine_stops_when_its_lifeline_closes(engines):
     assert "stopping (the supervisor is gone)" in orphan.log()
 
     kept, kept_line = lines["kept"]
-    assert kept.client.ping()["status"] == "ok"
+    assert kept.client.ping().status == "ok"
     os.close(kept_line)
     assert kept.process.wait(60) == 0
 
@@ -192,7 +192,7 @@ def test_a_second_sigterm_ends_a_draining_engine_at_once(engines):
         target=lambda: outcome.update(result=_embed(engine.client, texts))
     )
     worker.start()
-    wait_for(lambda: engine.client.state()["slots_in_use"], what="the batch running")
+    wait_for(lambda: engine.client.state().slots_in_use, what="the batch running")
 
     engine.process.send_signal(signal.SIGTERM)
     engine.wait_logged("stopping (SIGTERM)")

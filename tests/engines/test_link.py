@@ -11,6 +11,7 @@ import pytest
 
 from cluster.tls import relay_certificate, server_tls_context
 from engines.wire.client import AsyncEngineClient, EngineDied, EngineUnreachable
+from engines.wire.frames import TokenFrame
 from engines.wire.framing import encode_message, read_frame
 from engines.wire.link import (
     LINK_HEADER,
@@ -21,6 +22,7 @@ from engines.wire.link import (
     Relay,
     RemoteEngineClient,
 )
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import free_port, start_engine
 from tests.engines.test_generation import SMOL, gguf_spec
 from tests.waiting import await_for
@@ -68,7 +70,7 @@ def remote(port: int, *, secret: str = SECRET, engine: str = "e1", pinned=""):
 
 
 async def slots_in_use(engine) -> int:
-    return (await engine.aclient().state())["slots_in_use"]
+    return (await engine.aclient().state()).slots_in_use
 
 
 GREEDY = {
@@ -81,23 +83,26 @@ GREEDY = {
 async def test_a_generation_over_a_link_is_the_one_on_loopback(engine):
     """The same greedy answer, whole and streamed, as the engine gives on
     loopback; several streams share one link."""
-    local = await engine.aclient().generate(SMOL, **GREEDY)
+    local = await engine.aclient().generate(GenerateRequest(model=SMOL, **GREEDY))
     async with relay_for(engine) as (relay, port):
         client, pool = remote(port)
-        whole = await client.generate(SMOL, **GREEDY)
+        whole = await client.generate(GenerateRequest(model=SMOL, **GREEDY))
         pieces = [
-            frame.get("text", "")
-            async for frame in client.generate_stream(SMOL, **GREEDY)
-            if frame.get("event") == "token"
+            frame.text
+            async for frame in client.generate_stream(
+                GenerateRequest(model=SMOL, **GREEDY)
+            )
+            if isinstance(frame, TokenFrame)
         ]
         both = await asyncio.gather(
-            client.generate(SMOL, **GREEDY), client.generate(SMOL, **GREEDY)
+            client.generate(GenerateRequest(model=SMOL, **GREEDY)),
+            client.generate(GenerateRequest(model=SMOL, **GREEDY)),
         )
         assert relay.links_of("a") == 1
         pool.close()
-    assert whole["text"] == local["text"] != ""
-    assert "".join(pieces) == local["text"]
-    assert [answer["text"] for answer in both] == [local["text"]] * 2
+    assert whole.text == local.text != ""
+    assert "".join(pieces) == local.text
+    assert [answer.text for answer in both] == [local.text] * 2
 
 
 async def test_a_wrong_secret_or_an_unknown_engine_is_unreachable(engine):
@@ -106,18 +111,18 @@ async def test_a_wrong_secret_or_an_unknown_engine_is_unreachable(engine):
     async with relay_for(engine) as (_, port):
         wrong, pool = remote(port, secret="not-the-secret")
         with pytest.raises(EngineUnreachable, match="wrong secret"):
-            await wrong.generate(SMOL, **GREEDY)
+            await wrong.generate(GenerateRequest(model=SMOL, **GREEDY))
         pool.close()
         unknown, pool = remote(port, engine="e9")
         with pytest.raises(EngineUnreachable, match="no engine 'e9' on node b"):
-            await unknown.generate(SMOL, **GREEDY)
+            await unknown.generate(GenerateRequest(model=SMOL, **GREEDY))
         odd, _ = remote(port, engine="../e1")
         odd.pool = pool
         with pytest.raises(EngineUnreachable, match="not an engine name"):
-            await odd.generate(SMOL, **GREEDY)
+            await odd.generate(GenerateRequest(model=SMOL, **GREEDY))
         right, _ = remote(port)
         right.pool = pool
-        assert (await right.generate(SMOL, **GREEDY))["text"]
+        assert (await right.generate(GenerateRequest(model=SMOL, **GREEDY))).text
         pool.close()
 
 
@@ -127,10 +132,12 @@ async def test_hanging_up_a_stream_over_a_link_cancels_it_in_the_engine(engine):
     async with relay_for(engine) as (_, port):
         client, pool = remote(port)
         frames = client.generate_stream(
-            SMOL, messages=GREEDY["messages"], max_tokens=400, ignore_eos=True
+            GenerateRequest(
+                model=SMOL, messages=GREEDY["messages"], max_tokens=400, ignore_eos=True
+            )
         )
         async for frame in frames:
-            if frame.get("event") == "token":
+            if isinstance(frame, TokenFrame):
                 break
         assert await slots_in_use(engine) == 1
         await frames.aclose()
@@ -185,10 +192,15 @@ async def test_a_silent_link_fails_its_streams_and_frees_the_engine(engine):
         await cable.start()
         client, pool = remote(cable.port)
         frames = client.generate_stream(
-            SMOL, messages=GREEDY["messages"], max_tokens=100_000, ignore_eos=True
+            GenerateRequest(
+                model=SMOL,
+                messages=GREEDY["messages"],
+                max_tokens=100_000,
+                ignore_eos=True,
+            )
         )
         async for frame in frames:
-            if frame.get("event") == "token":
+            if isinstance(frame, TokenFrame):
                 break
         cable.cut.set()
         with pytest.raises(EngineDied, match="link to node b lost: no answer in"):
@@ -242,11 +254,11 @@ async def test_tls_with_the_pinned_certificate_and_not_another(engine, tmp_path)
     assert (key.stat().st_mode & 0o777) == 0o600
     async with relay_for(engine, tls=server_tls_context(key, cert)) as (_, port):
         client, pool = remote(port, pinned=fingerprint)
-        assert (await client.generate(SMOL, **GREEDY))["text"]
+        assert (await client.generate(GenerateRequest(model=SMOL, **GREEDY))).text
         pool.close()
         impostor, pool = remote(port, pinned="0" * 64)
         with pytest.raises(EngineUnreachable, match="not the one pinned"):
-            await impostor.generate(SMOL, **GREEDY)
+            await impostor.generate(GenerateRequest(model=SMOL, **GREEDY))
         pool.close()
 
 

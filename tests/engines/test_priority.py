@@ -11,8 +11,12 @@ import pytest
 from django.conf import settings
 
 from engines.wire.client import EngineRequestError
+from engines.wire.frames import ModelState
+from engines.wire.framing import auth_frame, encode_message
+from engines.wire.requests import GenerateRequest
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine
+from tests.engines.test_server import raw_exchange
 from tests.waiting import wait_for
 
 SMOL = "smollm2-135m-instruct"
@@ -42,14 +46,16 @@ def engine(tmp_path_factory):
     engine.stop()
 
 
-def state(engine) -> dict:
-    return next(m for m in engine.client().state()["models"] if m["name"] == SMOL)
+def state(engine) -> ModelState:
+    return next(m for m in engine.client().state().models if m.name == SMOL)
 
 
 def in_background(engine, finished: list, name: str, **fields) -> threading.Thread:
     def run():
         try:
-            engine.client().generate(SMOL, prompt=f"Story {name}:", **fields)
+            engine.client().generate(
+                GenerateRequest(model=SMOL, prompt=f"Story {name}:", **fields)
+            )
         except EngineRequestError as error:
             finished.append((name, error.code))
             return
@@ -72,7 +78,7 @@ def test_batch_requests_leave_slots_to_interactive_ones(engine):
     # Admitted over the next passes: six run, and two stay queued (without
     # the reserve all eight would run).
     wait_for(
-        lambda: (state(engine)["busy"], state(engine)["queued"]) == (6, 2),
+        lambda: (state(engine).busy, state(engine).queued) == (6, 2),
         what="six running, two queued",
     )
     live = in_background(engine, finished, "live", max_tokens=4, temperature=0.0)
@@ -91,14 +97,14 @@ def test_an_interactive_request_goes_ahead_of_queued_batch_ones(engine, engine_l
     engine_limits(engine, max_parallel_requests=1)
     finished: list = []
     running = in_background(engine, finished, "first", max_tokens=60, ignore_eos=True)
-    wait_for(lambda: state(engine)["busy"] == 1, what="1 busy")
+    wait_for(lambda: state(engine).busy == 1, what="1 busy")
     batch = [
         in_background(engine, finished, f"b{n}", priority="batch", max_tokens=4)
         for n in range(2)
     ]
-    wait_for(lambda: state(engine)["queued"] == 2, what="2 queued")
+    wait_for(lambda: state(engine).queued == 2, what="2 queued")
     live = in_background(engine, finished, "live", max_tokens=4)
-    wait_for(lambda: state(engine)["queued"] == 3, what="3 queued")
+    wait_for(lambda: state(engine).queued == 3, what="3 queued")
     for thread in [running, live, *batch]:
         thread.join(120)
     assert [name for name, _ in finished[:2]] == ["first", "live"], finished
@@ -114,13 +120,13 @@ def test_a_free_slot_goes_to_the_caller_with_fewest_in_slots(engine, engine_limi
     greedy = {"ignore_eos": True, "temperature": 0.0, "caller": "a"}
     first = in_background(engine, finished, "a1", max_tokens=30, **greedy)
     second = in_background(engine, finished, "a2", max_tokens=200, **greedy)
-    wait_for(lambda: state(engine)["busy"] == 2, what="2 busy")
+    wait_for(lambda: state(engine).busy == 2, what="2 busy")
     third = in_background(engine, finished, "a3", max_tokens=30, **greedy)
-    wait_for(lambda: state(engine)["queued"] == 1, what="1 queued")
+    wait_for(lambda: state(engine).queued == 1, what="1 queued")
     other = in_background(
         engine, finished, "b", max_tokens=4, temperature=0.0, caller="b"
     )
-    wait_for(lambda: state(engine)["queued"] == 2, what="2 queued")
+    wait_for(lambda: state(engine).queued == 2, what="2 queued")
     for thread in [first, second, third, other]:
         thread.join(300)
     names = [name for name, _ in finished]
@@ -131,10 +137,14 @@ def test_a_free_slot_goes_to_the_caller_with_fewest_in_slots(engine, engine_limi
 
 
 def test_priority_is_checked(engine):
-    with pytest.raises(EngineRequestError) as refused:
-        engine.client().generate(SMOL, prompt="Hi", priority="urgent")
-    assert refused.value.code == "bad_request"
-    assert "priority" in refused.value.message
+    """A priority the engine does not know is refused by the engine (sent as
+    it is: no client checks it on the way)."""
+    message = {"kind": "generate", "model": SMOL, "prompt": "Hi", "priority": "urgent"}
+    reply = raw_exchange(
+        engine.port, auth_frame(engine.token) + encode_message(message)
+    )
+    assert reply["code"] == "bad_request"
+    assert "priority" in reply["message"]
 
 
 YIELD = """

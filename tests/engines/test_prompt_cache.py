@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
 
@@ -55,9 +56,11 @@ def conversation(engine, model: str) -> list[dict]:
     replies = []
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})
-        reply = client.generate(model, messages=messages, temperature=0, max_tokens=8)
+        reply = client.generate(
+            GenerateRequest(model=model, messages=messages, temperature=0, max_tokens=8)
+        )
         replies.append(reply)
-        messages.append({"role": "assistant", "content": reply["text"]})
+        messages.append({"role": "assistant", "content": reply.text})
     return replies
 
 
@@ -73,16 +76,16 @@ def test_later_turns_come_from_the_cache_and_answers_do_not_change(
     ever taken from it (the control)."""
     with_cache = conversation(engine, cached)
     without = conversation(engine, uncached)
-    assert [r["text"] for r in with_cache] == [r["text"] for r in without]
-    assert [r["usage"]["prompt_tokens"] for r in with_cache] == [
-        r["usage"]["prompt_tokens"] for r in without
+    assert [r.text for r in with_cache] == [r.text for r in without]
+    assert [r.usage.prompt_tokens for r in with_cache] == [
+        r.usage.prompt_tokens for r in without
     ]
-    assert [r["usage"]["cached_tokens"] for r in without] == [0, 0, 0]
-    assert with_cache[0]["usage"]["cached_tokens"] == 0
+    assert [r.usage.cached_tokens for r in without] == [0, 0, 0]
+    assert with_cache[0].usage.cached_tokens == 0
     for before, after in zip(with_cache, with_cache[1:], strict=False):
-        cached_tokens = after["usage"]["cached_tokens"]
-        assert before["usage"]["prompt_tokens"] <= cached_tokens
-        assert cached_tokens < after["usage"]["prompt_tokens"]
+        cached_tokens = after.usage.cached_tokens
+        assert before.usage.prompt_tokens <= cached_tokens
+        assert cached_tokens < after.usage.prompt_tokens
 
 
 def test_a_request_goes_to_the_slot_with_the_longest_shared_prefix(engine):
@@ -94,9 +97,13 @@ def test_a_request_goes_to_the_slot_with_the_longest_shared_prefix(engine):
 
     def ask(topic: str) -> dict:
         messages = [{"role": "user", "content": f"Tell me about {topic}, briefly."}]
-        return client.generate(CACHED, messages=messages, temperature=0, max_tokens=1)
+        return client.generate(
+            GenerateRequest(
+                model=CACHED, messages=messages, temperature=0, max_tokens=1
+            )
+        )
 
     ask("cats and their whiskers")
     boats = ask("boats and their sails")
     again = ask("boats and their sails")
-    assert again["usage"]["cached_tokens"] == boats["usage"]["prompt_tokens"] - 1
+    assert again.usage.cached_tokens == boats.usage.prompt_tokens - 1

@@ -9,6 +9,8 @@ import pytest
 from django.conf import settings
 
 from engines.wire.client import EngineRequestError
+from engines.wire.frames import ModelState
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 from tests.waiting import wait_for
 
@@ -52,26 +54,28 @@ def engine(tmp_path, tiny_llama):
 
 
 def resident(engine) -> list[str]:
-    return sorted(m["name"] for m in engine.client().state()["models"])
+    return sorted(m.name for m in engine.client().state().models)
 
 
 def use(engine, name: str) -> None:
-    engine.client().generate(name, prompt="the cat", max_tokens=1)
+    engine.client().generate(
+        GenerateRequest(model=name, prompt="the cat", max_tokens=1)
+    )
 
 
 def loading(engine) -> list[str]:
-    return engine.client().state()["loading"]
+    return engine.client().state().loading
 
 
-def model_state(engine, name: str) -> dict:
-    models = {m["name"]: m for m in engine.client().state()["models"]}
+def model_state(engine, name: str) -> ModelState:
+    models = {m.name: m for m in engine.client().state().models}
     return models.get(name, {"queued": 0})
 
 
 def refusal(engine, name: str) -> EngineRequestError | None:
     """The error a short request for `name` gets (None: it was answered)."""
     try:
-        engine.client().generate(name, prompt="hi", max_tokens=2)
+        engine.client().generate(GenerateRequest(model=name, prompt="hi", max_tokens=2))
     except EngineRequestError as error:
         return error
     return None
@@ -92,13 +96,15 @@ def test_a_busy_model_is_never_evicted_the_load_waits(engine, engine_limits):
     is done, then `slow` is evicted and `b` answers."""
     engine_limits(engine, models_max=1, queue_timeout_s=60)
     stream = engine.client().generate_stream(
-        "slow", prompt="ships", max_tokens=300, ignore_eos=True
+        GenerateRequest(model="slow", prompt="ships", max_tokens=300, ignore_eos=True)
     )
     next(stream), next(stream)
     outcome = {}
 
     def ask_b():
-        outcome["reply"] = engine.client().generate("b", prompt="hi", max_tokens=2)
+        outcome["reply"] = engine.client().generate(
+            GenerateRequest(model="b", prompt="hi", max_tokens=2)
+        )
 
     waiter = threading.Thread(target=ask_b)
     waiter.start()
@@ -106,9 +112,9 @@ def test_a_busy_model_is_never_evicted_the_load_waits(engine, engine_limits):
     assert resident(engine) == ["slow"]  # busy: not evicted
     assert "reply" not in outcome
     frames = list(stream)
-    assert frames[-1]["finish_reason"] == "length"  # finished undisturbed
+    assert frames[-1].finish_reason == "length"  # finished undisturbed
     waiter.join(60)
-    assert outcome["reply"]["usage"]["completion_tokens"] >= 1
+    assert outcome["reply"].usage.completion_tokens >= 1
     assert resident(engine) == ["b"]
 
 
@@ -116,11 +122,11 @@ def test_waiting_for_room_is_bounded_by_the_queue_timeout(engine, engine_limits)
     """If the busy model stays busy past the queue timeout, the load fails."""
     engine_limits(engine, models_max=1, queue_timeout_s=0.5)
     stream = engine.client().generate_stream(
-        "slow", prompt="ships", max_tokens=300, ignore_eos=True
+        GenerateRequest(model="slow", prompt="ships", max_tokens=300, ignore_eos=True)
     )
     next(stream), next(stream)
     with pytest.raises(EngineRequestError) as error:
-        engine.client().generate("b", prompt="hi", max_tokens=2)
+        engine.client().generate(GenerateRequest(model="b", prompt="hi", max_tokens=2))
     assert error.value.code == "insufficient_memory"
     assert "stayed busy" in error.value.message
     stream.close()
@@ -150,7 +156,7 @@ def test_unload_drains_in_flight_and_queued_work(engine, engine_limits):
     loaded model."""
     engine_limits(engine, queue_limit=1)  # one request may wait behind the stream
     stream = engine.client().generate_stream(
-        "slow", prompt="ships", max_tokens=200, ignore_eos=True
+        GenerateRequest(model="slow", prompt="ships", max_tokens=200, ignore_eos=True)
     )
     next(stream), next(stream)
     outcome = {}
@@ -160,10 +166,12 @@ def test_unload_drains_in_flight_and_queued_work(engine, engine_limits):
 
     queued = run(
         "queued",
-        lambda: engine.client().generate("slow", prompt="sea", max_tokens=3),
+        lambda: engine.client().generate(
+            GenerateRequest(model="slow", prompt="sea", max_tokens=3)
+        ),
     )
     queued.start()
-    wait_for(lambda: model_state(engine, "slow")["queued"] == 1, what="queued")
+    wait_for(lambda: model_state(engine, "slow").queued == 1, what="queued")
     unloader = run("unload", lambda: engine.client().call("unload", model="slow"))
     unloader.start()
 
@@ -171,7 +179,9 @@ def test_unload_drains_in_flight_and_queued_work(engine, engine_limits):
         """Before the drain begins, the queue is full: refused at once. Once it
         has begun, the request waits for it, then for a fresh load."""
         try:
-            return engine.client().generate("slow", prompt="hi", max_tokens=2)
+            return engine.client().generate(
+                GenerateRequest(model="slow", prompt="hi", max_tokens=2)
+            )
         except EngineRequestError as error:
             assert "already wait" in error.message, error
             return None
@@ -179,13 +189,13 @@ def test_unload_drains_in_flight_and_queued_work(engine, engine_limits):
     late = run("late", lambda: wait_for(late_reply, what="the drain to begin"))
     late.start()
     frames = list(stream)
-    assert frames[-1]["finish_reason"] == "length"  # not cut off by the unload
+    assert frames[-1].finish_reason == "length"  # not cut off by the unload
     for thread in (queued, unloader, late):
         thread.join(60)
-    assert outcome["queued"]["finish_reason"] == "length"  # ran, not cancelled
-    assert outcome["queued"]["usage"]["completion_tokens"] == 3
-    assert outcome["unload"]["status"] == "ok"
-    assert outcome["late"]["usage"]["completion_tokens"] >= 1
+    assert outcome["queued"].finish_reason == "length"  # ran, not cancelled
+    assert outcome["queued"].usage.completion_tokens == 3
+    assert outcome["unload"].status == "ok"
+    assert outcome["late"].usage.completion_tokens >= 1
     assert resident(engine) == ["slow"]  # loaded again for the late request
 
 
@@ -193,7 +203,7 @@ def test_overdue_work_is_refused_while_an_unload_drains(engine, engine_limits):
     """A request waiting behind a drain gets `overloaded` at its queue timeout,
     though the drain itself goes on."""
     stream = engine.client().generate_stream(
-        "slow", prompt="ships", max_tokens=300, ignore_eos=True
+        GenerateRequest(model="slow", prompt="ships", max_tokens=300, ignore_eos=True)
     )
     next(stream), next(stream)
     engine_limits(engine, queue_timeout_s=0.5)
@@ -210,7 +220,7 @@ def test_overdue_work_is_refused_while_an_unload_drains(engine, engine_limits):
     assert error.code == "overloaded"
     assert resident(engine) == ["slow"]  # still draining: the stream runs on
     frames = list(stream)
-    assert frames[-1]["finish_reason"] == "length"
+    assert frames[-1].finish_reason == "length"
     unloader.join(60)
     assert resident(engine) == []
 
@@ -222,7 +232,7 @@ def test_a_queued_model_is_never_evicted(engine, engine_limits):
     use(engine, "a")
     engine_limits(engine, models_max=2, max_parallel_requests=1, queue_timeout_s=120)
     stream = engine.client().generate_stream(
-        "slow", prompt="ships", max_tokens=300, ignore_eos=True
+        GenerateRequest(model="slow", prompt="ships", max_tokens=300, ignore_eos=True)
     )
     next(stream), next(stream)
     outcome = {}
@@ -233,15 +243,18 @@ def test_a_queued_model_is_never_evicted(engine, engine_limits):
         return thread
 
     waiting = run(
-        "a", lambda: engine.client().generate("a", prompt="the cat", max_tokens=2)
+        "a",
+        lambda: engine.client().generate(
+            GenerateRequest(model="a", prompt="the cat", max_tokens=2)
+        ),
     )
-    wait_for(lambda: model_state(engine, "a")["queued"] == 1, what="a queued")
+    wait_for(lambda: model_state(engine, "a").queued == 1, what="a queued")
     loads = run("b", lambda: use(engine, "b") or "ok")
     wait_for(lambda: loading(engine) == ["b"], what="b loading")  # it has decided
     assert resident(engine) == ["a", "slow"]
-    assert model_state(engine, "a")["queued"] == 1
+    assert model_state(engine, "a").queued == 1
     stream.close()
     waiting.join(60), loads.join(60)
-    assert outcome["a"]["usage"]["completion_tokens"] >= 1
+    assert outcome["a"].usage.completion_tokens >= 1
     assert outcome["b"] == "ok"
     assert resident(engine) == ["a", "b"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engines.wire.client import EngineRequestError
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import build_tiny_llama, start_engine
 from tests.engines.test_generation import gguf_spec, wait_idle
 from tests.waiting import wait_for
@@ -79,10 +80,10 @@ def test_a_failing_request_fails_alone(fault_engine):
             nonlocal seen
             frames = []
             async for frame in client.generate_stream(
-                POISONED, prompt=CLEAN_PROMPT, **stream_fields
+                GenerateRequest(model=POISONED, prompt=CLEAN_PROMPT, **stream_fields)
             ):
                 frames.append(frame)
-                if frame["event"] == "token" and len(frames) == 2:
+                if frame.event == "token" and len(frames) == 2:
                     seen += 1
                     if seen == 2:
                         first_tokens.set()
@@ -92,7 +93,12 @@ def test_a_failing_request_fails_alone(fault_engine):
             await first_tokens.wait()  # both streams are mid-generation
             with pytest.raises(EngineRequestError) as error:
                 await client.generate(
-                    POISONED, prompt=POISON_PROMPT, temperature=1.0, max_tokens=5
+                    GenerateRequest(
+                        model=POISONED,
+                        prompt=POISON_PROMPT,
+                        temperature=1.0,
+                        max_tokens=5,
+                    )
                 )
             return error.value
 
@@ -102,13 +108,17 @@ def test_a_failing_request_fails_alone(fault_engine):
     assert failure.code == "internal"
     assert "non-finite" in str(failure)
     for frames in (first, second):
-        assert frames[-1]["finish_reason"] == "length"
-        assert frames[-1]["usage"]["completion_tokens"] == 40
+        assert frames[-1].finish_reason == "length"
+        assert frames[-1].usage.completion_tokens == 40
     client = fault_engine.client()
-    again = client.generate(POISONED, prompt=CLEAN_PROMPT, temperature=0, max_tokens=4)
-    assert again["usage"]["completion_tokens"] >= 1
+    again = client.generate(
+        GenerateRequest(
+            model=POISONED, prompt=CLEAN_PROMPT, temperature=0, max_tokens=4
+        )
+    )
+    assert again.usage.completion_tokens >= 1
     state = client.state()
-    assert state["healthy"] is True and state["unhealthy_reason"] == ""
+    assert state.healthy is True and state.unhealthy_reason == ""
     wait_idle(fault_engine, POISONED)
 
 
@@ -116,22 +126,36 @@ def test_the_same_prompt_passes_on_the_clean_model(fault_engine):
     """Control: the poisoned prompt itself is fine; only the poisoned weights
     make it fail."""
     reply = fault_engine.client().generate(
-        CLEAN, prompt=POISON_PROMPT, temperature=1.0, max_tokens=5, ignore_eos=True
+        GenerateRequest(
+            model=CLEAN,
+            prompt=POISON_PROMPT,
+            temperature=1.0,
+            max_tokens=5,
+            ignore_eos=True,
+        )
     )
-    assert reply["usage"]["completion_tokens"] == 5
+    assert reply.usage.completion_tokens == 5
 
 
 def test_greedy_requests_fail_alone_too(fault_engine):
     """Greedy decoding would take the NaN's argmax silently; it fails as well."""
     with pytest.raises(EngineRequestError) as error:
         fault_engine.client().generate(
-            POISONED, prompt=POISON_PROMPT, temperature=0, max_tokens=5
+            GenerateRequest(
+                model=POISONED, prompt=POISON_PROMPT, temperature=0, max_tokens=5
+            )
         )
     assert error.value.code == "internal"
     reply = fault_engine.client().generate(
-        POISONED, prompt=CLEAN_PROMPT, temperature=0, max_tokens=3, ignore_eos=True
+        GenerateRequest(
+            model=POISONED,
+            prompt=CLEAN_PROMPT,
+            temperature=0,
+            max_tokens=3,
+            ignore_eos=True,
+        )
     )
-    assert reply["usage"]["completion_tokens"] == 3
+    assert reply.usage.completion_tokens == 3
 
 
 def test_state_is_answered_while_a_model_loads(tmp_path):
@@ -152,16 +176,16 @@ def test_state_is_answered_while_a_model_loads(tmp_path):
 
         def loaded_now() -> bool:
             state = engine.client().state()  # a control frame: times out in seconds
-            phases.append(state["phase"])
-            if state["phase"] == "loading":
-                assert state["loading"] == [gemma["name"]]
+            phases.append(state.phase)
+            if state.phase == "loading":
+                assert state.loading == [gemma["name"]]
             return loaded.is_set()
 
         wait_for(loaded_now, timeout=120, interval=0, what="the load")
         thread.join(5)
         assert loaded.is_set(), engine.log()
         assert "loading" in phases
-        assert engine.client().state()["phase"] == "ready"
+        assert engine.client().state().phase == "ready"
     finally:
         engine.stop()
 
@@ -183,21 +207,23 @@ def test_a_decode_loop_without_passes_is_reported_unhealthy(tmp_path):
         limits={"stuck_after_s": 0.05},
     )
     try:
-        assert engine.client().state()["healthy"] is True  # control: idle is healthy
+        assert engine.client().state().healthy is True  # control: idle is healthy
         done = threading.Event()
         prompt = "The harbour master counted the ships again. " * 150
 
         def run():
-            engine.client().generate(smol["name"], prompt=prompt, max_tokens=4)
+            engine.client().generate(
+                GenerateRequest(model=smol["name"], prompt=prompt, max_tokens=4)
+            )
             done.set()
 
         threading.Thread(target=run, daemon=True).start()
         reasons = set()
         while not done.is_set():
             state = engine.client().state()
-            if not state["healthy"]:
-                reasons.add(state["unhealthy_reason"].split(":")[0])
+            if not state.healthy:
+                reasons.add(state.unhealthy_reason.split(":")[0])
         assert reasons == {"the decode loop is stuck"}
-        assert engine.client().state()["healthy"] is True
+        assert engine.client().state().healthy is True
     finally:
         engine.stop()

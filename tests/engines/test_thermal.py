@@ -11,6 +11,7 @@ import pytest
 
 from engines.launch.config import Thresholds
 from engines.runtime.thermal import FileProbe, ThermalGate
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 from tests.waiting import wait_for
 
@@ -109,11 +110,11 @@ def two_engines(tmp_path, tiny_llama, monkeypatch):
 
 
 def cooling(engine) -> str:
-    return engine.client().state()["cooling_reason"]
+    return engine.client().state().cooling_reason
 
 
 def queue_depth(engine) -> int:
-    return engine.client().state()["queue_depth"]
+    return engine.client().state().queue_depth
 
 
 def test_hot_gpu_pauses_its_engine_and_hot_cpu_pauses_all(two_engines):
@@ -125,18 +126,22 @@ def test_hot_gpu_pauses_its_engine_and_hot_cpu_pauses_all(two_engines):
     write_temperatures(temps, cpu=50, gpus=[("GPU-A", "nvidia", 90)])
     wait_for(lambda: "GPU GPU-A (nvidia) at 90 °C" in cooling(gpu0), what="hot GPU")
     assert cooling(cpu0) == ""
-    assert cpu0.client().generate(TINY, prompt="the cat", max_tokens=3)["usage"]
+    assert (
+        cpu0.client()
+        .generate(GenerateRequest(model=TINY, prompt="the cat", max_tokens=3))
+        .usage
+    )
 
     write_temperatures(temps, cpu=95, gpus=[("GPU-A", "nvidia", 50)])
     wait_for(lambda: "CPU" in cooling(cpu0) and "CPU" in cooling(gpu0), what="hot CPU")
     stream = cpu0.client().generate_stream(
-        TINY, prompt="ships", max_tokens=5, ignore_eos=True
+        GenerateRequest(model=TINY, prompt="ships", max_tokens=5, ignore_eos=True)
     )
     # The start frame comes once a slot takes the request: not while cooling.
     waiter = ThreadPoolExecutor(2)
     first = waiter.submit(next, stream)
     wait_for(lambda: queue_depth(cpu0) == 1, what="the request queued")
-    steps = cpu0.client().state()["models"][0]["steps"]
+    steps = cpu0.client().state().models[0].steps
     # A second request, queued behind it, is cancelled: its answer comes back
     # once the decode loop has made a pass (cancels are handled while cooling),
     # a pass that would have taken the first request into a slot had it run.
@@ -152,18 +157,18 @@ def test_hot_gpu_pauses_its_engine_and_hot_cpu_pauses_all(two_engines):
     assert cpu0.client().cancel("thermal-probe")
     probe.result(timeout=60)
     state = cpu0.client().state()
-    assert state["models"][0]["steps"] == steps  # paused: no decode step ran
-    assert state["queue_depth"] == 1  # the request waits in the queue
+    assert state.models[0].steps == steps  # paused: no decode step ran
+    assert state.queue_depth == 1  # the request waits in the queue
     assert not first.done()
 
     write_temperatures(temps, cpu=85)  # below high, above resume: still cooling
     reason = wait_for(lambda: "at 85 °C" in (r := cooling(cpu0)) and r, what="85 °C")
     assert "cooling until below 80" in reason
     write_temperatures(temps, cpu=60)
-    assert first.result(timeout=60)["event"] == "start"
+    assert first.result(timeout=60).event == "start"
     waiter.shutdown()
     frames = list(stream)
-    assert frames[-1]["finish_reason"] == "length"
+    assert frames[-1].finish_reason == "length"
     assert cooling(cpu0) == ""
     # It reads the file on its own clock.
     wait_for(lambda: cooling(gpu0) == "", what="gpu0 resumed")
@@ -176,8 +181,8 @@ def test_vendor_override_pushed_live_changes_the_verdict(two_engines):
     gpu0 = engines["gpu0"]
     write_temperatures(temps, cpu=50, gpus=[("GPU-A", "amd", 90)])
     wait_for(lambda: "GPU GPU-A (amd)" in cooling(gpu0), what="hot AMD card")
-    pid = gpu0.client().ping()["pid"]
+    pid = gpu0.client().ping().pid
     thermal = {"overrides": {"amd": {"high": 95, "resume": 92}}}
     gpu0.client().call("configure", config={"thermal": thermal, "devices": ["GPU-A"]})
     wait_for(lambda: cooling(gpu0) == "", what="resumed")
-    assert gpu0.client().ping()["pid"] == pid
+    assert gpu0.client().ping().pid == pid

@@ -8,6 +8,7 @@ import pytest
 from django.conf import settings
 
 from engines.wire.client import EngineRequestError
+from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import (
     chat,
@@ -58,28 +59,28 @@ def test_stream_usage_and_max_tokens(hf_engine):
         "max_tokens": 10,
         "ignore_eos": True,
     }
-    frames = list(client.generate_stream(TINY, **fields))
+    frames = list(client.generate_stream(GenerateRequest(model=TINY, **fields)))
     done = frames[-1]
-    tokens = [f for f in frames if f["event"] == "token"]
-    assert frames[0]["event"] == "start"
-    assert done["finish_reason"] == "length"
-    assert done["usage"]["completion_tokens"] == 10
-    assert sum(f["tokens"] for f in tokens) == 10
+    tokens = [f for f in frames if f.event == "token"]
+    assert frames[0].event == "start"
+    assert done.finish_reason == "length"
+    assert done.usage.completion_tokens == 10
+    assert sum(f.tokens for f in tokens) == 10
     assert len(tokens) >= 2
-    whole = client.generate(TINY, **fields)
-    assert whole["text"] == "".join(f["text"] for f in tokens)
+    whole = client.generate(GenerateRequest(model=TINY, **fields))
+    assert whole.text == "".join(f.text for f in tokens)
 
 
 def test_stop_string(hf_engine):
     """A stop string ends the text just before it, with finish reason `stop`."""
     client = hf_engine.client()
     fields = {"prompt": "hello", "temperature": 0, "max_tokens": 30, "ignore_eos": True}
-    full = client.generate(TINY, **fields)["text"]
+    full = client.generate(GenerateRequest(model=TINY, **fields)).text
     assert len(full) > 12
     stop = full[8:11]
-    stopped = client.generate(TINY, **fields, stop=[stop])
-    assert stopped["finish_reason"] == "stop"
-    assert stopped["text"] == full[: full.index(stop)]
+    stopped = client.generate(GenerateRequest(model=TINY, **fields, stop=[stop]))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full[: full.index(stop)]
 
 
 def test_chat_uses_the_tokenizer_template(hf_engine, tiny_llama):
@@ -87,11 +88,17 @@ def test_chat_uses_the_tokenizer_template(hf_engine, tiny_llama):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    expected = tokenizer("user: hi\nassistant:")["input_ids"]
+    expected = tokenizer("user: hi\nassistant:").input_ids
     reply = hf_engine.client().generate(
-        TINY, messages=chat("hi"), temperature=0, max_tokens=3, ignore_eos=True
+        GenerateRequest(
+            model=TINY,
+            messages=chat("hi"),
+            temperature=0,
+            max_tokens=3,
+            ignore_eos=True,
+        )
     )
-    assert reply["usage"]["prompt_tokens"] == len(expected)
+    assert reply.usage.prompt_tokens == len(expected)
 
 
 def test_no_cross_talk_between_rows(hf_engine):
@@ -108,7 +115,9 @@ def test_no_cross_talk_between_rows(hf_engine):
 
     def run(prompt):
         return generated_logprobs(
-            hf_engine.client().generate_stream(TINY, prompt=prompt, **fields)
+            hf_engine.client().generate_stream(
+                GenerateRequest(model=TINY, prompt=prompt, **fields)
+            )
         )
 
     alone = [run(p) for p in prompts]
@@ -117,43 +126,46 @@ def test_no_cross_talk_between_rows(hf_engine):
         client = hf_engine.aclient()
 
         async def one(prompt):
-            stream = client.generate_stream(TINY, prompt=prompt, **fields)
+            stream = client.generate_stream(
+                GenerateRequest(model=TINY, prompt=prompt, **fields)
+            )
             return [frame async for frame in stream]
 
         return await asyncio.gather(*(one(p) for p in prompts))
 
     concurrent = [generated_logprobs(f) for f in asyncio.run(together())]
     for solo, batched in zip(alone, concurrent, strict=True):
-        assert [e["token"] for e in solo] == [e["token"] for e in batched]
+        assert [e.token for e in solo] == [e.token for e in batched]
         for a, b in zip(solo, batched, strict=True):
-            assert abs(a["logprob"] - b["logprob"]) < 1e-3
+            assert abs(a.logprob - b.logprob) < 1e-3
 
 
 def test_seeded_sampling_is_reproducible(hf_engine):
     """The same seed gives the same sample, alone or beside other requests."""
     client = hf_engine.client()
     fields = {"prompt": "a dog", "temperature": 1.0, "seed": 7, "max_tokens": 12}
-    first = client.generate(TINY, **fields, ignore_eos=True)["text"]
-    assert client.generate(TINY, **fields, ignore_eos=True)["text"] == first
+    request = GenerateRequest(model=TINY, **fields, ignore_eos=True)
+    first = client.generate(request).text
+    assert client.generate(request).text == first
 
 
 def test_cancel_and_disconnect_free_the_slot(hf_engine):
     """Cancel by id ends the stream with `cancelled`; hanging up frees the slot."""
     client = hf_engine.client()
     stream = client.generate_stream(
-        TINY, prompt="ships", max_tokens=200, ignore_eos=True
+        GenerateRequest(model=TINY, prompt="ships", max_tokens=200, ignore_eos=True)
     )
     start = next(stream)
     next(stream)
-    assert hf_engine.client().cancel(start["request_id"]) is True
-    assert list(stream)[-1]["finish_reason"] == "cancelled"
+    assert hf_engine.client().cancel(start.request_id) is True
+    assert list(stream)[-1].finish_reason == "cancelled"
     wait_idle(hf_engine, TINY)
 
     stream = client.generate_stream(
-        TINY, prompt="ships", max_tokens=200, ignore_eos=True
+        GenerateRequest(model=TINY, prompt="ships", max_tokens=200, ignore_eos=True)
     )
     next(stream), next(stream)
-    assert model_state(hf_engine, TINY)["busy"] == 1
+    assert model_state(hf_engine, TINY).busy == 1
     stream.close()
     wait_idle(hf_engine, TINY)
 
@@ -161,13 +173,15 @@ def test_cancel_and_disconnect_free_the_slot(hf_engine):
 def test_smollm2_from_its_gguf(hf_engine):
     """transformers loads (dequantizes) the bundled GGUF and answers a chat."""
     reply = hf_engine.client().generate(
-        SMOL_HF,
-        messages=chat("What is the capital of France?"),
-        temperature=0,
-        max_tokens=12,
+        GenerateRequest(
+            model=SMOL_HF,
+            messages=chat("What is the capital of France?"),
+            temperature=0,
+            max_tokens=12,
+        )
     )
-    assert reply["usage"]["completion_tokens"] >= 1
-    assert "Paris" in reply["text"]
+    assert reply.usage.completion_tokens >= 1
+    assert "Paris" in reply.text
     with pytest.raises(EngineRequestError) as error:
-        hf_engine.client().generate(SMOL_HF, prompt="x", top_p=2)
+        hf_engine.client().generate(GenerateRequest(model=SMOL_HF, prompt="x", top_p=2))
     assert error.value.code == "bad_request"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from api import errors
-from api.schemas import ChatCompletionRequest, EmbeddingRequest, parse
+from api.schemas import ChatCompletionRequest, EmbeddingRequest, body_fields, parse
 from engines.wire.errors import ErrorCode
 
 
@@ -90,8 +90,8 @@ def test_stop_strings_and_max_tokens_reach_the_engine_fields():
             }
         ).encode(),
     )
-    [fields] = request.engine_requests()
-    assert fields == {
+    [engine_request] = request.engine_requests()
+    assert body_fields(engine_request) == {
         "temperature": 0.0,
         "stop": ["END"],
         "messages": [{"role": "system", "content": "be brief"}],

@@ -404,13 +404,13 @@ def test_engine_killed_mid_request_is_502_then_respawned(live):
         asking.start()
         wait_for(
             lambda asking=asking: (
-                engine.state()["slots_in_use"] == 1 or not asking.is_alive()
+                engine.state().slots_in_use == 1 or not asking.is_alive()
             ),
             what="the request running",
         )
         if asking.is_alive():
             break
-    os.kill(engine.state()["pid"], signal.SIGKILL)
+    os.kill(engine.state().pid, signal.SIGKILL)
     asking.join(60)
     assert outcome["error"].status_code == 502
     assert outcome["error"].body["code"] == "engine_died"

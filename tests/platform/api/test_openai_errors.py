@@ -191,10 +191,10 @@ def test_disconnect_mid_stream_frees_the_engine_slot(live, orm):
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
-    assert engine.state()["slots_in_use"] == 1
+    assert engine.state().slots_in_use == 1
     stream.close()
     wait_for(
-        lambda: engine.state()["slots_in_use"] == 0,
+        lambda: engine.state().slots_in_use == 0,
         timeout=10,
         what="the slot freed",
     )
@@ -216,4 +216,4 @@ def test_the_serving_front_never_loaded_an_ml_library(live):
         return [p for p in mapped if any(n in p for n in ("torch", "llama_cpp"))]
 
     assert heavy_libraries(live.front_pid) == []
-    assert heavy_libraries(live.engine().state()["pid"])  # the probe does see them
+    assert heavy_libraries(live.engine().state().pid)  # the probe does see them

@@ -22,6 +22,7 @@ from api.limits import LimitExceeded, key_admission
 from api.models import Usage
 from engines.wire import client as engine_client
 from engines.wire.client import write_connection_file
+from engines.wire.requests import GenerateRequest
 from routing.select import EngineStatus, ModelRoute, Snapshot, SnapshotCache
 from tests.engines.conftest import start_engine
 from tests.engines.test_generation import gguf_spec
@@ -213,9 +214,9 @@ async def engine_idle(engine) -> None:
     """Wait until the engine has no request of the model, running or queued."""
 
     def idle() -> bool:
-        models = engine.client().state()["models"]
-        model = next(m for m in models if m["name"] == CHAT)
-        return model["busy"] == 0 and model["queued"] == 0
+        models = engine.client().state().models
+        model = next(m for m in models if m.name == CHAT)
+        return model.busy == 0 and model.queued == 0
 
     await await_for(
         lambda: asyncio.to_thread(idle), timeout=DEADLINE_S, what="the engine idle"
@@ -228,19 +229,17 @@ async def stream_key():
 
 async def prompt_tokens(engine, content: str = ESSAY) -> int:
     """What the engine counts for a chat request with this one message."""
-    reply = await asyncio.to_thread(
-        engine.client().generate,
-        CHAT,
-        messages=[{"role": "user", "content": content}],
-        max_tokens=1,
+    request = GenerateRequest(
+        model=CHAT, messages=[{"role": "user", "content": content}], max_tokens=1
     )
-    return reply["usage"]["prompt_tokens"]
+    reply = await asyncio.to_thread(engine.client().generate, request)
+    return reply.usage.prompt_tokens
 
 
 def occupy(engine):
     """A direct stream that holds the engine's one slot until closed."""
     occupying = engine.client().generate_stream(
-        CHAT, prompt="Long", max_tokens=500, ignore_eos=True
+        GenerateRequest(model=CHAT, prompt="Long", max_tokens=500, ignore_eos=True)
     )
     next(occupying)  # the start frame: it has the slot
     return occupying
@@ -250,8 +249,8 @@ async def queued(engine) -> None:
     """Wait until a request of the model waits in the engine's queue."""
 
     def waiting() -> bool:
-        models = engine.client().state()["models"]
-        return next(m for m in models if m["name"] == CHAT)["queued"] == 1
+        models = engine.client().state().models
+        return next(m for m in models if m.name == CHAT).queued == 1
 
     await await_for(
         lambda: asyncio.to_thread(waiting),
@@ -397,7 +396,8 @@ async def test_an_engine_gone_silent_mid_stream_is_504(front, engine, monkeypatc
     stream ends with a 504 error event, and the row has the tokens sent."""
     # The front waits this long for each frame: long enough for any token of
     # a warm engine on a busy machine, short enough for a test.
-    await asyncio.to_thread(engine.client().generate, CHAT, prompt="Hi", max_tokens=1)
+    request = GenerateRequest(model=CHAT, prompt="Hi", max_tokens=1)
+    await asyncio.to_thread(engine.client().generate, request)
     monkeypatch.setattr(engine_client, "REQUEST_TIMEOUT_S", 5.0)
     key = await stream_key()
     caller = Caller(key.plaintext)
@@ -449,7 +449,9 @@ def test_the_occupying_stream_helper_holds_the_slot(engine):
     in the engine's queue."""
     occupying = occupy(engine)
     waiting = threading.Thread(
-        target=lambda: engine.client().generate(CHAT, prompt="Hi", max_tokens=1)
+        target=lambda: engine.client().generate(
+            GenerateRequest(model=CHAT, prompt="Hi", max_tokens=1)
+        )
     )
     waiting.start()
     try:

@@ -441,9 +441,9 @@ def test_n_streams_interleave_by_index(live):
 
 
 def _busy(live) -> int:
-    models = live.engine().state()["models"]
-    model = next(m for m in models if m["name"] == CHAT)
-    return model["busy"] + model["queued"]
+    models = live.engine().state().models
+    model = next(m for m in models if m.name == CHAT)
+    return model.busy + model.queued
 
 
 def test_hanging_up_on_several_choices_cancels_them_all(live, orm):

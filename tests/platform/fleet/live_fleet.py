@@ -113,9 +113,7 @@ def embed_in_background(client: EngineClient, texts: list[str]) -> dict:
 
 
 def wait_until_batch_runs(client: EngineClient) -> None:
-    wait_for(
-        lambda: client.state()["slots_in_use"] > 0, timeout=30, what="batch running"
-    )
+    wait_for(lambda: client.state().slots_in_use > 0, timeout=30, what="batch running")
 
 
 class DatabaseSwitch:

@@ -15,6 +15,7 @@ from django.urls import reverse
 
 from catalog.models import ModelConfig
 from engines.wire.client import EngineClient, EngineDied, EngineUnauthorized
+from engines.wire.requests import GenerateRequest
 from fleet.models import (
     ConcurrencySettings,
     EngineSpec,
@@ -72,7 +73,7 @@ def test_second_supervisor_refused_and_killed_engine_respawned(fleet):
     state = state_of("cpu0")
     assert state.restart_count == 1
     assert "exited with code -9" in state.last_error
-    assert fleet.client().ping()["pid"] == new_pid
+    assert fleet.client().ping().pid == new_pid
     with pytest.raises(EngineUnauthorized):  # the old run's token is dead
         EngineClient(port=state.port, token=token).ping()
     assert token not in fleet.logs()
@@ -100,7 +101,7 @@ def test_ensure_starts_the_supervisor_and_returns_once_engines_answer(fleet):
     ensure = fleet.command("--ensure")
     assert ensure.returncode == 0, ensure.stderr
     assert "supervisor started" in ensure.stdout
-    assert fleet.client().ping()["status"] == "ok"  # engines answer on return
+    assert fleet.client().ping().status == "ok"  # engines answer on return
 
 
 def test_limits_are_pushed_to_the_running_engine(fleet, ensured):
@@ -110,7 +111,7 @@ def test_limits_are_pushed_to_the_running_engine(fleet, ensured):
     concurrency.max_parallel_requests = 7
     concurrency.save()
     wait_for(
-        lambda: fleet.client().state()["limits"]["max_parallel_requests"] == 7,
+        lambda: fleet.client().state().limits["max_parallel_requests"] == 7,
         what="limits pushed",
     )
     assert state_of("cpu0").pid == ensured  # no restart for limits
@@ -121,9 +122,11 @@ def test_the_catalog_reaches_the_engine_and_learns_the_measured_memory(fleet, en
     the admin's sampling defaults (max_tokens 3), and the memory its load
     measured is stored in the catalog for the next decision."""
     reply = fleet.client().generate(
-        "smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
+        GenerateRequest(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
+        )
     )
-    assert reply["usage"]["completion_tokens"] <= 3
+    assert reply.usage.completion_tokens <= 3
     measured = wait_for(
         lambda: (
             ModelConfig.objects.get(name="smollm2-135m-instruct").measured_memory_mib
@@ -141,7 +144,9 @@ def test_a_hot_cpu_shows_as_cooling_until_the_threshold_is_raised(
     its tokens generated, a chat model's slots and KV pool); raising the
     threshold in the admin resumes the engine without a restart."""
     reply = fleet.client().generate(
-        "smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
+        GenerateRequest(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
+        )
     )
     fleet.temperatures.write_text(json.dumps({"cpu": 93}))
     wait_for(lambda: state_of("cpu0").status == "cooling", what="cooling")
@@ -149,7 +154,7 @@ def test_a_hot_cpu_shows_as_cooling_until_the_threshold_is_raised(
     assert "CPU (cpu) at 93 °C" in recorded.cooling_reason
     assert {"device": "CPU", "celsius": 93.0} in recorded.temperatures
     assert recorded.memory_mib > 50
-    assert recorded.tokens_generated >= reply["usage"]["completion_tokens"] > 0
+    assert recorded.tokens_generated >= reply.usage.completion_tokens > 0
     # The chat model's slots (auto, the default) and the KV pool they share.
     (chat,) = [
         item
@@ -201,7 +206,7 @@ def test_a_new_spec_is_spawned_and_a_disabled_one_stopped(fleet, ensured):
     engine is stopped and its connection file removed. cpu0 runs on."""
     EngineSpec.objects.create(name="cpu1", backend="cpu", order=1)
     fleet.ready("cpu1")
-    assert fleet.client("cpu1").ping()["engine"] == "cpu1"
+    assert fleet.client("cpu1").ping().engine == "cpu1"
     cpu1_pid = state_of("cpu1").pid
     EngineSpec.objects.filter(name="cpu1").update(enabled=False)
     wait_for(lambda: state_of("cpu1").status == "stopped", what="cpu1 stopped")
@@ -259,7 +264,9 @@ def test_host_ram_cap_evicts_the_least_recently_used_idle_model(fleet):
     fleet.ready("cpu0"), fleet.ready("cpu1")
     fleet.client("cpu0").call("load", model=EMBEDDER)  # used first: evicted first
     time.sleep(1.5)
-    fleet.client("cpu1").generate("smollm2-135m-instruct", prompt="Hello", max_tokens=2)
+    fleet.client("cpu1").generate(
+        GenerateRequest(model="smollm2-135m-instruct", prompt="Hello", max_tokens=2)
+    )
     server = ServerSettings.load()
     server.host_ram_cap_gib = 0.5  # far below two engines with torch loaded
     server.save()

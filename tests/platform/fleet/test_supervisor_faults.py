@@ -15,6 +15,7 @@ from django.utils import timezone
 from catalog.models import ModelConfig
 from engines.launch.config import CONFIG_FILE_ENV
 from engines.wire.client import EngineError, connection_file, write_connection_file
+from engines.wire.requests import GenerateRequest
 from fleet.models import EngineSpec, ServerSettings
 from fleet.selectors import routing_snapshot
 from tests.platform.fleet.live_fleet import CHAT, EMBEDDER, gone, state_of
@@ -99,7 +100,7 @@ def test_a_drain_that_does_not_finish_leaves_the_other_engines_serving(
 
 def answering_pid(fleet, *, other_than: int) -> int | None:
     try:
-        pid = fleet.client().ping()["pid"]
+        pid = fleet.client().ping().pid
     except EngineError:
         return None
     return pid if pid != other_than else None
@@ -146,7 +147,12 @@ def test_an_unhealthy_engine_is_avoided_and_replaced(fleet):
         while not stop.is_set():
             try:
                 fleet.client().generate(
-                    CHAT, prompt="Once upon a time", max_tokens=200, ignore_eos=True
+                    GenerateRequest(
+                        model=CHAT,
+                        prompt="Once upon a time",
+                        max_tokens=200,
+                        ignore_eos=True,
+                    )
                 )
             except EngineError:
                 stop.wait(0.1)
@@ -154,8 +160,8 @@ def test_an_unhealthy_engine_is_avoided_and_replaced(fleet):
     worker = threading.Thread(target=generate)
     worker.start()
     try:
-        wait_for(lambda: fleet.client().state()["slots_in_use"], what="generating")
-        assert fleet.client().state()["healthy"] is True
+        wait_for(lambda: fleet.client().state().slots_in_use, what="generating")
+        assert fleet.client().state().healthy is True
         # Below what the admin accepts (1 s): a step in progress counts as stuck.
         ServerSettings.objects.update(stuck_after_s=0.001)
         state = wait_for(
@@ -195,7 +201,9 @@ def test_an_engine_that_cannot_start_leaves_the_rest_running(fleet):
     assert "could not start" in state.last_error
     assert "HUGE is 200,006 bytes" in state.last_error
 
-    reply = fleet.client().generate(CHAT, prompt="Hello", max_tokens=2)
-    assert reply["usage"]["completion_tokens"] <= 2
+    reply = fleet.client().generate(
+        GenerateRequest(model=CHAT, prompt="Hello", max_tokens=2)
+    )
+    assert reply.usage.completion_tokens <= 2
     assert CONFIG_FILE_ENV in psutil.Process(pid).environ()
     assert not (fleet.run_dir / "engines" / "cpu0.config.json").exists()
