@@ -96,7 +96,7 @@ def test_a_busy_model_is_never_evicted_the_load_waits(engine, engine_limits):
     is done, then `slow` is evicted and `b` answers."""
     engine_limits(engine, models_max=1, queue_timeout_s=60)
     stream = engine.client().generate_stream(
-        GenerateRequest(model="slow", prompt="ships", max_tokens=300, ignore_eos=True)
+        GenerateRequest(model="slow", prompt="ships", max_tokens=60, ignore_eos=True)
     )
     next(stream), next(stream)
     outcome = {}
@@ -156,7 +156,7 @@ def test_unload_drains_in_flight_and_queued_work(engine, engine_limits):
     loaded model."""
     engine_limits(engine, queue_limit=1)  # one request may wait behind the stream
     stream = engine.client().generate_stream(
-        GenerateRequest(model="slow", prompt="ships", max_tokens=200, ignore_eos=True)
+        GenerateRequest(model="slow", prompt="ships", max_tokens=60, ignore_eos=True)
     )
     next(stream), next(stream)
     outcome = {}
@@ -203,7 +203,7 @@ def test_overdue_work_is_refused_while_an_unload_drains(engine, engine_limits):
     """A request waiting behind a drain gets `overloaded` at its queue timeout,
     though the drain itself goes on."""
     stream = engine.client().generate_stream(
-        GenerateRequest(model="slow", prompt="ships", max_tokens=300, ignore_eos=True)
+        GenerateRequest(model="slow", prompt="ships", max_tokens=100, ignore_eos=True)
     )
     next(stream), next(stream)
     engine_limits(engine, queue_timeout_s=0.5)

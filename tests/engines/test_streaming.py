@@ -18,7 +18,7 @@ from engines.wire.errors import ProtocolError
 from engines.wire.frames import GenerateAnswer, parse_reply
 from engines.wire.framing import decode_message, encode_message, read_frame
 from engines.wire.requests import parse_request
-from tests.waiting import wait_for
+from tests.waiting import await_for, wait_for
 
 PROMPT = "the cat sat on the mat"
 
@@ -157,15 +157,18 @@ async def test_a_caller_that_hangs_up_is_cancelled(model, decoder):
 
 
 async def test_a_request_refused_in_the_queue_gets_its_error_before_any_start(
-    model,
+    model, decoder
 ):
     """The front answers a stream's HTTP status at its start frame: a request
     that never gets a slot (its queue timeout passes while another holds the
     only one) gets the error frame first, and no start frame."""
     holding = await call(model, **{**GREEDY, "max_tokens": 400})
     assert (await holding.frame())["event"] == "start"
-    model.runner.queue_timeout_s = 0.1
+    decoder.allowed.clear()  # as when cooling: the holder keeps its slot
     refused = await call(model, **GREEDY)
+    await await_for(lambda: model.runner.queued == 1, what="the request queued")
+    model.runner.queue_timeout_s = 1e-9  # overdue at the next admission
+    decoder.allowed.set()
     frames = await refused.frames()
     assert [frame["status"] for frame in frames] == ["error"]
     assert frames[0]["code"] == "overloaded"
