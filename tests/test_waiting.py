@@ -44,6 +44,9 @@ async def test_await_for_awaits_what_the_predicate_returns():
 
 
 async def test_await_for_fails_like_wait_for():
+    """At the deadline the async twin fails the same way, naming what and the
+    last value."""
+
     async def never():
         return None
 

@@ -45,6 +45,7 @@ def count(backend, messages: list[dict]) -> int:
 
 
 def test_a_prompt_that_fits_is_its_tokens(backend):
+    """A prompt that fits is the model's tokens of it, nothing dropped."""
     prompt = fit_prompt(backend, {"prompt": "the cat sat"}, answer())
     assert prompt.tokens == backend.tokenize("the cat sat")
     assert prompt.dropped_messages == 0
@@ -84,6 +85,8 @@ def test_one_token_of_answer_must_fit(backend, policy):
 
 
 def test_refuse_turns_a_long_chat_away_with_the_counts(backend):
+    """With refuse (the default) a chat over the context is refused with its
+    token count, pointing at drop_oldest."""
     messages = [SYSTEM, *history(8), LATEST]
     assert count(backend, messages) > CONTEXT  # the premise
     with pytest.raises(ProtocolError) as error:

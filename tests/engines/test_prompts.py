@@ -51,6 +51,7 @@ def test_a_completion_prompt_is_the_text_as_sent(smol_template):
 
 @pytest.mark.parametrize("message", [{}, {"prompt": ""}, {"prompt": 3}])
 def test_a_request_without_a_prompt_is_a_bad_request(smol_template, message):
+    """No prompt, an empty one or one that is not a string: bad_request."""
     with pytest.raises(ProtocolError) as error:
         render(message, smol_template)
     assert error.value.code == "bad_request"
@@ -78,6 +79,7 @@ def test_a_chat_goes_through_the_models_template(smol_template):
 
 
 def test_a_chat_for_a_model_without_a_template_is_refused():
+    """A chat needs the model's chat template: bad_request without one."""
     with pytest.raises(ProtocolError) as error:
         render(chat(("user", "Hi")), "")
     assert error.value.code == "bad_request"
@@ -94,6 +96,8 @@ def test_a_chat_for_a_model_without_a_template_is_refused():
     ],
 )
 def test_malformed_messages_are_bad_requests(smol_template, messages, needle):
+    """Messages that are not a list of role and content: bad_request, naming
+    what is wrong."""
     with pytest.raises(ProtocolError) as error:
         render({"messages": messages}, smol_template)
     assert error.value.code == "bad_request"

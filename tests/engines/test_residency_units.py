@@ -99,6 +99,7 @@ async def test_a_model_is_loaded_once_whoever_asks(make):
 
 
 async def test_a_model_not_configured_is_unknown(make):
+    """A model the engine was not given is unknown_model; nothing loads."""
     residency = make()
     with pytest.raises(ProtocolError) as error:
         await residency.ensure_loaded("zeta")
@@ -243,6 +244,7 @@ async def test_a_request_overdue_during_a_drain_is_overloaded(make):
 
 
 async def test_unloading_a_model_not_resident_is_unknown(make):
+    """Unloading a model that is not resident is unknown_model."""
     residency = make()
     with pytest.raises(ProtocolError) as error:
         await residency.unload_drained("a")
