@@ -28,7 +28,12 @@ import numpy as np
 
 from engines.backends.llama import init_llama_cpp
 from engines.generation.prefix_sharing import common_prefix
-from engines.inspection.messages import MIB, EvaluateRequest, EvaluateResult, tool_main
+from engines.inspection.messages import (
+    MIB,
+    EvaluateRequest,
+    EvaluateResult,
+    inspection_main,
+)
 from engines.inspection.quantize import gguf_quantization
 from engines.launch.config import usable_cores
 
@@ -261,4 +266,4 @@ def evaluate(request: EvaluateRequest) -> EvaluateResult:
 
 
 if __name__ == "__main__":
-    sys.exit(tool_main(EvaluateRequest, evaluate))
+    sys.exit(inspection_main(EvaluateRequest, evaluate))

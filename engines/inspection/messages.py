@@ -1,11 +1,13 @@
-"""The one-shot tools the catalog runs as child processes, and what they say to
-each other: `python -m engines.inspection.probe` (a model's memory, loaded as an engine
-loads it), `python -m engines.inspection.quantize` (a GGUF file in another quantization)
-and `python -m engines.inspection.evaluate` (a GGUF model's speed and quality here).
+"""The one-shot inspection programs the catalog runs as child processes, and
+what they say to each other: `python -m engines.inspection.probe` (a model's
+memory, loaded as an engine loads it), `python -m engines.inspection.quantize`
+(a GGUF file in another quantization) and `python -m engines.inspection.evaluate`
+(a GGUF model's speed and quality here). ("Tools" elsewhere means only the
+tools a chat request offers a model.)
 
-Each tool reads one request, a JSON object, on stdin and writes one result, a
+Each program reads one request, a JSON object, on stdin and writes one result, a
 JSON object, on stdout; both sides validate them with the models below, which
-refuse unknown keys. A model the tool cannot handle (a missing file, one
+refuse unknown keys. A model the program cannot handle (a missing file, one
 llama.cpp will not load) is a result whose `problem` says so, not a crash. No
 pickle, and nothing secret: a request carries paths, numbers and prompts.
 
@@ -40,16 +42,16 @@ EVALUATION_PROMPTS = (
 )
 MIB = 2**20
 # Set for every tool: weights come from the models directory, never a hub.
-TOOL_ENV = dict(OFFLINE_ENV)
+INSPECTION_ENV = dict(OFFLINE_ENV)
 
 
-def tool_environment(base: Mapping[str, str], *, root: str) -> dict[str, str]:
+def inspection_environment(base: Mapping[str, str], *, root: str) -> dict[str, str]:
     """A tool's environment: what it uses of `base` (the engines' allow-list,
     engines/launch/config.py: none of the web side's secrets), the project `root` on
-    its path and TOOL_ENV."""
+    its path and INSPECTION_ENV."""
     env = inherited_environment(base)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, base.get("PYTHONPATH")]))
-    env.update(TOOL_ENV)
+    env.update(INSPECTION_ENV)
     return env
 
 
@@ -156,7 +158,9 @@ Request = TypeVar("Request", bound=Message)
 Result = TypeVar("Result", bound=Message)
 
 
-def tool_main(request_type: type[Request], work: Callable[[Request], Result]) -> int:
+def inspection_main(
+    request_type: type[Request], work: Callable[[Request], Result]
+) -> int:
     """Read one request on stdin, do the work, write its result on stdout; the
     exit status (2: the request was refused)."""
     logging.basicConfig(

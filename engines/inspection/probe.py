@@ -19,7 +19,7 @@ import psutil
 
 from engines.backends.factory import load_backend
 from engines.backends.memory import estimate_model_mib
-from engines.inspection.messages import MIB, ProbeRequest, ProbeResult, tool_main
+from engines.inspection.messages import MIB, ProbeRequest, ProbeResult, inspection_main
 from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec, device_memory_file
 from engines.launch.devices import DeviceMemory, default_memory_probes
 from engines.wire.errors import ProtocolError
@@ -102,4 +102,4 @@ def probe(request: ProbeRequest) -> ProbeResult:
 
 
 if __name__ == "__main__":
-    sys.exit(tool_main(ProbeRequest, probe))
+    sys.exit(inspection_main(ProbeRequest, probe))

@@ -18,7 +18,12 @@ import llama_cpp
 
 from engines.backends.ggufmeta import read_header
 from engines.backends.llama import init_llama_cpp
-from engines.inspection.messages import MIB, QuantizeRequest, QuantizeResult, tool_main
+from engines.inspection.messages import (
+    MIB,
+    QuantizeRequest,
+    QuantizeResult,
+    inspection_main,
+)
 from engines.launch.config import usable_cores
 
 
@@ -69,4 +74,4 @@ def quantize(request: QuantizeRequest) -> QuantizeResult:
 
 
 if __name__ == "__main__":
-    sys.exit(tool_main(QuantizeRequest, quantize))
+    sys.exit(inspection_main(QuantizeRequest, quantize))

@@ -15,7 +15,7 @@ from typing import TypeVar
 from django.conf import settings
 from pydantic import ValidationError
 
-from engines.inspection.messages import Message, tool_environment
+from engines.inspection.messages import Message, inspection_environment
 
 log = logging.getLogger("roundhouse.catalog")
 
@@ -25,7 +25,7 @@ STDERR_TAIL = 300
 Result = TypeVar("Result", bound=Message)
 
 
-def run_tool(
+def run_inspection(
     module: str, request: Message, result_type: type[Result], *, timeout_s: float
 ) -> Result:
     """Run `python -m <module>` on `request`: its result, or a result whose
@@ -35,7 +35,7 @@ def run_tool(
         cwd=settings.BASE_DIR,
         # Only what a tool uses of this process's environment: none of the
         # web side's secrets (engines/launch/config.py INHERITED_ENV).
-        env=tool_environment(os.environ, root=str(settings.BASE_DIR)),
+        env=inspection_environment(os.environ, root=str(settings.BASE_DIR)),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -6,7 +6,7 @@ residency decisions read them instead of their estimates."""
 
 from engines.inspection.messages import ProbeRequest, ProbeResult
 
-from .children import run_tool
+from .children import run_inspection
 from .models import ModelConfig
 
 # A load that takes longer is killed and reported as timed out.
@@ -34,6 +34,6 @@ def measure_memory(
     """Load the model in a child process and report what it took (or the
     problem: a missing file, a failed load, `timed out after N s`)."""
     request = probe_request(model, backend=backend)
-    return run_tool(
+    return run_inspection(
         "engines.inspection.probe", request, ProbeResult, timeout_s=timeout_s
     )

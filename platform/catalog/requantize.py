@@ -22,7 +22,7 @@ from engines.inspection.messages import (
     QuantizeResult,
 )
 
-from .children import run_tool
+from .children import run_inspection
 
 # Under the models directory: where variants' files are written.
 VARIANTS_DIR = "requantized"
@@ -62,7 +62,7 @@ def requantize(
     request = QuantizeRequest(
         source=str(source), target=str(target), quantization=quantization
     )
-    made = run_tool(
+    made = run_inspection(
         "engines.inspection.quantize",
         request,
         QuantizeResult,
@@ -71,7 +71,7 @@ def requantize(
     if made.problem:
         return {}, f"quantizing: {made.problem}"
     progress("measuring the original")
-    original = run_tool(
+    original = run_inspection(
         "engines.inspection.evaluate",
         EvaluateRequest(path=str(source)),
         EvaluateResult,
@@ -80,7 +80,7 @@ def requantize(
     if original.problem:
         return {}, f"measuring the original: {original.problem}"
     progress("measuring the variant")
-    variant = run_tool(
+    variant = run_inspection(
         "engines.inspection.evaluate",
         EvaluateRequest(path=str(target), reference=original.greedy),
         EvaluateResult,

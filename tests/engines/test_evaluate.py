@@ -9,7 +9,7 @@ import pytest
 from django.conf import settings
 
 from engines.inspection.messages import EVALUATION_TEXT
-from tests.engines.child_tools import run_tool
+from tests.engines.inspection_children import run_inspection
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Small enough for a 2-core machine: two prompts, 24 tokens each, one repeat
@@ -31,7 +31,7 @@ def excerpt(tmp_path_factory) -> Path:
 def evaluate(excerpt):
     def run(path, **fields):
         request = {"path": str(path), "text_path": str(excerpt), **LIGHT, **fields}
-        done = run_tool("engines.inspection.evaluate", request)
+        done = run_inspection("engines.inspection.evaluate", request)
         assert done.returncode == 0, done.stderr
         return done.result
 

@@ -6,13 +6,13 @@ import pytest
 
 from engines.backends.memory import plan_slots
 from engines.launch.config import Limits, ModelSpec
-from tests.engines.child_tools import run_tool
+from tests.engines.inspection_children import run_inspection
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def probe(path, **fields):
-    run = run_tool(
+    run = run_inspection(
         "engines.inspection.probe", {"format": "gguf", "path": str(path), **fields}
     )
     assert run.returncode == 0, run.stderr
@@ -68,7 +68,7 @@ def test_files_that_cannot_be_loaded_give_a_problem(tmp_path):
 def test_a_request_outside_the_schema_is_refused(request_text, named):
     """Unknown keys, out-of-range values and non-JSON are refused before
     anything is loaded: status 2, nothing on stdout, the reason on stderr."""
-    run = run_tool("engines.inspection.probe", request_text)
+    run = run_inspection("engines.inspection.probe", request_text)
     assert run.returncode == 2
     assert run.result is None
     assert "refused request" in run.stderr and named in run.stderr.lower()

@@ -3,7 +3,7 @@ Q4_0 by llama.cpp's quantizer, atomically, and what it refuses."""
 
 from gguf import GGUFReader, LlamaFileType
 
-from tests.engines.child_tools import run_tool
+from tests.engines.inspection_children import run_inspection
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -14,7 +14,7 @@ def test_a_q4_1_model_written_as_q4_0(models_dir, tmp_path):
     instead of 5), and no partial file is left behind."""
     source = models_dir / SMOL
     target = tmp_path / "out" / "smol-q4_0.gguf"
-    run = run_tool(
+    run = run_inspection(
         "engines.inspection.quantize",
         {"source": str(source), "target": str(target), "quantization": "Q4_0"},
     )
@@ -33,7 +33,7 @@ def test_a_q4_1_model_written_as_q4_0(models_dir, tmp_path):
 def test_a_missing_source_is_a_problem_and_writes_nothing(tmp_path):
     """A result that names the missing file, and no target file at all."""
     target = tmp_path / "out.gguf"
-    run = run_tool(
+    run = run_inspection(
         "engines.inspection.quantize",
         {"source": str(tmp_path / "gone.gguf"), "target": str(target)}
         | {"quantization": "Q8_0"},
@@ -45,7 +45,7 @@ def test_a_missing_source_is_a_problem_and_writes_nothing(tmp_path):
 
 def test_a_quantization_outside_the_list_is_refused(tmp_path):
     """Only the catalog's quantizations are accepted: F16 is refused unread."""
-    run = run_tool(
+    run = run_inspection(
         "engines.inspection.quantize",
         {"source": "a.gguf", "target": str(tmp_path / "b.gguf"), "quantization": "F16"},
     )

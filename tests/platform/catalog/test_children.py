@@ -3,7 +3,7 @@ process gets only what a tool uses of the worker's environment."""
 
 import os
 
-from catalog.children import run_tool
+from catalog.children import run_inspection
 from engines.inspection.messages import Message
 
 SECRETS = {
@@ -33,7 +33,7 @@ def test_a_tool_gets_none_of_the_workers_secrets(monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert set(SECRETS) <= set(os.environ)
-    result = run_tool(
+    result = run_inspection(
         "tests.platform.catalog.environment_tool", Request(), Names, timeout_s=60
     )
     assert not result.problem, result.problem

@@ -12,13 +12,15 @@ from tests.conftest import ROOT
 
 
 @dataclass
-class ToolRun:
+class InspectionRun:
     returncode: int
     result: dict | None  # the JSON it wrote on stdout, if any
     stderr: str
 
 
-def run_tool(module: str, request: dict | str, *, timeout: float = 300) -> ToolRun:
+def run_inspection(
+    module: str, request: dict | str, *, timeout: float = 300
+) -> InspectionRun:
     """Run `python -m <module>` with `request` (a dict, or raw text) on stdin."""
     raw = request if isinstance(request, str) else json.dumps(request)
     done = subprocess.run(
@@ -30,6 +32,6 @@ def run_tool(module: str, request: dict | str, *, timeout: float = 300) -> ToolR
         timeout=timeout,
     )
     out = done.stdout.decode().strip()
-    return ToolRun(
+    return InspectionRun(
         done.returncode, json.loads(out) if out else None, done.stderr.decode()
     )
