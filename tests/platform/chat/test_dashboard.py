@@ -156,15 +156,15 @@ async def test_orders_need_csrf_and_are_recorded_and_carried_out(socket_app, eng
         "text": f"Unloaded {CHAT} from streams0.",
         "level": "info",
     }
-    models = (await asyncio.to_thread(engine.client().state))["models"]
-    assert CHAT not in [m["name"] for m in models]
+    models = (await asyncio.to_thread(engine.client().state)).models
+    assert CHAT not in [m.name for m in models]
 
     loaded = await client.post(url + "load/", {"model": CHAT}, headers=csrf)
     assert loaded.status_code == 202
     notice = await _notice(socket)
     assert notice["text"].startswith(f"Loaded {CHAT} on streams0 (")
-    models = (await asyncio.to_thread(engine.client().state))["models"]
-    assert CHAT in [m["name"] for m in models]
+    models = (await asyncio.to_thread(engine.client().state)).models
+    assert CHAT in [m.name for m in models]
 
     missing = await client.post(url + "load/", {"model": "nope"}, headers=csrf)
     assert missing.status_code == 404
