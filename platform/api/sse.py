@@ -1,8 +1,8 @@
 """Streamed answers of /v1/chat/completions and /v1/completions (server-sent
 events, OpenAI's chunks): every choice's engine stream opened at once, their
-frames relayed as they come, each chunk naming its choice; a choice's last
-chunk carries its finish reason, and the stream ends with the usage of every
-choice (when asked for) and `[DONE]`."""
+tokens relayed as they come (api.relay), each chunk naming its choice; a
+choice's last chunk carries its finish reason, and the stream ends with the
+usage of every choice (when asked for) and `[DONE]`."""
 
 import json
 import time
@@ -12,7 +12,7 @@ from typing import Any
 from django.http import HttpResponse, StreamingHttpResponse
 
 from engines.wire.client import EngineError
-from engines.wire.frames import DoneFrame, Ending, Logprob, StartFrame, TokenFrame
+from engines.wire.frames import Ending, Logprob, StartFrame, TokenFrame
 from routing.select import ModelRoute, Snapshot
 
 from .calls import Call
@@ -22,11 +22,10 @@ from .choices import (
     choices_open,
     completion_logprobs,
     engine_requests,
-    finish_reason,
-    merged,
     tool_call_deltas,
 )
 from .pipeline import engine_failure
+from .relay import Echo, Ended, Token, tokens_relayed
 
 # The answer's header naming how many of the oldest messages were dropped to fit
 # the model's context.
@@ -114,7 +113,6 @@ async def generation_stream(
         # admitted the request; each choice's role chunk (or echoed prompt)
         # waits for its first token (or its end) and leaves in its write.
         pending = [b""] * len(opened)
-        remaining = len(opened)  # choices not ended
         for index in range(len(opened)):
             if chat:
                 role = {"role": "assistant", "content": ""}
@@ -133,37 +131,28 @@ async def generation_stream(
                 )
             elif echoes[index] and payload.logprobs is None:
                 pending[index] = chunk(index, echoes[index])
-        relay = merged([frames for frames, _ in opened])
+        relay = tokens_relayed(call, opened, tally)
         try:
-            async for index, frame in relay:
-                if isinstance(frame, TokenFrame) and frame.prompt_logprobs:
+            async for event in relay:
+                index = event.index
+                if isinstance(event, Echo):
                     # The echoed prompt leaves with its log-probabilities.
                     offsets[index] = 0
-                    echoed = frame.prompt_logprobs
-                    pending[index] = chunk(index, echoes[index], echoed)
-                if isinstance(frame, TokenFrame):
-                    if call.first_token_at is None:
-                        call.first_token_at = time.perf_counter()
-                    # Counted as they come: a stream cut short (the caller gone,
-                    # the engine dead or silent) gets no final usage.
-                    call.completion_tokens += frame.tokens
-                    if not (frame.text or frame.tool_calls or frame.logprobs):
-                        continue  # tokens inside a call's markup: counted only
+                    pending[index] = chunk(index, echoes[index], event.logprobs)
+                elif isinstance(event, Token):
+                    frame = event.frame
                     piece = chunk(index, frame.text, frame.logprobs, frame)
                     yield pending[index] + piece
                     pending[index] = b""
-                elif isinstance(frame, DoneFrame):
-                    tally.ended(index, frame.usage)
-                    reason = finish_reason(frame.finish_reason)
-                    ending = chunk(index, reason=reason, timings=call.timings(frame))
+                elif isinstance(event, Ended):
+                    timings = call.timings(event.frame)
+                    ending = chunk(index, reason=event.reason, timings=timings)
                     out = pending[index] + ending
                     pending[index] = b""
-                    remaining -= 1
-                    if remaining:
+                    if not event.last:
                         yield out
                         continue
                     # The last choice's end leaves with the usage and [DONE].
-                    call.counted(tally.usage())
                     last = [out]
                     if payload.include_usage:
                         last.append(sse({**base, "choices": [], "usage": call.usage()}))

@@ -5,7 +5,8 @@ goes through the REST API's own pipeline (api.pipeline): the caller's key
 checked again (a key revoked while its socket is open stops working), the
 body checked by the REST schema, the model, the key's limits, the engine; its
 `Call` ends in one usage row (endpoint `ws.chat`). Tokens come over the engine
-connection and leave as `token` messages; the channel layer never sees them.
+connection, through the relay REST's streams use too (api.relay), and leave as
+`token` messages; the channel layer never sees them.
 
 The answer's turn is stored once it has ended (`done` or `error` sent), and a
 `stored` message then gives its conversation's id. A turn sent again with the
@@ -33,8 +34,6 @@ from api.choices import (
     choices_open,
     engine_messages,
     engine_requests,
-    finish_reason,
-    merged,
     tool_call_deltas,
     tool_calls,
 )
@@ -46,9 +45,9 @@ from api.pipeline import (
     engine_failure,
     model_route,
 )
+from api.relay import Ended, Token, tokens_relayed
 from engines.wire.client import EngineError
 from engines.wire.errors import ErrorCode
-from engines.wire.frames import DoneFrame, TokenFrame
 
 from .schemas import Chat, chat_request
 from .selectors import conversations_owned
@@ -59,12 +58,12 @@ log = logging.getLogger("roundhouse.chat")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-def _choice_end(index: int, frame: DoneFrame) -> dict:
+def _choice_end(end: Ended) -> dict:
     """How one of several choices ended (the `done` message lists them)."""
     return {
-        "index": index,
-        "finish_reason": finish_reason(frame.finish_reason),
-        "tool_calls": tool_calls(frame.tool_calls or []),
+        "index": end.index,
+        "finish_reason": end.reason,
+        "tool_calls": tool_calls(end.frame.tool_calls or []),
     }
 
 
@@ -183,48 +182,43 @@ class ChatStream:
         # Several choices (`n`): each message names its choice's `index`; the
         # stored turn is the first choice's.
         several = len(opened) > 1
-        ends: dict[int, DoneFrame] = {}
-        relay = merged([frames for frames, _ in opened])
+        ends: dict[int, Ended] = {}
+        # Refresh the fleet snapshot and stale keys once the answer is under
+        # way, as REST does.
+        loop = asyncio.get_running_loop()
+        relay = tokens_relayed(
+            call, opened, tally, first_token=lambda: loop.call_later(0.1, after_answer)
+        )
         # The call's end closes the engine streams: the relay must have
         # stopped reading them by then.
         self.call.held.push_async_callback(relay.aclose)
-        async for index, frame in relay:
-            if isinstance(frame, TokenFrame):
-                if call.first_token_at is None:
-                    call.first_token_at = time.perf_counter()
-                    # Refresh the fleet snapshot and stale keys now that the
-                    # answer is under way, as REST does.
-                    asyncio.get_running_loop().call_later(0.1, after_answer)
-                call.completion_tokens += frame.tokens
+        async for event in relay:
+            if isinstance(event, Token):
+                frame = event.frame
                 message = {"type": "token", "id": chat.id, "text": frame.text}
                 if frame.tool_calls:
                     message["tool_calls"] = tool_call_deltas(frame.tool_calls)
                 if frame.logprobs:
                     message["logprobs"] = [e.model_dump() for e in frame.logprobs]
-                if not (frame.text or frame.tool_calls or frame.logprobs):
-                    continue  # tokens inside a call's markup: counted only
                 if several:
-                    message["index"] = index
-                if index == 0:
+                    message["index"] = event.index
+                if event.index == 0:
                     self._parts.append(frame.text)
                 await self._send(message)
-            elif isinstance(frame, DoneFrame):
-                tally.ended(index, frame.usage)
-                ends[index] = frame
-                if len(ends) < len(opened):
+            elif isinstance(event, Ended):
+                ends[event.index] = event
+                if not event.last:
                     continue
-                call.counted(tally.usage())
                 first = ends[0]
-                reason = finish_reason(first.finish_reason)
-                self.answer.finish_reason = reason
-                engine_timings = call.timings(first)
+                self.answer.finish_reason = first.reason
+                engine_timings = call.timings(first.frame)
                 await self._end()
-                done = self._done(reason, engine_timings)
-                if first.tool_calls:
-                    done["tool_calls"] = tool_calls(first.tool_calls)
+                done = self._done(first.reason, engine_timings)
+                if first.frame.tool_calls:
+                    done["tool_calls"] = tool_calls(first.frame.tool_calls)
                 if several:
                     done["choices"] = [
-                        _choice_end(number, end) for number, end in sorted(ends.items())
+                        _choice_end(end) for _, end in sorted(ends.items())
                     ]
                 await self._send(done)
                 return
