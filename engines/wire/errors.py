@@ -18,7 +18,7 @@ class ErrorCode(enum.StrEnum):
     COOLING = "cooling"
     CANCELLED = "cancelled"
     INTERNAL = "internal"
-    # A node's relay could not reach the engine named (engines/wire/link.py): the
+    # A node's relay could not reach the engine named (engines/wire/link_relay.py): the
     # request never started there, and the caller tries another replica.
     UNREACHABLE = "unreachable"
 

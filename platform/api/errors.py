@@ -83,6 +83,20 @@ class ApiCode(enum.StrEnum):
     # The WebSocket chat's.
     CONVERSATION_NOT_FOUND = "conversation_not_found"
     TOO_MANY_STREAMS = "too_many_streams"
+    # The Batch API's: refusals of its files and batches, and why a batch (or
+    # a line of it, in the error file) ended without an answer.
+    FILE_NOT_FOUND = "file_not_found"
+    BATCH_NOT_FOUND = "batch_not_found"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    STORAGE_FULL = "storage_full"
+    INVALID_REQUEST = "invalid_request"
+    FILE_UNREADABLE = "file_unreadable"
+    BATCH_EXPIRED = "batch_expired"
+    BATCH_CANCELLED = "batch_cancelled"
+    BATCH_CRASHED = "batch_crashed"
+    BATCH_RUN_FAILED = "batch_run_failed"
+    KEY_REVOKED = "key_revoked"
+    KEY_DELETED = "key_deleted"
 
 
 @dataclass(frozen=True)
@@ -105,7 +119,7 @@ ENGINE_ERRORS: dict[str, Mapping] = {
     # The engine refused the front's own token: a fault of ours, not the caller's.
     ErrorCode.UNAUTHORIZED: Mapping(502, "server_error"),
     ErrorCode.INTERNAL: Mapping(500, "server_error"),
-    # A node's relay could not reach the engine (engines/wire/link.py); the front
+    # A node's relay could not reach the engine (engines/wire/link_relay.py); the front
     # tries another replica first, and answers this when none is left.
     ErrorCode.UNREACHABLE: Mapping(503, "server_error", retry_after_s=5),
 }

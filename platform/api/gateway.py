@@ -1,7 +1,8 @@
 """How the front reaches engines: a routing snapshot at most a second old, the
 router's choice, and a client: for an engine of this host, built from the
 engine's connection file; for one of another node, over the link to that
-node's relay (engines/wire/link.py), authenticated by this host's node secret."""
+node's relay (engines/wire/link_client.py), authenticated by this host's node
+secret."""
 
 import asyncio
 import dataclasses
@@ -18,7 +19,7 @@ from django.conf import settings
 from cluster.identity import NodeIdentity, identity_read
 from cluster.models import UNREACHABLE_AFTER_S
 from engines.wire.client import AsyncEngineClient, EngineUnreachable, connection_file
-from engines.wire.link import LinkPool, Peer, RemoteEngineClient
+from engines.wire.link_client import LinkPool, Peer, RemoteEngineClient
 from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
 from routing.affinity import AffinityMap
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache

@@ -26,7 +26,7 @@ from api import errors
 from .models import StoredFile
 
 # Codes of the refusals (batches.views marks them not to be retried).
-QUOTA_CODES = ("quota_exceeded", "storage_full")
+QUOTA_CODES = (errors.ApiCode.QUOTA_EXCEEDED, errors.ApiCode.STORAGE_FULL)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Room:
                 errors.TOO_LARGE,
                 f"{described} is larger than the {quota} bytes an owner's "
                 "stored files may take.",
-                code="quota_exceeded",
+                code=errors.ApiCode.QUOTA_EXCEEDED,
                 param="file",
             )
         if self.owner <= self.server:
@@ -60,14 +60,14 @@ class Room:
                 f"owner ({quota} bytes; {max(0, self.owner)} left). Delete files "
                 "(DELETE /v1/files/{file_id}) to make room.",
                 1,
-                code="quota_exceeded",
+                code=errors.ApiCode.QUOTA_EXCEEDED,
             )
         return errors.rate_limited(
             f"{described} does not fit: the server's file storage is full "
             f"({max(0, self.server)} bytes left). Try again later, or ask the "
             "operator.",
             60,
-            code="storage_full",
+            code=errors.ApiCode.STORAGE_FULL,
         )
 
 

@@ -3,6 +3,7 @@
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from api.errors import ApiCode
 from api.models import ApiKey
 
 from .models import Batch, StoredFile
@@ -107,5 +108,5 @@ def batch_run_state(*, batch_id: str) -> RunState:
         .first()
     )
     if row is None or row[0] is None:
-        return RunState("key_deleted", row[2] if row else None)
-    return RunState("key_revoked" if row[1] is not None else "", row[2])
+        return RunState(ApiCode.KEY_DELETED, row[2] if row else None)
+    return RunState(ApiCode.KEY_REVOKED if row[1] is not None else "", row[2])

@@ -191,7 +191,7 @@ def batch_create(
         raise errors.from_mapping(
             errors.NOT_FOUND,
             f"No file with purpose 'batch' has the id {input_file_id!r}.",
-            code="file_not_found",
+            code=errors.ApiCode.FILE_NOT_FOUND,
             param="input_file_id",
         )
     quotas.room_check(owner_filter(key), size=1)  # room for its output
@@ -455,7 +455,7 @@ def batches_resume() -> list[str]:
                     failed_at=now,
                     errors=[
                         _batch_error(
-                            code="batch_crashed",
+                            code=errors.ApiCode.BATCH_CRASHED,
                             message=CRASHED.format(crashes=crashes),
                         )
                     ],

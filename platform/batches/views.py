@@ -114,13 +114,17 @@ async def upload_refusal(
 
 def _file_not_found(file_id: str) -> errors.ApiError:
     return errors.from_mapping(
-        errors.NOT_FOUND, f"No such file: {file_id!r}.", code="file_not_found"
+        errors.NOT_FOUND,
+        f"No such file: {file_id!r}.",
+        code=errors.ApiCode.FILE_NOT_FOUND,
     )
 
 
 def _batch_not_found(batch_id: str) -> errors.ApiError:
     return errors.from_mapping(
-        errors.NOT_FOUND, f"No such batch: {batch_id!r}.", code="batch_not_found"
+        errors.NOT_FOUND,
+        f"No such batch: {batch_id!r}.",
+        code=errors.ApiCode.BATCH_NOT_FOUND,
     )
 
 

@@ -1,7 +1,7 @@
 """The relay's TLS certificate: made by the node itself at its first start
 (an EC P-256 key, mode 0600, and a self-signed certificate in the run dir),
 published by its SHA-256 in the database, and pinned by every node that
-links to it (engines.wire.link.client_tls_context). No CA to run, nothing to
+links to it (engines.wire.link_client.client_tls_context). No CA to run, nothing to
 copy between hosts; the database is the trust anchor, as it is for the
 node secrets."""
 

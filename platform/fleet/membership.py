@@ -1,8 +1,8 @@
 """This host as a node of a cluster, for its supervisor (`supervise --node
 NAME`): it joins once (the admin's one-time token for the node's own secret,
 kept 0600 in the run dir), heartbeats through the database every BEAT_S,
-runs the node's relay (engines/wire/link.py) that carries the other nodes'
-streams to this host's engines, and reads which models are placed on its
+runs the node's relay (engines/wire/link_relay.py) that carries the other
+nodes' streams to this host's engines, and reads which models are placed on its
 engines (routing/placement.py) for the supervisor to load.
 
 A node that cannot write its heartbeat for UNREACHABLE_AFTER_S (cut off from
@@ -36,7 +36,7 @@ from cluster.services import (
 from cluster.tls import relay_certificate, server_tls_context
 from engines.launch.devices import default_memory_probes
 from engines.wire.client import EngineUnreachable, connection_file, read_connection_file
-from engines.wire.link import Relay
+from engines.wire.link_relay import Relay
 
 from .selectors import routing_snapshot
 

@@ -1,4 +1,4 @@
-"""Node links (engines/wire/link.py) against a real engine: a relay on loopback in
+"""Node links (engines/wire/link*.py) against a real engine: a relay on loopback in
 the test's event loop, the same client as for a local engine over it, and a
 proxy between them that can go silent (a cut cable, as iptables DROP does
 across hosts; the multi-host tests in tests/cluster/ do it for real)."""
@@ -13,15 +13,9 @@ from cluster.tls import relay_certificate, server_tls_context
 from engines.wire.client import AsyncEngineClient, EngineDied, EngineUnreachable
 from engines.wire.frames import TokenFrame
 from engines.wire.framing import encode_message, read_frame
-from engines.wire.link import (
-    LINK_HEADER,
-    MAX_LINK_PAYLOAD,
-    OPEN,
-    LinkPool,
-    Peer,
-    Relay,
-    RemoteEngineClient,
-)
+from engines.wire.link import LINK_HEADER, MAX_LINK_PAYLOAD, OPEN
+from engines.wire.link_client import LinkPool, Peer, RemoteEngineClient
+from engines.wire.link_relay import Relay
 from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import free_port, start_engine
 from tests.engines.test_generation import SMOL, gguf_spec

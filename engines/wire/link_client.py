@@ -1,0 +1,299 @@
+"""The client side of a node link (engines/wire/link.py says the protocol):
+a pool of links, one per peer node, and `RemoteEngineClient`, the engine
+client whose connection is a stream on a link instead of a socket."""
+
+import asyncio
+import itertools
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from engines.wire.bounds import CONTROL_TIMEOUT_S, MAX_AUTH_FRAME_BYTES
+from engines.wire.client import AsyncEngineClient, EngineUnreachable
+from engines.wire.errors import ProtocolError
+from engines.wire.frames import ErrorReply
+from engines.wire.framing import decode_message, encode_message, read_frame
+from engines.wire.link import (
+    CLOSE,
+    CONNECT_COOLDOWN_S,
+    DATA,
+    LINK_DEAD_S,
+    LINK_PING_S,
+    MAX_LINK_PAYLOAD,
+    OPEN,
+    PING,
+    PONG,
+    WELCOME,
+    LinkHello,
+    LinkRefused,
+    certificate_fingerprint,
+    data_frames,
+    link_frame,
+    read_link_frame,
+)
+from engines.wire.requests import Request
+
+log = logging.getLogger("roundhouse.link")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A node's relay as a caller reaches it."""
+
+    node: str
+    host: str
+    port: int
+    tls_fingerprint: str = ""  # empty: plain TCP
+
+
+class StreamWriter:
+    """The writing half of one stream of a link, shaped like the part of
+    asyncio.StreamWriter the engine clients use."""
+
+    def __init__(self, link: "Link", stream: int) -> None:
+        self._link = link
+        self._stream = stream
+        self._closed = False
+
+    def write(self, data: bytes) -> None:
+        if not self._closed:
+            self._link.send(data_frames(self._stream, data))
+
+    async def drain(self) -> None:
+        await self._link.drain()
+
+    def close(self) -> None:
+        """Hang up: the relay closes the engine connection, which cancels the
+        request there."""
+        if not self._closed:
+            self._closed = True
+            self._link.hang_up(self._stream)
+
+    def is_closing(self) -> bool:
+        return self._closed
+
+
+class Link:
+    """One authenticated connection to another node's relay, carrying many
+    streams. Built by LinkPool."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        peer: Peer,
+        on_lost: Callable[["Link"], None],
+    ) -> None:
+        self.peer = peer
+        self._reader = reader
+        self._writer = writer
+        self._on_lost = on_lost
+        self._streams: dict[int, asyncio.StreamReader] = {}
+        self._ids = itertools.count(1)
+        self._heard_at = time.monotonic()
+        self.lost: str | None = None
+        self._tasks = [
+            asyncio.ensure_future(self._read_loop()),
+            asyncio.ensure_future(self._keepalive()),
+        ]
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def open(self, engine: str, data: bytes) -> tuple[asyncio.StreamReader, Any]:
+        """A new stream to `engine` on the peer, with `data` sent on it."""
+        if self.lost is not None:
+            raise ConnectionResetError(f"link to node {self.peer.node} lost")
+        stream = next(self._ids)
+        reader = asyncio.StreamReader(limit=MAX_LINK_PAYLOAD * 2)
+        self._streams[stream] = reader
+        self.send(
+            link_frame(stream, OPEN, engine.encode("utf-8")) + data_frames(stream, data)
+        )
+        return reader, StreamWriter(self, stream)
+
+    def send(self, data: bytes) -> None:
+        if self.lost is None:
+            self._writer.write(data)
+
+    async def drain(self) -> None:
+        if self.lost is None:
+            await self._writer.drain()
+
+    def hang_up(self, stream: int) -> None:
+        if self._streams.pop(stream, None) is not None:
+            self.send(link_frame(stream, CLOSE))
+
+    def close(self, why: str = "closed") -> None:
+        """Drop the link: every stream on it fails as a dropped connection."""
+        if self.lost is not None:
+            return
+        self.lost = why
+        error = ConnectionResetError(f"link to node {self.peer.node} lost: {why}")
+        for reader in self._streams.values():
+            reader.set_exception(error)
+        self._streams.clear()
+        self._writer.close()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._on_lost(self)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                stream, kind, payload = await read_link_frame(self._reader)
+                self._heard_at = time.monotonic()
+                if kind == DATA:
+                    reader = self._streams.get(stream)
+                    if reader is not None:
+                        reader.feed_data(payload)
+                elif kind == CLOSE:
+                    reader = self._streams.pop(stream, None)
+                    if reader is not None:
+                        reader.feed_eof()
+                elif kind == PING:
+                    self.send(link_frame(0, PONG))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as error:
+            self.close(f"connection ended ({type(error).__name__})")
+        except ProtocolError as error:
+            self.close(error.message)
+
+    async def _keepalive(self) -> None:
+        while True:
+            await asyncio.sleep(LINK_PING_S)
+            silent = time.monotonic() - self._heard_at
+            if silent > LINK_DEAD_S:
+                self.close(f"no answer in {silent:.1f} s")
+                return
+            self.send(link_frame(0, PING))
+
+
+class LinkPool:
+    """The links of one event loop, one per peer node, made on first use."""
+
+    def __init__(self, *, node: str, secret: str) -> None:
+        self.node = node
+        self._secret = secret
+        self._links: dict[str, Link] = {}
+        self._connecting: dict[str, asyncio.Future] = {}
+        self._failed: dict[str, tuple[float, str]] = {}
+
+    def __repr__(self) -> str:
+        return f"LinkPool(node={self.node!r})"
+
+    async def link(self, peer: Peer) -> Link:
+        """The live link to `peer`, connecting if there is none; OSError,
+        TimeoutError or LinkRefused when it cannot be made."""
+        link = self._links.get(peer.node)
+        if link is not None and link.lost is None and link.peer == peer:
+            return link
+        failed = self._failed.get(peer.node)
+        if failed is not None and time.monotonic() - failed[0] < CONNECT_COOLDOWN_S:
+            raise ConnectionRefusedError(f"node {peer.node}: {failed[1]} (just now)")
+        pending = self._connecting.get(peer.node)
+        if pending is None:
+            pending = asyncio.ensure_future(self._connect(peer))
+            self._connecting[peer.node] = pending
+            pending.add_done_callback(
+                lambda _, name=peer.node: self._connecting.pop(name, None)
+            )
+        return await asyncio.shield(pending)
+
+    async def _connect(self, peer: Peer) -> Link:
+        try:
+            link = await asyncio.wait_for(self._handshake(peer), CONTROL_TIMEOUT_S)
+        except (OSError, TimeoutError, LinkRefused) as error:
+            self._failed[peer.node] = (time.monotonic(), str(error) or "timed out")
+            raise
+        self._failed.pop(peer.node, None)
+        old = self._links.get(peer.node)
+        if old is not None:
+            old.close("replaced")
+        self._links[peer.node] = link
+        return link
+
+    async def _handshake(self, peer: Peer) -> Link:
+        context = client_tls_context() if peer.tls_fingerprint else None
+        reader, writer = await asyncio.open_connection(
+            peer.host, peer.port, ssl=context
+        )
+        try:
+            if context is not None:
+                der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+                if certificate_fingerprint(der) != peer.tls_fingerprint:
+                    raise LinkRefused(
+                        f"node {peer.node}: the relay's certificate is not the one "
+                        "pinned for it"
+                    )
+            hello = LinkHello(
+                kind="link", version=1, node=self.node, secret=self._secret
+            )
+            writer.write(
+                encode_message(hello.model_dump(), max_bytes=MAX_AUTH_FRAME_BYTES)
+            )
+            reply = await read_frame(reader, max_bytes=MAX_AUTH_FRAME_BYTES)
+            if reply is None:
+                raise LinkRefused(f"node {peer.node}: the relay closed the link")
+            answer = WELCOME.validate_python(decode_message(reply))
+            if isinstance(answer, ErrorReply):
+                raise LinkRefused(f"node {peer.node}: {answer.message}")
+            if answer.node != peer.node:
+                raise LinkRefused(f"the relay at {peer.host} is not node {peer.node}")
+        except BaseException:
+            writer.close()
+            raise
+        return Link(reader, writer, peer=peer, on_lost=self._lost)
+
+    def _lost(self, link: Link) -> None:
+        if self._links.get(link.peer.node) is link:
+            del self._links[link.peer.node]
+            log.warning("link to node %s lost: %s", link.peer.node, link.lost)
+
+    def close(self) -> None:
+        for link in list(self._links.values()):
+            link.close("pool closed")
+
+
+def client_tls_context() -> ssl.SSLContext:
+    """TLS for a link: the relay's certificate is checked against the
+    fingerprint the cluster's database pins for its node, not against a CA
+    or a host name."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # pinned instead: see _handshake
+    return context
+
+
+class RemoteEngineClient(AsyncEngineClient):
+    """An engine on another node, reached over the link to that node's relay:
+    the same client as for a local engine, another transport."""
+
+    def __init__(self, *, name: str, pool: LinkPool, peer: Peer) -> None:
+        # No port or token of its own: the relay holds the engine's.
+        super().__init__(port=0, token="", name=name)
+        self.pool = pool
+        self.peer = peer
+
+    def _opening(self, message: Request) -> bytes:
+        return message.encoded()  # the relay authenticates to the engine
+
+    async def _open(self, message: Request):
+        data = self._opening(message)
+        try:
+            link = await self.pool.link(self.peer)
+            return link.open(self.name, data)
+        except (OSError, TimeoutError, LinkRefused, ValidationError) as error:
+            raise EngineUnreachable(
+                f"engine {self.name} on node {self.peer.node}: "
+                f"{error or type(error).__name__}"
+            ) from None
