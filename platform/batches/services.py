@@ -21,6 +21,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import F, Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from api import errors
@@ -215,7 +216,7 @@ def batch_queue(batch_id: str) -> None:
     when (batches_resume does not send it again while it waits). A broker
     that cannot be reached is logged: the batch stays open, and a resume
     after REQUEUE_AFTER_S (a worker starting, beat's periodic run) queues it."""
-    Batch.objects.filter(pk=batch_id).update(queued_at=timezone.now())
+    Batch.objects.filter(pk=batch_id).update(queued_at=Now())
 
     def send() -> None:
         try:
@@ -272,18 +273,19 @@ def batch_claim(*, batch_id: str, owner: str) -> bool:
     """Take the batch for this worker (True), unless another live worker
     holds it. Atomic: of two workers that try at once, one gets it. Taking
     it from another owner whose lease expired counts a crash (that run died
-    holding it, or stopped for longer than its lease)."""
-    now = timezone.now()
+    holding it, or stopped for longer than its lease). Leases are stamped and
+    judged by the database's clock: workers on hosts whose clocks differ agree
+    on when one expires."""
     open_batch = Batch.objects.filter(pk=batch_id, status__in=OPEN_STATUSES)
     lease = {
         "lease_owner": owner,
-        "lease_until": now + timedelta(seconds=LEASE_S),
+        "lease_until": Now() + timedelta(seconds=LEASE_S),
         "queued_at": None,
     }
     taken_over = (
         open_batch.exclude(lease_owner="")
         .exclude(lease_owner=owner)
-        .filter(lease_until__lt=now)
+        .filter(lease_until__lt=Now())
         .update(crashes=F("crashes") + 1, **lease)
     )
     return bool(
@@ -309,10 +311,9 @@ def batch_record(
     lease; the batch's status now (a cancel shows here). A line already
     recorded keeps its first answer. LeaseLost when another worker holds the
     batch: nothing is recorded then."""
-    now = timezone.now()
     with transaction.atomic():
         renewed = Batch.objects.filter(pk=batch_id, lease_owner=owner).update(
-            lease_until=now + timedelta(seconds=LEASE_S)
+            lease_until=Now() + timedelta(seconds=LEASE_S)
         )
         if not renewed:
             raise LeaseLost(batch_id)
@@ -438,12 +439,16 @@ def batches_resume() -> list[str]:
     process of this host that is gone (a worker killed mid-batch: a crash,
     counted; a batch with MAX_CRASHES is failed instead), or it was never
     sent, or sent more than REQUEUE_AFTER_S ago and still not taken. The ids
-    queued."""
-    now = timezone.now()
+    queued. Leases and queue stamps are judged by the database's clock."""
     queued = []
-    for batch_id, owner, until, queued_at, crashes in Batch.objects.filter(
-        status__in=OPEN_STATUSES
-    ).values_list("id", "lease_owner", "lease_until", "queued_at", "crashes"):
+    rows = (
+        Batch.objects.filter(status__in=OPEN_STATUSES)
+        .annotate(db_now=Now())
+        .values_list(
+            "id", "lease_owner", "lease_until", "queued_at", "crashes", "db_now"
+        )
+    )
+    for batch_id, owner, until, queued_at, crashes, now in rows:
         if owner:
             if until is not None and until >= now and not owner_gone(owner):
                 continue  # a live worker holds it

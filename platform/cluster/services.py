@@ -37,12 +37,14 @@ def cluster_database_check() -> None:
 
 def node_join_token_issue(*, node: Node) -> str:
     """A new one-time join token for the node (the only time it is seen in
-    the clear); any earlier token stops working."""
+    the clear); any earlier token stops working. Its expiry is by the
+    database's clock (the joining host's may differ from this one's)."""
     token = "rhj-" + secrets.token_urlsafe(32)
     ttl = ClusterSettings.load().join_token_ttl_s
     node.join_token_hash = secret_hash(token)
-    node.join_token_expires_at = timezone.now() + timedelta(seconds=ttl)
+    node.join_token_expires_at = Now() + timedelta(seconds=ttl)
     node.save(update_fields=["join_token_hash", "join_token_expires_at", "updated_at"])
+    node.refresh_from_db(fields=["join_token_expires_at"])
     return token
 
 
@@ -61,7 +63,12 @@ def node_join(*, name: str, join_token: str) -> NodeIdentity:
     before it expires, for a node that is not revoked."""
     cluster_database_check()
     with transaction.atomic():
-        node = Node.objects.select_for_update().filter(name=name).first()
+        node = (
+            Node.objects.select_for_update()
+            .annotate(db_now=Now())
+            .filter(name=name)
+            .first()
+        )
         if node is None:
             raise NodeRefused(f"no node named {name!r}: add it in the admin first")
         if node.revoked_at is not None:
@@ -73,7 +80,7 @@ def node_join(*, name: str, join_token: str) -> NodeIdentity:
                 f"the join token of node {name!r} is wrong or was used already: "
                 "show a new join command in the admin"
             )
-        if node.join_token_expires_at and node.join_token_expires_at < timezone.now():
+        if node.join_token_expires_at and node.join_token_expires_at < node.db_now:
             raise NodeRefused(
                 f"the join token of node {name!r} expired: show a new join command "
                 "in the admin"

@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from django.utils import timezone
+from django.db.models.functions import Now
 
 from catalog.models import ModelConfig
 from catalog.selectors import models_servable_by
@@ -180,6 +180,8 @@ def engines_desired(*, node: str | None = None) -> list[DesiredEngine]:
 
 # An engine whose state the supervisor has not refreshed for this long is taken
 # for down (the supervisor polls every second; its own death stops the writes).
+# Heartbeats are written and aged by the database's clock (Now()), never a
+# host's: a node whose clock is off, or a front's, still agrees on their age.
 HEARTBEAT_STALE_S = 10.0
 
 
@@ -190,9 +192,10 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
     HEARTBEAT_STALE_S: the reader saw the database down that long, so no one
     could write them meanwhile (the supervisor writes again within a second of
     the database's return)."""
-    now = timezone.now()
     stale_after_s = HEARTBEAT_STALE_S + heartbeat_grace_s
-    states = {state.spec_id: state for state in EngineState.objects.all()}
+    states = {
+        state.spec_id: state for state in EngineState.objects.annotate(db_now=Now())
+    }
     nodes = nodes_now()
     engines = {}
     for spec in EngineSpec.objects.select_related("node").order_by("order", "name"):
@@ -200,7 +203,7 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
         fresh = (
             state is not None
             and state.heartbeat_at is not None
-            and (now - state.heartbeat_at).total_seconds() < stale_after_s
+            and (state.db_now - state.heartbeat_at).total_seconds() < stale_after_s
         )
         node = nodes.get(spec.node.name) if spec.node else None
         # An engine of a node that is not ready (unreachable, draining,
@@ -277,10 +280,10 @@ def engine_counters() -> tuple[dict[str, int], dict[tuple[str, str], tuple[int, 
 def fleet_overview() -> dict:
     """The fleet as the dashboard shows it: each engine with its last state,
     and the enabled models an operator may load. JSON-ready."""
-    now = timezone.now()
     engines = []
-    specs = EngineSpec.objects.select_related("state", "node")
+    specs = EngineSpec.objects.select_related("state", "node").annotate(db_now=Now())
     for spec in specs.order_by("node__name", "order", "name"):
+        now = spec.db_now  # the clock heartbeats and starts are written with
         state = getattr(spec, "state", None)
         if state is None:
             state = EngineState(spec=spec)

@@ -33,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import psutil
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from engines.launch.config import LiveConfig
@@ -265,7 +266,7 @@ class Supervisor:
             status=EngineStatus.STARTING,
             pid=pid,
             port=wanted.port,
-            started_at=timezone.now(),
+            started_at=Now(),
             backoff_until=None,
         )
 
@@ -504,7 +505,7 @@ class Supervisor:
             status=status,
             pid=engine.process.pid,
             port=engine.desired.port,
-            heartbeat_at=timezone.now(),
+            heartbeat_at=Now(),  # the database's clock: see fleet.selectors
             resident_models=resident_models_of(state),
             queue_depth=state.queue_depth,
             slots_in_use=state.slots_in_use,
@@ -526,7 +527,7 @@ class Supervisor:
             engine,
             status=EngineStatus.UNHEALTHY,
             pid=engine.process.pid,
-            heartbeat_at=timezone.now(),
+            heartbeat_at=Now(),  # the database's clock: see fleet.selectors
         )
         self._begin(
             engine,

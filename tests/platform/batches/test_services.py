@@ -64,6 +64,24 @@ def test_one_worker_holds_a_batch_until_its_lease_expires(batch):
     assert services.batch_claim(batch_id=batch.id, owner="host:2:2:b")
 
 
+def test_leases_are_judged_by_the_database_clock_not_a_workers(batch, monkeypatch):
+    """A worker on a host whose clock runs an hour ahead neither takes a live
+    lease over nor resumes its batch: leases are stamped and aged by the
+    database's clock. Control: a lease that did expire by that clock is taken
+    over (and counted as a crash)."""
+    assert services.batch_claim(batch_id=batch.id, owner="host:1:1:a")
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() + timedelta(hours=1))
+    assert not services.batch_claim(batch_id=batch.id, owner="other:2:2:b")
+    assert services.batches_resume() == []  # held by a live worker elsewhere
+    monkeypatch.undo()
+    Batch.objects.filter(pk=batch.id).update(
+        lease_until=timezone.now() - timedelta(seconds=1)
+    )
+    assert services.batch_claim(batch_id=batch.id, owner="other:2:2:b")
+    assert Batch.objects.get(pk=batch.id).crashes == 1
+
+
 def test_a_line_keeps_its_first_answer_and_a_fenced_worker_records_nothing(batch):
     services.batch_claim(batch_id=batch.id, owner="w:1:1:a")
     first = [(0, "a", True, {"n": 1})]

@@ -66,6 +66,27 @@ def test_an_expired_join_token_is_refused():
 
 
 @postgres_only
+def test_a_join_token_expires_by_the_databases_clock(monkeypatch):
+    """A token issued on a host whose clock runs an hour behind, and used on
+    one whose clock runs an hour ahead, still joins within its time: both
+    ends use the database's clock. Control: the same token past its expiry by
+    that clock is refused."""
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - timedelta(hours=1))
+    node, token = node_create(name="skewed", address="10.0.0.9")
+    assert node.join_token_expires_at > real_now()
+    monkeypatch.setattr(timezone, "now", lambda: real_now() + timedelta(hours=1))
+    node_join(name="skewed", join_token=token)
+
+    node, token = node_create(name="skewed-late", address="10.0.0.10")
+    Node.objects.filter(pk=node.pk).update(
+        join_token_expires_at=real_now() - timedelta(seconds=1)
+    )
+    with pytest.raises(NodeRefused, match="expired"):
+        node_join(name="skewed-late", join_token=token)
+
+
+@postgres_only
 def test_a_revoked_node_cannot_join_beat_or_prove_itself():
     node, token = node_create(name="gone", address="10.0.0.7")
     identity = node_join(name="gone", join_token=token)

@@ -1,13 +1,15 @@
 """What the supervisor and routing read from the fleet's rows."""
 
 import json
+from datetime import timedelta
 
 import pytest
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from engines.launch.config import EngineConfig, VendorThresholds
 from fleet.models import EngineState, EngineStatus, ThermalOverride, ThermalSettings
-from fleet.selectors import engines_desired, routing_snapshot
+from fleet.selectors import engines_desired, fleet_overview, routing_snapshot
 from fleet.services import engine_state_record
 from tests.factories import EngineSpecFactory, ModelConfigFactory
 
@@ -33,6 +35,24 @@ def test_routing_sends_requests_only_to_engines_that_serve(status, up):
     spec = EngineSpecFactory(name="e1")
     EngineState.objects.create(spec=spec, status=status, heartbeat_at=timezone.now())
     assert routing_snapshot().engines["e1"].up is up
+
+
+def test_heartbeats_are_aged_by_the_database_clock_not_a_hosts(monkeypatch):
+    """The supervisor stamps heartbeats with the database's clock (Now()) and
+    routing ages them by it: with this host's clock an hour off, a fresh
+    heartbeat is still fresh, and the dashboard's age is seconds. Control: the
+    same heartbeat stamped with the skewed host clock (as a node without NTP
+    would have) is taken for stale, the engine for down."""
+    spec = EngineSpecFactory(name="e1")
+    engine_state_record(spec_id=spec.pk, status=EngineStatus.READY, heartbeat_at=Now())
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - timedelta(hours=1))
+    assert routing_snapshot().engines["e1"].up
+    [engine] = [item for item in fleet_overview()["engines"] if item["name"] == "e1"]
+    assert 0 <= engine["heartbeat_age_s"] < 60
+
+    engine_state_record(spec_id=spec.pk, heartbeat_at=timezone.now())  # control
+    assert not routing_snapshot().engines["e1"].up
 
 
 def test_the_configuration_the_supervisor_writes_is_what_the_engine_reads():
