@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from django import db
 from django.conf import settings
 
-from cluster.identity import NodeIdentity, identity_read
+from cluster.identity import NodeIdentity, identity_read, identity_stamp
 from cluster.models import UNREACHABLE_AFTER_S
 from engines.wire.client import AsyncEngineClient, EngineUnreachable, connection_file
 from engines.wire.link_client import LinkPool, Peer, RemoteEngineClient
@@ -60,11 +60,12 @@ class Gateway:
         # the current one began, and the last one's (start, end).
         self._outage_began: float | None = None
         self.last_outage: tuple[float, float] | None = None
-        # Cluster: this host's identity (read from the run dir; looked for
-        # again every IDENTITY_RECHECK_S while there is none), one link pool
-        # per event loop, prompt-cache affinity and this front's requests in
-        # flight per engine.
+        # Cluster: this host's identity (read from the run dir, and again
+        # when the file changed: looked at every IDENTITY_RECHECK_S), one link
+        # pool per event loop, prompt-cache affinity and this front's requests
+        # in flight per engine.
         self._identity: NodeIdentity | None = None
+        self._identity_stamp: tuple[int, int] | None = None
         self._identity_checked = -float("inf")
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.affinity = AffinityMap()
@@ -199,13 +200,16 @@ class Gateway:
     @property
     def identity(self) -> NodeIdentity | None:
         """This host's node identity (None on a one-host platform, or before
-        this host's supervisor joined)."""
+        this host's supervisor joined). A new identity (the node revoked and
+        added again, its supervisor joined anew) is taken within
+        IDENTITY_RECHECK_S, without a restart: a stat of the file each time."""
         now = time.monotonic()
-        if self._identity is None and now - self._identity_checked > (
-            self.IDENTITY_RECHECK_S
-        ):
+        if now - self._identity_checked > self.IDENTITY_RECHECK_S:
             self._identity_checked = now
-            self._identity = identity_read(settings.RUN_DIR)
+            stamp = identity_stamp(settings.RUN_DIR)
+            if stamp != self._identity_stamp:
+                self._identity_stamp = stamp
+                self._identity = identity_read(settings.RUN_DIR)
         return self._identity
 
     def node_of(self, engine: str, snapshot: Snapshot) -> str:
@@ -240,11 +244,12 @@ class Gateway:
         if route is None:
             raise EngineUnreachable(f"engine {engine}: node {node} is unknown")
         loop = asyncio.get_running_loop()
-        pool = self._pools.get(loop)
-        if pool is None:
-            pool = self._pools[loop] = LinkPool(
-                node=identity.name, secret=identity.secret
-            )
+        speaks_for, pool = self._pools.get(loop, (None, None))
+        if pool is None or speaks_for != identity:
+            if pool is not None:
+                pool.close()  # links made with the identity this host had
+            pool = LinkPool(node=identity.name, secret=identity.secret)
+            self._pools[loop] = (identity, pool)
         peer = Peer(
             node=node,
             host=route.host,

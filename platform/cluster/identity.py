@@ -42,6 +42,16 @@ def identity_write(run_dir: Path | str, identity: NodeIdentity) -> Path:
     return path
 
 
+def identity_stamp(run_dir: Path | str) -> tuple[int, int] | None:
+    """What changes when the identity file is written again (it is replaced,
+    a new inode): its inode and modification time; None without one."""
+    try:
+        status = identity_file(run_dir).stat()
+    except FileNotFoundError:
+        return None
+    return status.st_ino, status.st_mtime_ns
+
+
 def identity_read(run_dir: Path | str) -> NodeIdentity | None:
     """This host's identity, or None on a host that has not joined a cluster."""
     try:
