@@ -72,6 +72,9 @@ class EngineStatus:
     cooling: bool = False
     node: str = ""  # "" on a one-host platform
     memory_mib: float = 0.0
+    # Which start of the engine process this is (its start, as recorded): a
+    # restarted engine's caches hold nothing of what the last one served.
+    incarnation: str = ""
 
     @property
     def load(self) -> int:

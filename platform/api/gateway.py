@@ -21,10 +21,10 @@ from cluster.models import UNREACHABLE_AFTER_S
 from engines.wire.client import AsyncEngineClient, EngineUnreachable, connection_file
 from engines.wire.link_client import LinkPool, Peer, RemoteEngineClient
 from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
-from routing.affinity import AffinityMap
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
 
 from . import errors
+from .affinity import SharedAffinity
 from .services import DATABASE_OUTAGE
 
 log = logging.getLogger("roundhouse.api")
@@ -68,7 +68,7 @@ class Gateway:
         self._identity_stamp: tuple[int, int] | None = None
         self._identity_checked = -float("inf")
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.affinity = AffinityMap()
+        self.affinity = SharedAffinity(settings.REDIS_URL)
         self.in_flight: Counter[str] = Counter()
 
     def close(self) -> None:
@@ -175,11 +175,12 @@ class Gateway:
         snapshot: Snapshot,
         *,
         excluding: set[str],
-        prefixes: tuple[str, ...] = (),
+        affinity: str = "",
     ) -> Choice:
         """The router's choice, with engines that just failed taken for down,
-        the engine holding the longest of `prefixes` preferred (cache-aware
-        routing) and this front's requests in flight counted as load."""
+        the `affinity` engine (whose prompt cache holds the request's longest
+        prefix: self.affinity) preferred and this front's requests in flight
+        counted as load."""
         if excluding:
             engines = {
                 name: dataclasses.replace(engine, up=False)
@@ -188,7 +189,6 @@ class Gateway:
                 for name, engine in snapshot.engines.items()
             }
             snapshot = dataclasses.replace(snapshot, engines=engines)
-        affinity = self.affinity.lookup(prefixes) if prefixes else ""
         return self.router.choose(
             model, snapshot, affinity=affinity, in_flight=self.in_flight
         )

@@ -172,11 +172,16 @@ async def with_engine(
     tried: set[str] = set()
     died: EngineDied | None = None
     unreachable: EngineUnreachable | None = None
+    # The engine whose prompt cache holds the longest of the request's
+    # prefixes, as any front remembers it (Redis: only where a model has
+    # replicas to choose among), else as this one does.
+    shared = route.replicas > 1
+    affinity = await GATEWAY.affinity.lookup(
+        call.prefixes, snapshot.engines, shared=shared
+    )
     while True:
         try:
-            choice = GATEWAY.choose(
-                route, snapshot, excluding=tried, prefixes=call.prefixes
-            )
+            choice = GATEWAY.choose(route, snapshot, excluding=tried, affinity=affinity)
         except NoEngine as none:
             # No other engine: the failure met, else why there is none.
             if died is not None:
@@ -217,8 +222,9 @@ async def with_engine(
                 raise engine_failure(error) from None
             raise
         call.held.callback(_landed, engine)
-        if call.prefixes:
-            GATEWAY.affinity.remember(call.prefixes, engine)
+        status = snapshot.engines.get(engine)
+        if call.prefixes and status is not None:
+            GATEWAY.affinity.remember(call.prefixes, status, shared=shared)
         return result
 
 

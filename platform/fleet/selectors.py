@@ -227,6 +227,9 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
             cooling=bool(state and state.cooling_reason),
             node=spec.node.name if spec.node else "",
             memory_mib=float(state.memory_mib or 0) if state else 0.0,
+            incarnation=state.started_at.isoformat()
+            if state and state.started_at
+            else "",
         )
     models = {
         model.name: routes.ModelRoute(

@@ -159,17 +159,18 @@ def test_hanging_up_on_node_a_cancels_the_stream_on_node_b(cluster, orm):
 
 def test_replicas_share_the_load_and_a_conversation_returns_to_its_cache(cluster, orm):
     """smol has a replica on each node. First turns of several conversations
-    sent at once spread over both; each conversation's second turn, sent
-    alone (where the least loaded rule would pick one engine for all), goes
-    back to the engine whose prompt cache holds its first turn, and takes
-    its prefix from that cache."""
-    front = cluster.nodes["a"]
+    sent at once to front a spread over both; each conversation's second
+    turn, sent alone (where the least loaded rule would pick one engine for
+    all), every other one to front b (which never saw the first turns: the
+    fronts share what they routed through Redis), goes back to the engine
+    whose prompt cache holds its first turn, and takes its prefix from that
+    cache."""
     conversations = [
         [{"role": "user", "content": f"My name is {name}. Say hello to me."}]
         for name in ("Ada", "Brian", "Chloe", "Dmitri", "Emma", "Farid")
     ]
 
-    def ask(messages):
+    def ask(messages, front=cluster.nodes["a"]):
         status, headers, body = http(
             f"{front.url}/v1/chat/completions",
             body={"model": "smol", "messages": messages, "max_tokens": 24},
@@ -181,11 +182,13 @@ def test_replicas_share_the_load_and_a_conversation_returns_to_its_cache(cluster
     with ThreadPoolExecutor(len(conversations)) as pool:
         first = list(pool.map(ask, conversations))
     assert {engine for engine, _ in first} == {"ea", "eb"}, Counter(first)
-    for messages, (engine, body) in zip(conversations, first, strict=True):
+    for turn, (messages, (engine, body)) in enumerate(
+        zip(conversations, first, strict=True)
+    ):
         messages += [
             {"role": "assistant", "content": body["choices"][0]["message"]["content"]},
             {"role": "user", "content": "What is my name?"},
         ]
-        again, answer = ask(messages)
-        assert again == engine
+        again, answer = ask(messages, cluster.nodes["ab"[turn % 2]])
+        assert again == engine, f"turn {turn} on front {'ab'[turn % 2]}"
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -196,7 +196,11 @@ def test_chat_reconnects_after_the_socket_drops(page, live):
         sampling(page, max_tokens=4)
         page.fill("#prompt", "Hello again.")
         page.press("#prompt", "Enter")
-        expect(answer(page, 0).locator(".stats")).to_contain_text("tokens")
+        # The new front's first request (it reads the fleet first): a bound
+        # for a busy machine, not a speed check.
+        expect(answer(page, 0).locator(".stats")).to_contain_text(
+            "tokens", timeout=30_000
+        )
     finally:
         live.front_pid = front.pid
 

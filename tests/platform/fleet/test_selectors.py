@@ -93,3 +93,15 @@ def test_state_of_a_deleted_engine_is_not_recorded():
     spec.delete()
     engine_state_record(spec_id=spec_id, status=EngineStatus.READY)
     assert not EngineState.objects.filter(spec_id=spec_id).exists()
+
+
+def test_an_engines_incarnation_is_its_recorded_start():
+    """Routing tells a restarted engine from its last start (whose prompt
+    cache it no longer has) by the start the supervisor recorded."""
+    spec = EngineSpecFactory(name="e1")
+    engine_state_record(spec_id=spec.pk, status=EngineStatus.READY, heartbeat_at=Now())
+    assert routing_snapshot().engines["e1"].incarnation == ""
+    engine_state_record(spec_id=spec.pk, started_at=Now())
+    first = routing_snapshot().engines["e1"].incarnation
+    engine_state_record(spec_id=spec.pk, started_at=timezone.now() + timedelta(1))
+    assert "" != first != routing_snapshot().engines["e1"].incarnation
