@@ -166,9 +166,13 @@ class Membership:
     # -- the heartbeat ---------------------------------------------------------------
 
     def _beat_main(self) -> None:
+        # Beats start BEAT_S apart whatever a beat's reads took (a slow one on
+        # a busy host does not push the next write later).
+        next_beat = time.monotonic()
         while not self._stopping.is_set():
             self.beat()
-            self._stopping.wait(BEAT_S)
+            next_beat = max(next_beat + BEAT_S, time.monotonic())
+            self._stopping.wait(next_beat - time.monotonic())
         close_old_connections()
 
     def beat(self) -> None:
