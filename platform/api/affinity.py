@@ -13,8 +13,12 @@ LOOKUP_TIMEOUT_S or fails uses this front's own map instead; after a failure,
 or SLOW_LOOKUPS_DOWN slow lookups in a row, Redis is left alone for
 RETRY_AFTER_S (logged once per outage).
 Writes leave the request's path: they run after it, in a task of their own.
-Keys expire after TTL_S; each is a hash of the model's name and the messages
-(no text of them is stored). A key's value names the engine and which start
+Of a request's prefixes, Redis gets two: the longest (all its messages: the
+conversation's next turn carries them) and the first (a system prompt that
+many conversations share); this front's map keeps them all. Keys expire after
+TTL_S (an engine's slots have long reused an idle conversation's cache by
+then); each is a hash of the model's name and the messages (no text of them
+is stored). A key's value names the engine and which start
 of it served the prefix (EngineStatus.incarnation): an engine restarted since
 has nothing of it in its cache, and is not preferred for it.
 """
@@ -36,7 +40,7 @@ from routing.select import EngineStatus
 log = logging.getLogger("roundhouse.affinity")
 
 KEY_PREFIX = "roundhouse:affinity:"
-TTL_S = 3600
+TTL_S = 1200
 LOOKUP_TIMEOUT_S = 0.25
 SLOW_LOOKUPS_DOWN = 3
 WRITE_TIMEOUT_S = 1.0
@@ -156,7 +160,7 @@ class SharedAffinity:
         lane = self._lane() if shared else None
         if lane is None:
             return
-        lane.pending.append((keys, value))
+        lane.pending.append((tuple(dict.fromkeys((keys[0], keys[-1]))), value))
         if lane.writer is None or lane.writer.done():
             lane.writer = asyncio.ensure_future(self._write(lane))
 

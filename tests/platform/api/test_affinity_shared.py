@@ -10,7 +10,7 @@ import secrets
 
 import redis
 
-from api.affinity import KEY_PREFIX, LOOKUP_TIMEOUT_S, SharedAffinity
+from api.affinity import KEY_PREFIX, LOOKUP_TIMEOUT_S, TTL_S, SharedAffinity
 from routing.affinity import prefix_keys
 from routing.select import EngineStatus
 from tests.engines.conftest import free_port
@@ -63,22 +63,32 @@ async def test_a_burst_of_routed_requests_is_written_in_batches():
     assert found == ["ea" if index % 2 else "eb" for index in range(1000)]
 
 
-async def test_keys_expire_and_hold_no_text():
-    """What Redis keeps is a hash per prefix with an expiry, naming an engine
-    and its start: nothing of the messages."""
+async def test_redis_keeps_two_prefixes_with_an_expiry_and_no_text():
+    """Of a three-message request Redis keeps the longest prefix (what the
+    next turn carries) and the first (a shared system prompt), each a hash
+    with an expiry naming an engine and its start: nothing of the messages.
+    The next turn, sent to another front, finds the engine by the longest."""
     front = SharedAffinity(REDIS_URL)
     secret = f"my card is {secrets.token_hex(8)}"
-    keys = prefix_keys("smol", [{"role": "user", "content": secret}])
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": secret},
+        {"role": "assistant", "content": "Noted."},
+    ]
+    keys = prefix_keys("smol", messages)
     front.remember(keys, engines(ea="t1")["ea"])
     await front.settled()
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        [key] = keys
-        assert client.get(KEY_PREFIX + key) == b"ea t1"
-        assert 0 < client.ttl(KEY_PREFIX + key) <= 3600
+        longest, middle, first = keys
+        stored = client.mget([KEY_PREFIX + key for key in keys])
+        assert stored == [b"ea t1", None, b"ea t1"]
+        assert 0 < client.ttl(KEY_PREFIX + longest) <= TTL_S
         assert secret.encode() not in b"".join(client.keys(KEY_PREFIX + "*"))
     finally:
         client.close()
+    next_turn = prefix_keys("smol", [*messages, {"role": "user", "content": "And?"}])
+    assert await SharedAffinity(REDIS_URL).lookup(next_turn, engines(ea="t1")) == "ea"
 
 
 async def test_a_restarted_engine_is_not_preferred_for_its_last_starts_cache():
