@@ -45,8 +45,9 @@ def prefix_keys(model: str, messages: Sequence[Any]) -> tuple[str, ...]:
 
 
 class AffinityMap:
-    """Prefix key -> the engine last sent that prefix; least recently used
-    forgotten first. Thread-safe."""
+    """Prefix key -> the engine last sent that prefix (as the caller names it:
+    the front stores the engine with its start, platform/api/affinity.py);
+    least recently used forgotten first. Thread-safe."""
 
     def __init__(self, capacity: int = MAX_PREFIXES) -> None:
         self.capacity = capacity
