@@ -38,7 +38,6 @@ from django.utils import timezone
 from api import errors
 from api.answers import embedding_answer, generation_answer
 from api.calls import Call
-from api.errors import ApiCode
 from api.models import ApiKey
 from api.pipeline import admit, database_failed, model_route
 from api.schemas import (
@@ -86,12 +85,16 @@ SCHEMAS = {
 # Why a run stopped before every line was answered: the code and message of
 # the lines left (in flight, or not started) in the error file.
 EXPIRED = (
-    ApiCode.BATCH_EXPIRED,
+    errors.ApiCode.BATCH_EXPIRED,
     "The batch expired before this request could be answered.",
 )
 KEY_STOPS = {
-    ApiCode.KEY_REVOKED: "The batch's API key was revoked; its requests are not run.",
-    ApiCode.KEY_DELETED: "The batch's API key was deleted; its requests are not run.",
+    errors.ApiCode.KEY_REVOKED: (
+        "The batch's API key was revoked; its requests are not run."
+    ),
+    errors.ApiCode.KEY_DELETED: (
+        "The batch's API key was deleted; its requests are not run."
+    ),
 }
 
 Answer = tuple[int, str, bool, dict[str, Any]]
@@ -118,7 +121,7 @@ def run_batch(batch_id: str) -> None:
         services.batch_fail(
             batch_id=batch_id,
             owner=owner,
-            code=ApiCode.BATCH_RUN_FAILED,
+            code=errors.ApiCode.BATCH_RUN_FAILED,
             message=f"The batch could not be run ({type(error).__name__}).",
         )
 
@@ -129,7 +132,7 @@ def _run(batch_id: str, owner: str) -> None:
         services.batch_fail(
             batch_id=batch_id,
             owner=owner,
-            code=ApiCode.BATCH_CRASHED,
+            code=errors.ApiCode.BATCH_CRASHED,
             message=services.CRASHED.format(crashes=batch.crashes),
         )
         return
@@ -138,8 +141,8 @@ def _run(batch_id: str, owner: str) -> None:
         services.batch_fail(
             batch_id=batch_id,
             owner=owner,
-            code=ApiCode.KEY_DELETED,
-            message=KEY_STOPS[ApiCode.KEY_DELETED],
+            code=errors.ApiCode.KEY_DELETED,
+            message=KEY_STOPS[errors.ApiCode.KEY_DELETED],
         )
         return
     try:
@@ -148,7 +151,7 @@ def _run(batch_id: str, owner: str) -> None:
         services.batch_fail(
             batch_id=batch_id,
             owner=owner,
-            code=ApiCode.FILE_UNREADABLE,
+            code=errors.ApiCode.FILE_UNREADABLE,
             message=f"The input file could not be read: {error.strerror or error}.",
         )
         return
@@ -349,7 +352,9 @@ class BatchRun:
                 index,
                 bad.custom_id,
                 False,
-                error_record(bad.custom_id, ApiCode.INVALID_REQUEST, bad.message),
+                error_record(
+                    bad.custom_id, errors.ApiCode.INVALID_REQUEST, bad.message
+                ),
             )
         started, attempt = time.monotonic(), 0
         # The line's last try that was admitted: its usage row is the line's.
@@ -411,7 +416,7 @@ class BatchRun:
             if admitted is not None and not admitted.ended:
                 # Stopped in flight (or between its tries): its usage row says so.
                 admitted.status = 499
-                admitted.error_code = self.left[0] or ApiCode.BATCH_CANCELLED
+                admitted.error_code = self.left[0] or errors.ApiCode.BATCH_CANCELLED
                 await asyncio.shield(admitted.end())
             raise
 
