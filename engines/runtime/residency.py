@@ -155,6 +155,10 @@ class Residency:
     def busy(self) -> int:
         return sum(model.busy for model in self.models.values())
 
+    def draining(self) -> list[str]:
+        """Models `unload` is draining: still resident, new requests wait."""
+        return sorted(self._draining)
+
     def unhealthy_reason(self) -> str:
         """Why the generation loop cannot serve ("" when it can): it died, or it
         has work and has made no pass for longer than the stuck limit."""

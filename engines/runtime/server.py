@@ -316,6 +316,7 @@ class EngineServer:
             started_at=self.started_at,
             models=[ModelState(**model.describe()) for model in self.models.values()],
             loading=sorted(self.residency.loading),
+            unloading=self.residency.draining(),
             queue_depth=self.residency.queued(),
             slots_in_use=self.residency.busy(),
             cooling_reason=self.thermal.reason,

@@ -119,6 +119,8 @@ class StateReply(OkReply):
     started_at: float
     models: list[ModelState]
     loading: list[str]
+    # Models `unload` is draining: resident until their requests finish.
+    unloading: list[str]
     queue_depth: int
     slots_in_use: int
     cooling_reason: str

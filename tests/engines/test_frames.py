@@ -79,6 +79,7 @@ REPLIES = [
             started_at=1700000000.0,
             models=[MODEL],
             loading=["other"],
+            unloading=[],
             queue_depth=2,
             slots_in_use=1,
             cooling_reason="",

@@ -203,7 +203,7 @@ def test_overdue_work_is_refused_while_an_unload_drains(engine, engine_limits):
     """A request waiting behind a drain gets `overloaded` at its queue timeout,
     though the drain itself goes on."""
     stream = engine.client().generate_stream(
-        GenerateRequest(model="slow", prompt="ships", max_tokens=100, ignore_eos=True)
+        GenerateRequest(model="slow", prompt="ships", max_tokens=400, ignore_eos=True)
     )
     next(stream), next(stream)
     engine_limits(engine, queue_timeout_s=0.5)
@@ -211,18 +211,16 @@ def test_overdue_work_is_refused_while_an_unload_drains(engine, engine_limits):
         target=lambda: engine.client().call("unload", model="slow")
     )
     unloader.start()
-    # Sent before the drain begins, a request queues behind the stream and is
-    # refused as overdue in the queue; once it has begun, it waits for the drain.
-    error = wait_for(
-        lambda: (e := refusal(engine, "slow")) and "drain" in e.message and e,
-        what="a refusal during the drain",
-    )
-    assert error.code == "overloaded"
+    wait_for(lambda: engine.client().state().unloading == ["slow"], what="the drain")
+    error = refusal(engine, "slow")  # sent once the drain has begun
+    assert error is not None and error.code == "overloaded", error
+    assert "drain" in error.message
     assert resident(engine) == ["slow"]  # still draining: the stream runs on
     frames = list(stream)
     assert frames[-1].finish_reason == "length"
     unloader.join(60)
     assert resident(engine) == []
+    assert engine.client().state().unloading == []
 
 
 def test_a_queued_model_is_never_evicted(engine, engine_limits):
