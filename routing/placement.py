@@ -55,6 +55,8 @@ class NodeRoute:
     tls_fingerprint: str = ""
     labels: frozenset[str] = frozenset()
     ram_mib: float = 0.0  # 0: unknown (no memory check)
+    # Models placed here whose files the node is still copying from another.
+    copying: frozenset[str] = frozenset()
 
     @property
     def serving(self) -> bool:

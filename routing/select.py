@@ -10,7 +10,8 @@ that yields a candidate wins:
    it is more than AFFINITY_SLACK requests busier than the least loaded; else
    the least loaded of them (replicas are balanced here);
 3. placed: an engine a replica is placed on (routing.placement) that is
-   still loading it, the least loaded;
+   still loading it, the least loaded; not one whose node is still copying
+   the model's files (when every placed one is, NoEngine says so);
 4. default: the default engine from server settings;
 5. least-loaded: the candidate with the lowest queue depth + slots in use,
    cooling engines last, ties to the model's owner, then engine order, then name.
@@ -275,8 +276,16 @@ class Router:
         placed = [
             allowed[name] for name in snapshot.placed(model.name) if name in allowed
         ]
+        copying = _copying(model, placed, snapshot.nodes)
+        if placed and len(copying) < len(placed):
+            ready = [engine for engine in placed if engine.name not in copying]
+            return Choice(self._least_loaded(ready, owner, load).name, "placed")
         if placed:
-            return Choice(self._least_loaded(placed, owner, load).name, "placed")
+            nodes = ", ".join(sorted({engine.node for engine in placed}))
+            raise NoEngine(
+                f"{model.name}'s files are being copied to node {nodes}: it is "
+                "served once they are there"
+            )
         if snapshot.default_engine in allowed:
             return Choice(snapshot.default_engine, "default")
         candidates = list(allowed.values())
@@ -334,6 +343,17 @@ def labels_fit(
     node = nodes.get(engine.node)
     labels = node.labels if node is not None else frozenset()
     return labels_allow(model.node_labels, model.avoid_labels, labels)
+
+
+def _copying(
+    model: ModelRoute, engines: list[EngineStatus], nodes: Mapping[str, NodeRoute]
+) -> set[str]:
+    """The engines among these whose node is still copying the model's files."""
+    return {
+        engine.name
+        for engine in engines
+        if engine.node in nodes and model.name in nodes[engine.node].copying
+    }
 
 
 def _load_with(in_flight: Mapping[str, int]) -> Callable[[EngineStatus], int]:

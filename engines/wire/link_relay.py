@@ -1,6 +1,7 @@
 """The relay side of a node link (engines/wire/link.py says the protocol):
 accepts links from the other nodes and carries each stream, byte for byte, to
-an engine of this host on 127.0.0.1 with that engine's token."""
+an engine of this host on 127.0.0.1 with that engine's token, or, for a files
+stream, answers it from this host's model files (engines/wire/link_files.py)."""
 
 import asyncio
 import contextlib
@@ -30,6 +31,7 @@ from engines.wire.link import (
     link_frame,
     read_link_frame,
 )
+from engines.wire.link_files import FILES_STREAM, MAX_REQUEST_BYTES, FileServer
 
 # Checks a hello: the calling node's name and secret; None when accepted, else
 # why not (told to the caller).
@@ -47,6 +49,9 @@ class _Upstream:
     pending: list[bytes] = field(default_factory=list)
     hung_up: bool = False
     task: asyncio.Task | None = None
+    # A files stream's request as it arrives (None: an engine stream).
+    inbox: asyncio.StreamReader | None = None
+    inbox_bytes: int = 0
 
 
 class Relay:
@@ -60,8 +65,10 @@ class Relay:
         authenticate: Authenticate,
         engine_address: EngineAddress,
         serving: Callable[[], str | None] = lambda: None,
+        files: FileServer | None = None,
     ) -> None:
         self.node = node
+        self._files = files
         self._authenticate = authenticate
         self._engine_address = engine_address
         # Why this node takes no streams now (None: it does).
@@ -157,6 +164,11 @@ class Relay:
                 stream, kind, payload = await read_link_frame(reader)
             if kind == PING:
                 writer.write(link_frame(0, PONG))
+            elif kind == OPEN and payload == FILES_STREAM.encode():
+                upstream = upstreams[stream] = _Upstream(inbox=asyncio.StreamReader())
+                upstream.task = asyncio.ensure_future(
+                    self._serve_files(stream, upstream, writer, upstreams)
+                )
             elif kind == OPEN:
                 upstream = upstreams[stream] = _Upstream()
                 upstream.task = asyncio.ensure_future(
@@ -166,7 +178,14 @@ class Relay:
                 upstream = upstreams.get(stream)
                 if upstream is None or upstream.hung_up:
                     continue
-                if upstream.writer is None:
+                if upstream.inbox is not None:
+                    # One request frame is all a files stream carries: more
+                    # than its cap is not kept (the request then fails).
+                    room = MAX_REQUEST_BYTES + 8 - upstream.inbox_bytes
+                    upstream.inbox_bytes += len(payload)
+                    if room > 0:
+                        upstream.inbox.feed_data(payload[:room])
+                elif upstream.writer is None:
                     upstream.pending.append(payload)
                 else:
                     upstream.writer.write(payload)
@@ -180,6 +199,38 @@ class Relay:
         upstream.hung_up = True
         if upstream.writer is not None:
             upstream.writer.close()
+        if upstream.inbox is not None and upstream.task is not None:
+            upstream.task.cancel()
+
+    async def _serve_files(
+        self,
+        stream: int,
+        upstream: _Upstream,
+        link: asyncio.StreamWriter,
+        upstreams: dict[int, _Upstream],
+    ) -> None:
+        """Answer a files stream's one request, then close it."""
+        refusal = self._serving()
+        try:
+            if refusal is None and self._files is None:
+                refusal = f"node {self.node} does not serve model files"
+            if refusal is not None:
+                answer = ErrorReply(code=ErrorCode.UNREACHABLE, message=refusal)
+                reply = answer.encoded()
+            else:
+                async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                    request = await read_frame(
+                        upstream.inbox, max_bytes=MAX_REQUEST_BYTES
+                    )
+                reply = await self._files.answer(request or b"")
+            link.write(data_frames(stream, reply))
+            await link.drain()
+        except (ConnectionError, OSError, TimeoutError, ProtocolError):
+            pass
+        finally:
+            if upstreams.pop(stream, None) is not None:
+                with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                    link.write(link_frame(stream, CLOSE))
 
     async def _pump(
         self,

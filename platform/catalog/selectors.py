@@ -4,6 +4,7 @@ The catalog knows nothing of the fleet (apps depend one way: fleet → catalog):
 checks against engines take the engines as an argument."""
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from routing.compat import EngineView, pin_problem
 
@@ -32,6 +33,18 @@ def model_config_problems(
             f"Path of {model.name!r} does not exist here: {model.resolved_path}."
         )
     return problems
+
+
+def model_paths(names: set[str]) -> dict[str, Path]:
+    """Each named model's path on this host (relative paths resolved)."""
+    rows = ModelConfig.objects.filter(name__in=sorted(names))
+    return {model.name: model.resolved_path for model in rows}
+
+
+def model_files_path(name: str) -> Path | None:
+    """The path of a catalog model's files on this host, for another node to
+    copy (engines/wire/link_files.py); None for a name the catalog lacks."""
+    return model_paths({name}).get(name)
 
 
 def models_for_chat() -> list[str]:

@@ -68,6 +68,7 @@ class NodeAdmin(admin.ModelAdmin):
             "joined_at",
             "last_heartbeat",
             "hardware",
+            "copy_progress",
             "version",
             "tls_fingerprint",
             "engine_list",
@@ -146,6 +147,22 @@ class NodeAdmin(admin.ModelAdmin):
         for gpu in hw.get("gpus", []):
             text += f", {gpu.get('vendor', 'gpu')} {gpu.get('memory_mib', 0)} MiB"
         return text
+
+    @admin.display(description="model copies")
+    def copy_progress(self, node: Node) -> str:
+        """Each model being copied here: how far, from where, what went wrong."""
+        lines = []
+        for model, copy in sorted((node.copies or {}).items()):
+            size, done = copy.get("size") or 0, copy.get("done") or 0
+            text = f"{model}: {done / 2**20:.0f} of {size / 2**20:.0f} MiB"
+            if size:
+                text += f" ({100 * done / size:.0f}%)"
+            if copy.get("source"):
+                text += f" from {copy['source']}"
+            if copy.get("error"):
+                text += f"; last error: {copy['error']}"
+            lines.append(text)
+        return "; ".join(lines) or "—"
 
     @admin.display(description="link")
     def link_security(self, node: Node) -> str:

@@ -62,6 +62,14 @@ class Node(models.Model):
     joined_at = models.DateTimeField(null=True, blank=True, editable=False)
     last_heartbeat = models.DateTimeField(null=True, blank=True, editable=False)
     hardware = models.JSONField(default=dict, blank=True, editable=False)
+    copies = models.JSONField(
+        "model copies",
+        default=dict,
+        blank=True,
+        editable=False,
+        help_text="Models placed here whose files the node is copying from "
+        "another node: bytes done, size, source, last error.",
+    )
     version = models.CharField(max_length=64, blank=True, editable=False)
     tls_fingerprint = models.CharField(
         "TLS certificate SHA-256",

@@ -21,6 +21,7 @@ class NodeView:
     heartbeat_age_s: float | None
     hardware: dict
     version: str
+    copying: frozenset[str] = frozenset()  # models whose files it is copying
 
 
 def _view(node: Node, now: datetime, grace_s: float) -> NodeView:
@@ -36,6 +37,7 @@ def _view(node: Node, now: datetime, grace_s: float) -> NodeView:
         else None,
         hardware=dict(node.hardware),
         version=node.version,
+        copying=frozenset(node.copies or {}),
     )
 
 

@@ -113,6 +113,7 @@ def node_heartbeat(
     hardware: dict | None = None,
     version: str | None = None,
     tls_fingerprint: str | None = None,
+    copies: dict | None = None,
 ) -> Node:
     """Record that the node is alive (the database's clock, so hosts whose
     clocks differ agree on its age), with what it reports of itself;
@@ -125,6 +126,8 @@ def node_heartbeat(
         fields["version"] = version
     if tls_fingerprint is not None:
         fields["tls_fingerprint"] = tls_fingerprint
+    if copies is not None:
+        fields["copies"] = copies
     Node.objects.filter(pk=node.pk, revoked_at__isnull=True).update(**fields)
     return node
 

@@ -2,8 +2,10 @@
 NAME`): it joins once (the admin's one-time token for the node's own secret,
 kept 0600 in the run dir), heartbeats through the database every BEAT_S,
 runs the node's relay (engines/wire/link_relay.py) that carries the other
-nodes' streams to this host's engines, and reads which models are placed on its
-engines (routing/placement.py) for the supervisor to load.
+nodes' streams to this host's engines and serves its model files, reads which
+models are placed on its engines (routing/placement.py) for the supervisor to
+load, and copies the files of those this host lacks from another node
+(model_copies.py).
 
 A node that cannot write its heartbeat for UNREACHABLE_AFTER_S (cut off from
 the database) is taken for unreachable by the others, which route around it;
@@ -24,6 +26,7 @@ import psutil
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, close_old_connections
 
+from catalog.selectors import model_files_path, model_paths
 from cluster.identity import NodeIdentity, identity_read, identity_write
 from cluster.models import UNREACHABLE_AFTER_S, NodeStatus
 from cluster.services import (
@@ -36,8 +39,11 @@ from cluster.services import (
 from cluster.tls import relay_certificate, server_tls_context
 from engines.launch.devices import default_memory_probes
 from engines.wire.client import EngineUnreachable, connection_file, read_connection_file
+from engines.wire.link_client import Peer
+from engines.wire.link_files import FileServer
 from engines.wire.link_relay import Relay
 
+from .model_copies import ModelCopies
 from .selectors import routing_snapshot
 
 log = logging.getLogger("roundhouse.cluster")
@@ -104,6 +110,7 @@ class Membership:
         self._engines: dict[str, tuple[tuple, tuple[int, str]]] = {}
         self._tls_fingerprint = ""
         self._bind = ("", 0)
+        self.copies: ModelCopies | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -125,6 +132,7 @@ class Membership:
             log.info("joined the cluster as node %s", self.name)
         node = node_authenticate(name=identity.name, secret=identity.secret)
         self.identity = identity
+        self.copies = ModelCopies(node=identity.name, secret=identity.secret)
         if settings.ROUNDHOUSE_CLUSTER_TLS:
             *_, self._tls_fingerprint = relay_certificate(self.run_dir, self.name)
         node_heartbeat(
@@ -153,6 +161,8 @@ class Membership:
         self._stopping.set()
         if self._loop is not None and self._relay is not None:
             with contextlib.suppress(RuntimeError, TimeoutError):  # loop ended
+                if self.copies is not None:
+                    self._loop.call_soon_threadsafe(self.copies.close)
                 closing = asyncio.run_coroutine_threadsafe(
                     self._relay.close(), self._loop
                 )
@@ -180,7 +190,7 @@ class Membership:
         node's: stop; another's: drop its links) and this node's placement."""
         try:
             close_old_connections()
-            node_heartbeat(identity=self.identity)
+            node_heartbeat(identity=self.identity, copies=self.copies.report())
             self._beat_ok = time.monotonic()
             snapshot = routing_snapshot()
         except NodeRefused as refused:
@@ -215,6 +225,41 @@ class Membership:
                 if snapshot.engines[engine].node == self.name:
                     placed.setdefault(engine, set()).add(model)
         self.placed = {engine: frozenset(models) for engine, models in placed.items()}
+        self._copy_missing(snapshot)
+
+    def _copy_missing(self, snapshot) -> None:
+        """Start copying the files of models placed here that this host lacks,
+        from the serving nodes, those holding the model resident first."""
+        placed = set().union(*self.placed.values()) if self.placed else set()
+        try:
+            paths = model_paths(placed)
+        except UNAVAILABLE:
+            return
+        wanted = {model: path for model, path in paths.items() if not path.exists()}
+        peers: dict[str, list[Peer]] = {}
+        for model in wanted:
+            holders = {
+                engine.node
+                for engine in snapshot.engines.values()
+                if model in engine.resident
+            }
+            nodes = [
+                node
+                for node in snapshot.nodes.values()
+                if node.serving and node.name != self.name and node.host
+            ]
+            nodes.sort(key=lambda node: (node.name not in holders, node.name))
+            peers[model] = [
+                Peer(
+                    node=node.name,
+                    host=node.host,
+                    port=node.relay_port,
+                    tls_fingerprint=node.tls_fingerprint,
+                )
+                for node in nodes
+            ]
+        if self._loop is not None:
+            self.copies.want(wanted, peers, self._loop)
 
     def serving(self) -> str | None:
         """Why the relay takes no streams now, or None."""
@@ -244,6 +289,7 @@ class Membership:
             authenticate=self._authenticate,
             engine_address=self._engine_address,
             serving=self.serving,
+            files=FileServer(self._model_path),
         )
         tls = None
         if self._tls_fingerprint:
@@ -287,6 +333,19 @@ class Membership:
             return await loop.run_in_executor(self._db, check)
         except UNAVAILABLE:
             return f"node {self.name} cannot check callers now (database unavailable)"
+
+    async def _model_path(self, model: str) -> Path | None:
+        """A model of the catalog by name: its path on this host."""
+
+        def read() -> Path | None:
+            close_old_connections()
+            return model_files_path(model)
+
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._db, read)
+        except UNAVAILABLE:
+            return None
 
     def _engine_address(self, engine: str) -> tuple[int, str] | None:
         """An engine of this host: its port and token, from its connection

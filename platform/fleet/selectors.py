@@ -265,6 +265,7 @@ def node_route(node: NodeView) -> NodeRoute:
         tls_fingerprint=node.tls_fingerprint,
         labels=node.labels,
         ram_mib=float(node.hardware.get("ram_mib") or 0),
+        copying=node.copying,
     )
 
 

@@ -359,7 +359,8 @@ class Supervisor:
 
     def _load_placed(self, engine: RunningEngine, now: float) -> None:
         """On a cluster, load a model placed on this engine that it does not
-        hold yet (one at a time; a failed load is tried again later)."""
+        hold yet (one at a time; a failed load is tried again later; one whose
+        files are still being copied here waits for them)."""
         if (
             self.membership is None
             or engine.request is not None
@@ -369,8 +370,11 @@ class Supervisor:
         ):
             return
         held = {item.name for item in engine.resident}
+        copying = self.membership.copies.missing() if self.membership.copies else ()
         missing = sorted(
-            self.membership.placed.get(engine.desired.name, frozenset()) - held
+            self.membership.placed.get(engine.desired.name, frozenset())
+            - held
+            - set(copying)
         )
         if missing:
             engine.next_placed_load = now + PLACED_LOAD_RETRY_S

@@ -137,9 +137,12 @@ class Cluster:
         port = db["PORT"] or 5432
         return f"postgres://{auth}@{self.network.gateway}:{port}/{db['NAME']}"
 
-    def add_node(self, name: str, *, labels: list[str]) -> TestNode:
+    def add_node(
+        self, name: str, *, labels: list[str], models_dir: Path | None = None
+    ) -> TestNode:
         """A new host, its Node row (join token), its engine; started, and
-        waited for until its engine is ready."""
+        waited for until its engine is ready. Its models are the checkout's
+        unless `models_dir` gives it a directory of its own."""
         host = self.network.add_host(name)
         node, token = node_create(name=name, address=host.address, labels=labels)
         self.tokens[name] = token
@@ -154,9 +157,8 @@ class Cluster:
             database_url=self.database_url(),
             redis_url=self.redis_url,
             run_dir=run_dir,
-            models_dir=Path(
-                os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models")
-            ),
+            models_dir=models_dir
+            or Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models")),
             root=ROOT,
             files_dir=self.tmp / "files",  # shared storage, as a cluster needs
         )

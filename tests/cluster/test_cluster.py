@@ -9,12 +9,15 @@ import subprocess
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from websockets.sync.client import connect
 
 from api.models import Usage
+from catalog.models import ModelConfig
 from cluster.identity import identity_read, secret_hash
 from cluster.models import Node
+from engines.wire.link_files import file_sha256
 from fleet.models import EngineState
 from tests.cluster import conftest
 from tests.cluster.conftest import EventStream, chat, http
@@ -192,3 +195,43 @@ def test_replicas_share_the_load_and_a_conversation_returns_to_its_cache(cluster
         again, answer = ask(messages, cluster.nodes["ab"[turn % 2]])
         assert again == engine, f"turn {turn} on front {'ab'[turn % 2]}"
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_node_without_the_model_files_copies_them_from_another(
+    cluster, orm, tmp_path
+):
+    """Node f joins with an empty models directory; smol-f is placed on it
+    only (label zone-f). Its supervisor copies the GGUF from a node that has
+    it over the link (checked by SHA-256, shown in progress on its row), then
+    loads it, and front a's request for smol-f is served by f's engine."""
+    source = (
+        Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models"))
+        / conftest.SMOL
+    )
+    models_dir = tmp_path / "f-models"
+    models_dir.mkdir()
+    conftest.model_row("smol-f", node_labels=["zone-f"])
+    try:
+        f = cluster.add_node("f", labels=["zone-f"], models_dir=models_dir)
+        conftest.wait_resident("smol-f", {"ef"})
+        assert sorted(os.listdir(models_dir)) == [conftest.SMOL]  # no staging left
+        copied = models_dir / conftest.SMOL
+        assert file_sha256(copied) == file_sha256(source)
+        assert "copied model smol-f from node" in f.log()
+        wait_for(
+            lambda: Node.objects.get(name="f").copies == {}, what="f's copies done"
+        )
+        status, headers, body = http(
+            f"{cluster.nodes['a'].url}/v1/chat/completions",
+            body={
+                "model": "smol-f",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4,
+            },
+            key=cluster.key,
+        )
+        assert status == 200, body
+        assert headers["X-Roundhouse-Node"] == "f"
+    finally:
+        cluster.remove_node("f")
+        ModelConfig.objects.filter(name="smol-f").delete()

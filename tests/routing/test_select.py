@@ -10,6 +10,7 @@ import pytest
 from routing.compat import capabilities_for
 from routing.select import (
     LOGGER_NAME,
+    Choice,
     EngineStatus,
     ModelRoute,
     NoEngine,
@@ -522,3 +523,34 @@ def test_node_labels_bind_every_rule_but_the_pin():
         Router().choose(model, dataclasses.replace(snap, engines=down))
     pinned = dataclasses.replace(model, pin="plain")
     assert Router().choose(pinned, snap).rule == "pin"
+
+
+def test_a_placed_replica_whose_files_are_being_copied_gets_no_requests():
+    """`m` has two replicas, placed on x (node nx) and y (node ny), loaded on
+    neither. While ny copies m's files, requests go to x, though y is less
+    loaded (control: nothing copying, y is chosen); while both copy, NoEngine
+    says so."""
+    from routing.placement import NodeRoute
+
+    engines = {
+        "x": engine("x", node="nx", queue_depth=3),
+        "y": engine("y", node="ny"),
+    }
+    model = ModelRoute(name="m", format="gguf", replicas=2)
+
+    def snap(*copying_on):
+        nodes = {
+            name: NodeRoute(
+                name=name,
+                status="ready",
+                copying=frozenset({"m"}) if name in copying_on else frozenset(),
+            )
+            for name in ("nx", "ny")
+        }
+        return Snapshot(engines=engines, models={"m": model}, nodes=nodes)
+
+    assert set(snap().placed("m")) == {"x", "y"}
+    assert Router().choose(model, snap()) == Choice("y", "placed")  # control
+    assert Router().choose(model, snap("ny")) == Choice("x", "placed")
+    with pytest.raises(NoEngine, match="being copied to node nx, ny"):
+        Router().choose(model, snap("nx", "ny"))

@@ -201,3 +201,23 @@ def test_a_view_only_staff_user_cannot_drain_or_revoke(client, django_user_model
     client.post(reverse("admin:cluster_node_changelist"), order)
     node.refresh_from_db()
     assert node.revoked_at is not None
+
+
+@postgres_only
+def test_a_nodes_model_copies_show_on_its_page(admin_client):
+    """What a heartbeat reports of the copies in progress is on the node's
+    change page: how far, from where, the last error; nothing once done."""
+    node, token = node_create(name="gpu-3", address="10.0.0.10")
+    identity = node_join(name="gpu-3", join_token=token)
+    copies = {
+        "big": {"done": 45 << 20, "size": 100 << 20, "source": "a", "error": ""},
+        "other": {"done": 0, "size": 0, "source": "b", "error": "from b: refused"},
+    }
+    node_heartbeat(identity=identity, copies=copies)
+    page = admin_client.get(reverse("admin:cluster_node_change", args=[node.pk]))
+    text = page.content.decode()
+    assert "big: 45 of 100 MiB (45%) from a" in text
+    assert "last error: from b: refused" in text
+    node_heartbeat(identity=identity, copies={})
+    page = admin_client.get(reverse("admin:cluster_node_change", args=[node.pk]))
+    assert "45 of 100 MiB" not in page.content.decode()  # control: gone when done

@@ -1,0 +1,355 @@
+"""Model files between nodes, over the node link (engines/wire/link.py).
+
+A node whose engines are placed a model it has no files for copies them from
+another node, over the same authenticated (and pinned-TLS) link its front uses
+for requests. A files stream is opened with FILES_STREAM as its target (never
+an engine name: those have no colon). The caller sends one FileRequest frame;
+the relay answers with one frame and closes the stream:
+
+- `manifest`: the model's files (relative paths, sizes, SHA-256), or
+- `range`: a RangeReply followed by exactly `length` raw bytes of one file.
+
+Either may be an ErrorReply instead. A copy is made range by range (at most
+MAX_RANGE bytes in memory), so its progress is known and an interrupted copy
+resumes where it stopped.
+
+The relay serves only the files of a model its own catalog names (the path
+the model has on that node), only to an authenticated node, and only regular
+files under that path (symbolic links are not followed). The caller checks
+every path it is sent (relative, no `..`), the free disk space before writing,
+and each file's SHA-256 before the copy takes the model's place: a model's
+files are whole or absent, never half there.
+"""
+
+import asyncio
+import hashlib
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engines.wire.errors import ErrorCode, ProtocolError
+from engines.wire.frames import ErrorReply
+from engines.wire.framing import decode_message, encode_message, read_frame
+
+FILES_STREAM = "files:"
+MAX_RANGE = 8 << 20
+MAX_FILES = 4096
+MAX_REQUEST_BYTES = 4096
+MAX_MANIFEST_BYTES = 2 << 20
+HASH_CHUNK = 4 << 20
+# Room the copy leaves on the disk it writes to.
+DISK_MARGIN_BYTES = 256 << 20
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+
+class FileRequest(BaseModel):
+    """What a files stream asks: a model's manifest, or a range of one file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["manifest", "range"]
+    model: str = Field(pattern=MODEL_NAME)
+    path: str = Field(default="", max_length=1024)
+    offset: int = Field(default=0, ge=0)
+    length: int = Field(default=0, ge=0, le=MAX_RANGE)
+
+    def encoded(self) -> bytes:
+        return encode_message(self.model_dump(), max_bytes=MAX_REQUEST_BYTES)
+
+
+class ManifestEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(max_length=1024)  # "" when the model is one file
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern="^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    status: Literal["ok"] = "ok"
+    directory: bool  # the model's path is a directory (else one file)
+    entries: list[ManifestEntry] = Field(max_length=MAX_FILES)
+
+    @property
+    def size(self) -> int:
+        return sum(entry.size for entry in self.entries)
+
+
+class RangeReply(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    status: Literal["ok"] = "ok"
+    length: int = Field(ge=0, le=MAX_RANGE)
+
+
+class CopyFailed(Exception):
+    """A model's files could not be copied from this peer (why, in words)."""
+
+
+def relative_part(path: str) -> PurePosixPath:
+    """A manifest path as a safe relative path; ValueError for anything that
+    could leave the model's directory."""
+    relative = PurePosixPath(path)
+    if (
+        not path
+        or "\\" in path
+        or "\x00" in path
+        or relative.is_absolute()
+        or any(part in ("", ".", "..") for part in path.split("/"))
+    ):
+        raise ValueError(f"not a relative path inside a model: {path!r}")
+    return relative
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in chunks. Blocking: run it in a thread."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# -- the relay's side ------------------------------------------------------------
+
+# A model of this node's catalog by name: its path here, or None.
+ModelPath = Callable[[str], Awaitable[Path | None]]
+
+
+class FileServer:
+    """Answers files streams for a relay. Disk work runs in threads; hashes
+    are kept while a file's size and modification time stay the same."""
+
+    def __init__(self, model_path: ModelPath) -> None:
+        self._model_path = model_path
+        self._hashes: dict[tuple[str, int, int], str] = {}
+
+    async def answer(self, payload: bytes) -> bytes:
+        """The encoded answer to one request frame's payload."""
+        try:
+            request = FileRequest.model_validate(decode_message(payload))
+        except (ProtocolError, ValidationError):
+            return _error(ErrorCode.BAD_REQUEST, "not a file request")
+        root = await self._model_path(request.model)
+        if root is None:
+            return _error(ErrorCode.UNKNOWN_MODEL, f"no model {request.model!r} here")
+        try:
+            if request.kind == "manifest":
+                manifest = await asyncio.to_thread(self._manifest, root)
+                return encode_message(
+                    manifest.model_dump(), max_bytes=MAX_MANIFEST_BYTES
+                )
+            data = await asyncio.to_thread(self._range, root, request)
+        except FileNotFoundError:
+            return _error(
+                ErrorCode.UNKNOWN_MODEL, f"no files for model {request.model!r} here"
+            )
+        except (OSError, ValueError) as error:
+            return _error(ErrorCode.BAD_REQUEST, str(error))
+        return encode_message(RangeReply(length=len(data)).model_dump()) + data
+
+    def _manifest(self, root: Path) -> Manifest:
+        info = os.lstat(root)
+        if stat.S_ISREG(info.st_mode):
+            entry = ManifestEntry(path="", size=info.st_size, sha256=self._hash(root))
+            return Manifest(directory=False, entries=[entry])
+        if not stat.S_ISDIR(info.st_mode):
+            raise FileNotFoundError(root)
+        entries = []
+        for directory, subdirs, files in os.walk(root, followlinks=False):
+            subdirs.sort()
+            for name in sorted(files):
+                path = Path(directory) / name
+                info = os.lstat(path)
+                if not stat.S_ISREG(info.st_mode):
+                    continue  # links and the like are not served
+                if len(entries) == MAX_FILES:
+                    raise ValueError(f"more than {MAX_FILES} files")
+                entries.append(
+                    ManifestEntry(
+                        path=path.relative_to(root).as_posix(),
+                        size=info.st_size,
+                        sha256=self._hash(path),
+                    )
+                )
+        return Manifest(directory=True, entries=entries)
+
+    def _range(self, root: Path, request: FileRequest) -> bytes:
+        path = root / relative_part(request.path) if request.path else root
+        with open(path, "rb", opener=_no_follow) as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise FileNotFoundError(path)
+            if request.offset + request.length > info.st_size:
+                raise ValueError(
+                    f"range {request.offset}+{request.length} is past the end "
+                    f"({info.st_size} bytes)"
+                )
+            handle.seek(request.offset)
+            return handle.read(request.length)
+
+    def _hash(self, path: Path) -> str:
+        info = os.stat(path)
+        key = (str(path), info.st_size, info.st_mtime_ns)
+        if key not in self._hashes:
+            self._hashes[key] = file_sha256(path)
+        return self._hashes[key]
+
+
+def _no_follow(path, flags):
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _error(code: ErrorCode, message: str) -> bytes:
+    return ErrorReply(code=code, message=message).encoded()
+
+
+# -- the copying side ----------------------------------------------------------------
+
+# Opens a files stream on a link with `data` sent: (reader, writer).
+OpenStream = Callable[[bytes], Awaitable[tuple[asyncio.StreamReader, object]]]
+# Told (bytes done, bytes in all) as the copy goes.
+Progress = Callable[[int, int], None]
+
+
+async def copy_model(
+    open_stream: OpenStream, model: str, dest: Path, *, progress: Progress
+) -> None:
+    """Copy `model`'s files to `dest` (which must not exist) from the node
+    `open_stream` reaches. Resumes a copy left in `dest`'s staging place;
+    CopyFailed when the peer cannot give them or they do not check out."""
+    manifest = await _ask_manifest(open_stream, model)
+    staging = dest.with_name(f".{dest.name}.copying")
+    targets = _targets(manifest, staging)
+    total = manifest.size
+    have = await asyncio.to_thread(_staged_bytes, targets)
+    free = await asyncio.to_thread(_free_bytes, dest.parent)
+    if total - have + DISK_MARGIN_BYTES > free:
+        raise CopyFailed(
+            f"{total - have} bytes to copy, {free} free on {dest.parent} "
+            f"(keeping {DISK_MARGIN_BYTES >> 20} MiB)"
+        )
+    done = have
+    progress(done, total)
+    for entry, target in targets:
+        await asyncio.to_thread(_append, target, b"")  # made if missing
+        offset = await asyncio.to_thread(_size_or_zero, target)
+        while offset < entry.size:
+            length = min(MAX_RANGE, entry.size - offset)
+            request = FileRequest(
+                kind="range",
+                model=model,
+                path=entry.path,
+                offset=offset,
+                length=length,
+            )
+            data = await _ask_range(open_stream, request)
+            await asyncio.to_thread(_append, target, data)
+            offset += length
+            done += length
+            progress(done, total)
+        if await asyncio.to_thread(file_sha256, target) != entry.sha256:
+            await asyncio.to_thread(target.unlink)
+            raise CopyFailed(f"{entry.path or dest.name}: SHA-256 does not match")
+    await asyncio.to_thread(_take_place, staging, dest, manifest.directory)
+
+
+def _targets(manifest: Manifest, staging: Path) -> list[tuple[ManifestEntry, Path]]:
+    if not manifest.directory:
+        if len(manifest.entries) != 1 or manifest.entries[0].path:
+            raise CopyFailed("a one-file model's manifest names other files")
+        return [(manifest.entries[0], staging)]
+    try:
+        return [
+            (entry, staging.joinpath(*relative_part(entry.path).parts))
+            for entry in manifest.entries
+        ]
+    except ValueError as error:
+        raise CopyFailed(str(error)) from None
+
+
+async def _ask(open_stream: OpenStream, request: FileRequest, max_bytes: int):
+    reader, writer = await open_stream(request.encoded())
+    try:
+        payload = await read_frame(reader, max_bytes=max_bytes)
+        if payload is None:
+            raise CopyFailed("the peer closed the stream")
+        try:
+            message = decode_message(payload)
+        except ProtocolError as error:
+            raise CopyFailed(error.message) from None
+        if message.get("status") == "error":
+            raise CopyFailed(ErrorReply.model_validate(message).message)
+        return reader, writer, message
+    except BaseException:
+        writer.close()
+        raise
+
+
+async def _ask_manifest(open_stream: OpenStream, model: str) -> Manifest:
+    request = FileRequest(kind="manifest", model=model)
+    _, writer, message = await _ask(open_stream, request, MAX_MANIFEST_BYTES)
+    writer.close()
+    try:
+        return Manifest.model_validate(message)
+    except ValidationError as error:
+        raise CopyFailed(f"not a manifest: {error}") from None
+
+
+async def _ask_range(open_stream: OpenStream, request: FileRequest) -> bytes:
+    reader, writer, message = await _ask(open_stream, request, MAX_REQUEST_BYTES)
+    try:
+        reply = RangeReply.model_validate(message)
+        if reply.length != request.length:
+            raise CopyFailed(f"asked {request.length} bytes, told {reply.length}")
+        return await reader.readexactly(reply.length)
+    except ValidationError as error:
+        raise CopyFailed(f"not a range reply: {error}") from None
+    except asyncio.IncompleteReadError:
+        raise CopyFailed("the stream ended inside a range") from None
+    finally:
+        writer.close()
+
+
+def _staged_bytes(targets: list[tuple[ManifestEntry, Path]]) -> int:
+    """What an earlier copy left (a part longer than its file starts over)."""
+    have = 0
+    for entry, target in targets:
+        size = _size_or_zero(target)
+        if size > entry.size:
+            target.unlink()
+            size = 0
+        have += size
+    return have
+
+
+def _size_or_zero(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _free_bytes(directory: Path) -> int:
+    directory.mkdir(parents=True, exist_ok=True)
+    info = os.statvfs(directory)
+    return info.f_bavail * info.f_frsize
+
+
+def _append(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as handle:
+        handle.write(data)
+
+
+def _take_place(staging: Path, dest: Path, directory: bool) -> None:
+    """Move the checked copy to the model's path in one rename."""
+    if directory:
+        staging.mkdir(parents=True, exist_ok=True)  # a model of no files
+    os.rename(staging, dest)
