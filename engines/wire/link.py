@@ -33,7 +33,9 @@ import asyncio
 import hashlib
 import re
 import struct
-from typing import Annotated, Literal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -120,3 +122,29 @@ async def read_link_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes
 def certificate_fingerprint(der: bytes) -> str:
     """The SHA-256 (hex) by which a relay's certificate is pinned."""
     return hashlib.sha256(der).hexdigest()
+
+
+@dataclass(frozen=True)
+class PrivateCa:
+    """Links in mutual TLS under the operator's private CA, instead of pinned
+    self-signed certificates: `ca` signs every node's certificate, `cert` and
+    `key` are this node's (its name as a DNS subject-alternative name or the
+    common name). Both ends present one, both check the other's against the
+    CA and the node name it should carry."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def certificate_names(peercert: dict[str, Any] | None) -> set[str]:
+    """The names a verified certificate (ssl's getpeercert()) is for: its DNS
+    subject-alternative names and common names."""
+    if not peercert:
+        return set()
+    names = {
+        value for kind, value in peercert.get("subjectAltName", ()) if kind == "DNS"
+    }
+    for rdn in peercert.get("subject", ()):
+        names.update(value for key, value in rdn if key == "commonName")
+    return names

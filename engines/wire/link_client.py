@@ -31,7 +31,9 @@ from engines.wire.link import (
     WELCOME,
     LinkHello,
     LinkRefused,
+    PrivateCa,
     certificate_fingerprint,
+    certificate_names,
     data_frames,
     link_frame,
     read_link_frame,
@@ -178,14 +180,19 @@ class Link:
 
 
 class LinkPool:
-    """The links of one event loop, one per peer node, made on first use."""
+    """The links of one event loop, one per peer node, made on first use.
+    With a private CA, every link is mutual TLS under it; else TLS with the
+    peer's pinned certificate (or plain TCP for a peer that has none)."""
 
-    def __init__(self, *, node: str, secret: str) -> None:
+    def __init__(self, *, node: str, secret: str, ca: PrivateCa | None = None) -> None:
         self.node = node
         self._secret = secret
+        self._ca = ca
+        self._ca_context = client_tls_context(ca) if ca is not None else None
         self._links: dict[str, Link] = {}
         self._connecting: dict[str, asyncio.Future] = {}
         self._failed: dict[str, tuple[float, str]] = {}
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"LinkPool(node={self.node!r})"
@@ -222,12 +229,29 @@ class LinkPool:
         return link
 
     async def _handshake(self, peer: Peer) -> Link:
-        context = client_tls_context() if peer.tls_fingerprint else None
-        reader, writer = await asyncio.open_connection(
-            peer.host, peer.port, ssl=context
-        )
+        context = self._ca_context
+        if context is None and peer.tls_fingerprint:
+            context = client_tls_context()
         try:
-            if context is not None:
+            reader, writer = await asyncio.open_connection(
+                peer.host, peer.port, ssl=context
+            )
+        except ssl.SSLCertVerificationError as error:
+            raise LinkRefused(
+                f"node {peer.node}: the relay's certificate is not signed by the "
+                f"cluster's CA ({error.verify_message})"
+            ) from None
+        try:
+            if self._ca_context is not None:
+                names = certificate_names(
+                    writer.get_extra_info("ssl_object").getpeercert()
+                )
+                if peer.node not in names:
+                    raise LinkRefused(
+                        f"node {peer.node}: the relay's certificate is for "
+                        f"{', '.join(sorted(names)) or 'no name'}, not this node"
+                    )
+            elif context is not None:
                 der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
                 if certificate_fingerprint(der) != peer.tls_fingerprint:
                     raise LinkRefused(
@@ -256,21 +280,30 @@ class LinkPool:
     def _lost(self, link: Link) -> None:
         if self._links.get(link.peer.node) is link:
             del self._links[link.peer.node]
-            log.warning("link to node %s lost: %s", link.peer.node, link.lost)
+            if not self._closed:
+                log.warning("link to node %s lost: %s", link.peer.node, link.lost)
 
     def close(self) -> None:
+        self._closed = True
         for link in list(self._links.values()):
             link.close("pool closed")
 
 
-def client_tls_context() -> ssl.SSLContext:
-    """TLS for a link: the relay's certificate is checked against the
-    fingerprint the cluster's database pins for its node, not against a CA
-    or a host name."""
+def client_tls_context(ca: PrivateCa | None = None) -> ssl.SSLContext:
+    """TLS for a link. Without a CA, the relay's certificate is checked against
+    the fingerprint the cluster's database pins for its node (see
+    _handshake). With one, it must be signed by the CA and name the node (the
+    name is checked in _handshake: a node name is not a host name), and this
+    node presents its own certificate."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE  # pinned instead: see _handshake
+    if ca is None:
+        context.verify_mode = ssl.CERT_NONE  # pinned instead
+        return context
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cafile=ca.ca)
+    context.load_cert_chain(ca.cert, ca.key)
     return context
 
 

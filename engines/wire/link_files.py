@@ -22,6 +22,8 @@ files are whole or absent, never half there.
 """
 
 import asyncio
+import collections
+import contextlib
 import hashlib
 import os
 import stat
@@ -37,6 +39,7 @@ from engines.wire.framing import decode_message, encode_message, read_frame
 
 FILES_STREAM = "files:"
 MAX_RANGE = 8 << 20
+IN_FLIGHT = 3  # ranges asked ahead while one is written
 MAX_FILES = 4096
 MAX_REQUEST_BYTES = 4096
 MAX_MANIFEST_BYTES = 2 << 20
@@ -238,26 +241,53 @@ async def copy_model(
     done = have
     progress(done, total)
     for entry, target in targets:
-        await asyncio.to_thread(_append, target, b"")  # made if missing
-        offset = await asyncio.to_thread(_size_or_zero, target)
-        while offset < entry.size:
-            length = min(MAX_RANGE, entry.size - offset)
-            request = FileRequest(
-                kind="range",
-                model=model,
-                path=entry.path,
-                offset=offset,
-                length=length,
-            )
-            data = await _ask_range(open_stream, request)
-            await asyncio.to_thread(_append, target, data)
-            offset += length
-            done += length
-            progress(done, total)
-        if await asyncio.to_thread(file_sha256, target) != entry.sha256:
+        # What an earlier try left is hashed first, then every range as it is
+        # written: the check at the end reads nothing again.
+        digest, offset = await asyncio.to_thread(_staged_digest, target)
+        with contextlib.closing(_ranges(open_stream, model, entry, offset)) as ranges:
+            for asked in ranges:
+                data = await asked
+                await asyncio.to_thread(_append, target, data, digest)
+                done += len(data)
+                progress(done, total)
+        if digest.hexdigest() != entry.sha256:
             await asyncio.to_thread(target.unlink)
             raise CopyFailed(f"{entry.path or dest.name}: SHA-256 does not match")
     await asyncio.to_thread(_take_place, staging, dest, manifest.directory)
+
+
+def _ranges(open_stream: OpenStream, model: str, entry: ManifestEntry, offset: int):
+    """The ranges of one file from `offset`, as awaitables in order, with up
+    to IN_FLIGHT asked ahead: the serving side reads the next while this one
+    crosses the link and is written here (at most IN_FLIGHT * MAX_RANGE bytes
+    held)."""
+    asked: collections.deque[asyncio.Task] = collections.deque()
+    try:
+        while offset < entry.size or asked:
+            while offset < entry.size and len(asked) < IN_FLIGHT:
+                length = min(MAX_RANGE, entry.size - offset)
+                request = FileRequest(
+                    kind="range",
+                    model=model,
+                    path=entry.path,
+                    offset=offset,
+                    length=length,
+                )
+                task = asyncio.ensure_future(_ask_range(open_stream, request))
+                # A range asked ahead of a failure is never awaited: its own
+                # failure is not news.
+                task.add_done_callback(_retrieved)
+                asked.append(task)
+                offset += length
+            yield asked.popleft()
+    finally:
+        for task in asked:
+            task.cancel()
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _targets(manifest: Manifest, staging: Path) -> list[tuple[ManifestEntry, Path]]:
@@ -342,10 +372,23 @@ def _free_bytes(directory: Path) -> int:
     return info.f_bavail * info.f_frsize
 
 
-def _append(path: Path, data: bytes) -> None:
+def _staged_digest(path: Path):
+    """A SHA-256 of what is staged at `path` (made empty if missing), and its
+    size."""
+    _append(path, b"", None)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest, path.stat().st_size
+
+
+def _append(path: Path, data: bytes, digest) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "ab") as handle:
         handle.write(data)
+    if digest is not None:
+        digest.update(data)
 
 
 def _take_place(staging: Path, dest: Path, directory: bool) -> None:

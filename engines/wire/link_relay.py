@@ -27,11 +27,25 @@ from engines.wire.link import (
     RELAY_DEAD_S,
     LinkHello,
     LinkWelcome,
+    certificate_names,
     data_frames,
     link_frame,
     read_link_frame,
 )
 from engines.wire.link_files import FILES_STREAM, MAX_REQUEST_BYTES, FileServer
+
+
+def _certificate_refusal(writer: asyncio.StreamWriter, node: str) -> str | None:
+    """In mutual TLS (a private CA), the caller's certificate must name the
+    node its hello speaks for; None when it does or the link has none."""
+    ssl_object = writer.get_extra_info("ssl_object")
+    peercert = ssl_object.getpeercert() if ssl_object is not None else None
+    if not peercert:
+        return None
+    if node not in certificate_names(peercert):
+        return f"the link's certificate is not node {node!r}'s"
+    return None
+
 
 # Checks a hello: the calling node's name and secret; None when accepted, else
 # why not (told to the caller).
@@ -148,8 +162,10 @@ class Relay:
         except (ProtocolError, ValidationError):
             refusal = "not a link hello"
         else:
-            refusal = self._serving() or await self._authenticate(
-                hello.node, hello.secret
+            refusal = (
+                self._serving()
+                or _certificate_refusal(writer, hello.node)
+                or await self._authenticate(hello.node, hello.secret)
             )
         if refusal is not None:
             error = ErrorReply(code=ErrorCode.UNAUTHORIZED, message=refusal)

@@ -18,6 +18,7 @@ from django.conf import settings
 
 from cluster.identity import NodeIdentity, identity_read, identity_stamp
 from cluster.models import UNREACHABLE_AFTER_S
+from cluster.tls import private_ca
 from engines.wire.client import AsyncEngineClient, EngineUnreachable, connection_file
 from engines.wire.link_client import LinkPool, Peer, RemoteEngineClient
 from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
@@ -68,6 +69,9 @@ class Gateway:
         self._identity_stamp: tuple[int, int] | None = None
         self._identity_checked = -float("inf")
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # The links' private CA, if the settings name one (read at start:
+        # a misconfigured CA stops the front there, not at its first link).
+        self.private_ca = private_ca()
         self.affinity = SharedAffinity(settings.REDIS_URL)
         self.in_flight: Counter[str] = Counter()
 
@@ -248,7 +252,9 @@ class Gateway:
         if pool is None or speaks_for != identity:
             if pool is not None:
                 pool.close()  # links made with the identity this host had
-            pool = LinkPool(node=identity.name, secret=identity.secret)
+            pool = LinkPool(
+                node=identity.name, secret=identity.secret, ca=self.private_ca
+            )
             self._pools[loop] = (identity, pool)
         peer = Peer(
             node=node,

@@ -166,7 +166,7 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.display(description="link")
     def link_security(self, node: Node) -> str:
-        return "TLS (pinned)" if node.tls_fingerprint else "plain TCP"
+        return "TLS" if node.tls_fingerprint else "plain TCP"
 
     @admin.action(
         description="Drain: no new requests, move its replicas", permissions=["change"]

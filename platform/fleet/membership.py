@@ -36,9 +36,15 @@ from cluster.services import (
     node_heartbeat,
     node_join,
 )
-from cluster.tls import relay_certificate, server_tls_context
+from cluster.tls import (
+    certificate_file_fingerprint,
+    private_ca,
+    relay_certificate,
+    server_tls_context,
+)
 from engines.launch.devices import default_memory_probes
 from engines.wire.client import EngineUnreachable, connection_file, read_connection_file
+from engines.wire.link import PrivateCa
 from engines.wire.link_client import Peer
 from engines.wire.link_files import FileServer
 from engines.wire.link_relay import Relay
@@ -72,6 +78,12 @@ def hardware_now() -> dict:
             for card in cards
         ],
     }
+
+
+def _link_security(ca: PrivateCa | None, tls) -> str:
+    if ca is not None:
+        return "mutual TLS, private CA"
+    return "TLS, pinned certificate" if tls is not None else "plain TCP"
 
 
 def software_version() -> str:
@@ -109,6 +121,7 @@ class Membership:
         self._db = ThreadPoolExecutor(1, thread_name_prefix="relay-db")
         self._engines: dict[str, tuple[tuple, tuple[int, str]]] = {}
         self._tls_fingerprint = ""
+        self._ca: PrivateCa | None = None
         self._bind = ("", 0)
         self.copies: ModelCopies | None = None
 
@@ -132,8 +145,13 @@ class Membership:
             log.info("joined the cluster as node %s", self.name)
         node = node_authenticate(name=identity.name, secret=identity.secret)
         self.identity = identity
-        self.copies = ModelCopies(node=identity.name, secret=identity.secret)
-        if settings.ROUNDHOUSE_CLUSTER_TLS:
+        self._ca = private_ca()
+        self.copies = ModelCopies(
+            node=identity.name, secret=identity.secret, ca=self._ca
+        )
+        if self._ca is not None:
+            self._tls_fingerprint = certificate_file_fingerprint(self._ca.cert)
+        elif settings.ROUNDHOUSE_CLUSTER_TLS:
             *_, self._tls_fingerprint = relay_certificate(self.run_dir, self.name)
         node_heartbeat(
             identity=identity,
@@ -292,7 +310,9 @@ class Membership:
             files=FileServer(self._model_path),
         )
         tls = None
-        if self._tls_fingerprint:
+        if self._ca is not None:
+            tls = server_tls_context(self._ca.key, self._ca.cert, client_ca=self._ca.ca)
+        elif self._tls_fingerprint:
             key, cert, _ = relay_certificate(self.run_dir, self.name)
             tls = server_tls_context(key, cert)
         host, port = self._bind
@@ -310,7 +330,7 @@ class Membership:
             self.name,
             host,
             port,
-            "TLS, pinned certificate" if tls else "plain TCP",
+            _link_security(self._ca, tls),
         )
         self._relay_ready.set()
         try:

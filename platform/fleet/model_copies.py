@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.wire.errors import ProtocolError
-from engines.wire.link import LinkRefused
+from engines.wire.link import LinkRefused, PrivateCa
 from engines.wire.link_client import LinkPool, Peer
 from engines.wire.link_files import FILES_STREAM, CopyFailed, copy_model
 
@@ -49,9 +49,10 @@ class _Copy:
 class ModelCopies:
     """The copies of one node, started from any thread, run on `loop`."""
 
-    def __init__(self, *, node: str, secret: str) -> None:
+    def __init__(self, *, node: str, secret: str, ca: PrivateCa | None = None) -> None:
         self.node = node
         self._secret = secret
+        self._ca = ca
         self._copies: dict[str, _Copy] = {}
         self._lock = threading.Lock()
         self._pool: LinkPool | None = None  # made on the loop, on first use
@@ -106,7 +107,7 @@ class ModelCopies:
 
     async def _run(self, model: str, copy: _Copy, peers: list[Peer]) -> None:
         if self._pool is None:
-            self._pool = LinkPool(node=self.node, secret=self._secret)
+            self._pool = LinkPool(node=self.node, secret=self._secret, ca=self._ca)
         pool = self._pool
         started = time.monotonic()
         try:

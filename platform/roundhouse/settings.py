@@ -322,6 +322,13 @@ ROUNDHOUSE_JOIN_TOKEN = env.str("ROUNDHOUSE_JOIN_TOKEN", default="")
 # the node publishes in the database. Off: plain TCP, authenticated by the
 # calling node's secret only (a trusted network).
 ROUNDHOUSE_CLUSTER_TLS = env.bool("ROUNDHOUSE_CLUSTER_TLS", default=True)
+# ROUNDHOUSE_CLUSTER_CA, _CERT, _KEY: a private CA instead (all three, on every
+# host: the CA's certificate, this node's certificate it signed, naming the node
+# as a DNS subject-alternative name or common name, and its key): links are
+# mutual TLS checked against the CA and the node names (cluster/tls.py).
+ROUNDHOUSE_CLUSTER_CA = env.str("ROUNDHOUSE_CLUSTER_CA", default="")
+ROUNDHOUSE_CLUSTER_CERT = env.str("ROUNDHOUSE_CLUSTER_CERT", default="")
+ROUNDHOUSE_CLUSTER_KEY = env.str("ROUNDHOUSE_CLUSTER_KEY", default="")
 # ROUNDHOUSE_RELAY_BIND: the address the relay listens on. Default: the node's
 # address as set in the admin (behind NAT, set the host's own address here).
 ROUNDHOUSE_RELAY_BIND = env.str("ROUNDHOUSE_RELAY_BIND", default="")

@@ -9,6 +9,7 @@ PostgreSQL pass); skipped on SQLite; where namespaces cannot be made they are
 skipped too, unless ROUNDHOUSE_REQUIRE_NETNS=1 (set by .ci/run) makes that a
 failure."""
 
+import contextlib
 import json
 import os
 import random
@@ -130,6 +131,7 @@ class Cluster:
         self.nodes: dict[str, TestNode] = {}
         self.tokens: dict[str, str] = {}  # each node's join token, used once
         self.key = ApiKeyFactory(name="cluster").plaintext
+        self.node_env = lambda name: {}
 
     def database_url(self) -> str:
         db = connection.settings_dict
@@ -161,7 +163,7 @@ class Cluster:
             or Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models")),
             root=ROOT,
             files_dir=self.tmp / "files",  # shared storage, as a cluster needs
-        )
+        ) | self.node_env(name)
         test_node = TestNode(
             name=name,
             host=host,
@@ -249,11 +251,11 @@ def node_status(name: str) -> str:
     return str(nodes_now()[name].status)
 
 
-@pytest.fixture(scope="module")
-def cluster(cluster_database, django_db_blocker, tmp_path_factory):
-    """Nodes a (label zone-a) and b (zone-b), an engine each; `smol` placed on
-    both, `smol-b` on b; started and ready."""
-    tmp = tmp_path_factory.mktemp("cluster")
+@contextlib.contextmanager
+def open_cluster(tmp: Path, django_db_blocker, *, models=models_rows, node_env=None):
+    """An empty cluster (network, database rows, Redis database) whose nodes
+    the caller adds; `node_env(name)`: more environment for a node's
+    processes. Everything removed at the end."""
     redis_url_db = random.randint(8, 15)
     network = Network().open()
     with django_db_blocker.unblock():
@@ -265,15 +267,11 @@ def cluster(cluster_database, django_db_blocker, tmp_path_factory):
         settings_row = ClusterSettings.load()
         settings_row.grace_s = GRACE_S
         settings_row.save()
-        models_rows()
+        models()
         redis.Redis(host="127.0.0.1", port=6379, db=redis_url_db).flushdb()
         built = Cluster(network, tmp, f"redis://{network.gateway}:6379/{redis_url_db}")
+        built.node_env = node_env or (lambda name: {})
     try:
-        with django_db_blocker.unblock():
-            built.add_node("a", labels=["zone-a", "spare"])
-            built.add_node("b", labels=["zone-b", "spare"])
-            wait_resident("smol", {"ea", "eb"})
-            wait_resident("smol-b", {"eb"})
         yield built
     finally:
         with django_db_blocker.unblock():
@@ -281,6 +279,20 @@ def cluster(cluster_database, django_db_blocker, tmp_path_factory):
             for model in (Usage, ApiKey, ModelConfig, EngineSpec, Node):
                 model.objects.all().delete()
         network.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_database, django_db_blocker, tmp_path_factory):
+    """Nodes a (label zone-a) and b (zone-b), an engine each; `smol` placed on
+    both, `smol-b` on b; started and ready."""
+    tmp = tmp_path_factory.mktemp("cluster")
+    with open_cluster(tmp, django_db_blocker) as built:
+        with django_db_blocker.unblock():
+            built.add_node("a", labels=["zone-a", "spare"])
+            built.add_node("b", labels=["zone-b", "spare"])
+            wait_resident("smol", {"ea", "eb"})
+            wait_resident("smol-b", {"eb"})
+        yield built
 
 
 class EventStream:
@@ -320,6 +332,22 @@ class EventStream:
 
     def close(self) -> None:
         self._connection.close()
+
+
+def routed(front: TestNode, model: str, key: str) -> tuple:
+    """(status, headers, body) of the first 200 a short chat for `model` gets
+    from `front`, asked until then (at most 30 s): a front's routing view is
+    up to a second old, so a replica just loaded may not be in it yet."""
+
+    def ask() -> tuple | None:
+        reply = http(
+            f"{front.url}/v1/chat/completions",
+            body=chat(model, "Hi", max_tokens=4),
+            key=key,
+        )
+        return reply if reply[0] == 200 else None
+
+    return wait_for(ask, timeout=30, what=f"front {front.name} to serve {model}")
 
 
 def chat(model: str, content: str, **fields) -> dict:

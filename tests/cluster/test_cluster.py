@@ -221,16 +221,7 @@ def test_a_node_without_the_model_files_copies_them_from_another(
         wait_for(
             lambda: Node.objects.get(name="f").copies == {}, what="f's copies done"
         )
-        status, headers, body = http(
-            f"{cluster.nodes['a'].url}/v1/chat/completions",
-            body={
-                "model": "smol-f",
-                "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 4,
-            },
-            key=cluster.key,
-        )
-        assert status == 200, body
+        _, headers, _ = conftest.routed(cluster.nodes["a"], "smol-f", cluster.key)
         assert headers["X-Roundhouse-Node"] == "f"
     finally:
         cluster.remove_node("f")

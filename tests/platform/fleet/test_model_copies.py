@@ -8,32 +8,24 @@ import os
 
 from cluster.tls import relay_certificate, server_tls_context
 from engines.wire.link_client import Peer
-from engines.wire.link_files import FileServer
 from engines.wire.link_relay import Relay
 from fleet import model_copies
 from fleet.model_copies import ModelCopies
-from tests.engines.conftest import free_port
+from tests.engines.file_relay import file_relay
 from tests.waiting import await_for
 
 SECRET = "copies-secret"
 
 
 async def relay_of(node: str, files: dict, tmp_path) -> tuple[Relay, Peer]:
-    async def authenticate(name: str, secret: str) -> str | None:
-        return None if (name, secret) == ("f", SECRET) else "wrong secret"
-
-    async def model_path(name: str):
-        return files.get(name)
-
     key, cert, fingerprint = relay_certificate(tmp_path / node, node)
-    relay = Relay(
+    relay, port = await file_relay(
+        files,
+        secret=SECRET,
+        tls=server_tls_context(key, cert),
         node=node,
-        authenticate=authenticate,
-        engine_address=lambda name: None,
-        files=FileServer(model_path),
+        caller="f",
     )
-    port = free_port()
-    await relay.start("127.0.0.1", port, tls=server_tls_context(key, cert))
     return relay, Peer(
         node=node, host="127.0.0.1", port=port, tls_fingerprint=fingerprint
     )

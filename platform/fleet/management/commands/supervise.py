@@ -1,6 +1,7 @@
 """`manage.py supervise`: run the engine supervisor for this host (one per host)."""
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from cluster.services import ClusterUnavailable, NodeRefused
@@ -49,7 +50,12 @@ class Command(BaseCommand):
         supervisor = self.supervisor_class(run_dir=settings.RUN_DIR, node=node)
         try:
             supervisor.startup()
-        except (SupervisorRunning, ClusterUnavailable, OSError) as error:
+        except (
+            SupervisorRunning,
+            ClusterUnavailable,
+            ImproperlyConfigured,  # a private CA only half given
+            OSError,
+        ) as error:
             raise CommandError(str(error)) from error
         except NodeRefused as refused:
             raise CommandError(refused.message) from refused
