@@ -2,7 +2,6 @@
 relay on loopback serving a model directory and a one-file model, the copying
 side over a real link, in pinned TLS as between nodes."""
 
-import asyncio
 import contextlib
 import os
 from pathlib import Path
@@ -15,12 +14,9 @@ from engines.wire.link import LinkRefused
 from engines.wire.link_client import LinkPool, Peer
 from engines.wire.link_files import (
     CopyFailed,
-    FileServer,
     copy_model,
     relative_part,
 )
-from engines.wire.link_relay import Relay
-from tests.engines.conftest import free_port
 from tests.engines.file_relay import file_relay, files_opener
 
 SECRET = "files-test-secret"
@@ -191,20 +187,20 @@ async def test_not_enough_disk_is_refused_before_writing(served, tmp_path, monke
 
 
 async def test_a_wrong_secret_copies_nothing(served, tmp_path):
-    port = free_port()
+    """A caller whose secret the relay does not know gets no link, so no files
+    (control: the other tests' callers, with the secret, copy)."""
     key, cert, fingerprint = relay_certificate(tmp_path / "tls2", "b")
-    relay = Relay(
-        node="b",
-        authenticate=lambda node, secret: asyncio.sleep(0, "wrong secret"),
-        engine_address=lambda name: None,
-        files=FileServer(lambda name: asyncio.sleep(0, served.get(name))),
+    relay, port = await file_relay(
+        served, secret=SECRET, tls=server_tls_context(key, cert)
     )
-    await relay.start("127.0.0.1", port, tls=server_tls_context(key, cert))
     pool = LinkPool(node="a", secret="guess")
     peer = Peer(node="b", host="127.0.0.1", port=port, tls_fingerprint=fingerprint)
     try:
         with pytest.raises(LinkRefused, match="wrong secret"):
-            await pool.link(peer)
+            await copy_model(
+                files_opener(pool, peer), "one-file", tmp_path / "x", progress=print
+            )
     finally:
         pool.close()
         await relay.close()
+    assert not (tmp_path / "x").exists()
