@@ -276,9 +276,8 @@ class Router:
         placed = [
             allowed[name] for name in snapshot.placed(model.name) if name in allowed
         ]
-        copying = _copying(model, placed, snapshot.nodes)
-        if placed and len(copying) < len(placed):
-            ready = [engine for engine in placed if engine.name not in copying]
+        ready = [e for e in placed if not _copying(model, e, snapshot.nodes)]
+        if ready:
             return Choice(self._least_loaded(ready, owner, load).name, "placed")
         if placed:
             nodes = ", ".join(sorted({engine.node for engine in placed}))
@@ -346,14 +345,11 @@ def labels_fit(
 
 
 def _copying(
-    model: ModelRoute, engines: list[EngineStatus], nodes: Mapping[str, NodeRoute]
-) -> set[str]:
-    """The engines among these whose node is still copying the model's files."""
-    return {
-        engine.name
-        for engine in engines
-        if engine.node in nodes and model.name in nodes[engine.node].copying
-    }
+    model: ModelRoute, engine: EngineStatus, nodes: Mapping[str, NodeRoute]
+) -> bool:
+    """Whether the engine's node is still copying the model's files."""
+    node = nodes.get(engine.node)
+    return node is not None and model.name in node.copying
 
 
 def _load_with(in_flight: Mapping[str, int]) -> Callable[[EngineStatus], int]:

@@ -187,7 +187,6 @@ class LinkPool:
     def __init__(self, *, node: str, secret: str, ca: PrivateCa | None = None) -> None:
         self.node = node
         self._secret = secret
-        self._ca = ca
         self._ca_context = client_tls_context(ca) if ca is not None else None
         self._links: dict[str, Link] = {}
         self._connecting: dict[str, asyncio.Future] = {}

@@ -112,11 +112,16 @@ def relative_part(path: str) -> PurePosixPath:
 
 def file_sha256(path: Path) -> str:
     """SHA-256 of a file, read in chunks. Blocking: run it in a thread."""
+    return _file_digest(path).hexdigest()
+
+
+def _file_digest(path: Path):
+    """A running SHA-256 of a file's bytes so far, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(HASH_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+    return digest
 
 
 # -- the relay's side ------------------------------------------------------------
@@ -376,11 +381,7 @@ def _staged_digest(path: Path):
     """A SHA-256 of what is staged at `path` (made empty if missing), and its
     size."""
     _append(path, b"", None)
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest, path.stat().st_size
+    return _file_digest(path), path.stat().st_size
 
 
 def _append(path: Path, data: bytes, digest) -> None:

@@ -15,7 +15,13 @@ from engines.wire.bounds import AUTH_TIMEOUT_S, CONTROL_TIMEOUT_S, MAX_AUTH_FRAM
 from engines.wire.client import connect_and_send
 from engines.wire.errors import ErrorCode, ProtocolError
 from engines.wire.frames import ErrorReply
-from engines.wire.framing import auth_frame, decode_message, encode_message, read_frame
+from engines.wire.framing import (
+    HEADER,
+    auth_frame,
+    decode_message,
+    encode_message,
+    read_frame,
+)
 from engines.wire.link import (
     CLOSE,
     DATA,
@@ -197,7 +203,7 @@ class Relay:
                 if upstream.inbox is not None:
                     # One request frame is all a files stream carries: more
                     # than its cap is not kept (the request then fails).
-                    room = MAX_REQUEST_BYTES + 8 - upstream.inbox_bytes
+                    room = MAX_REQUEST_BYTES + HEADER.size - upstream.inbox_bytes
                     upstream.inbox_bytes += len(payload)
                     if room > 0:
                         upstream.inbox.feed_data(payload[:room])

@@ -18,9 +18,10 @@ from django.conf import settings
 
 from cluster.identity import NodeIdentity, identity_read, identity_stamp
 from cluster.models import UNREACHABLE_AFTER_S
+from cluster.selectors import node_peer
 from cluster.tls import private_ca
 from engines.wire.client import AsyncEngineClient, EngineUnreachable, connection_file
-from engines.wire.link_client import LinkPool, Peer, RemoteEngineClient
+from engines.wire.link_client import LinkPool, RemoteEngineClient
 from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
 from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
 
@@ -256,13 +257,7 @@ class Gateway:
                 node=identity.name, secret=identity.secret, ca=self.private_ca
             )
             self._pools[loop] = (identity, pool)
-        peer = Peer(
-            node=node,
-            host=route.host,
-            port=route.relay_port,
-            tls_fingerprint=route.tls_fingerprint,
-        )
-        return RemoteEngineClient(name=engine, pool=pool, peer=peer)
+        return RemoteEngineClient(name=engine, pool=pool, peer=node_peer(route))
 
     def _local_client(self, engine: str) -> AsyncEngineClient:
         """A client for a supervised engine (EngineUnreachable without its file).

@@ -5,6 +5,9 @@ from datetime import datetime
 
 from django.db.models.functions import Now
 
+from engines.wire.link_client import Peer
+from routing.placement import NodeRoute
+
 from .models import ClusterSettings, Node, NodeStatus
 
 
@@ -56,3 +59,13 @@ def node_status(*, node: Node) -> NodeStatus:
     """One node's status now."""
     now = Node.objects.annotate(db_now=Now()).values_list("db_now", flat=True)
     return node.status_at(now.get(pk=node.pk), grace_s=ClusterSettings.load().grace_s)
+
+
+def node_peer(route: NodeRoute) -> Peer:
+    """A node as a link reaches it: its relay's address and pinned certificate."""
+    return Peer(
+        node=route.name,
+        host=route.host,
+        port=route.relay_port,
+        tls_fingerprint=route.tls_fingerprint,
+    )

@@ -29,6 +29,7 @@ from django.db import DatabaseError, InterfaceError, close_old_connections
 from catalog.selectors import model_files_path, model_paths
 from cluster.identity import NodeIdentity, identity_read, identity_write
 from cluster.models import UNREACHABLE_AFTER_S, NodeStatus
+from cluster.selectors import node_peer
 from cluster.services import (
     NodeRefused,
     cluster_database_check,
@@ -254,6 +255,11 @@ class Membership:
         except UNAVAILABLE:
             return
         wanted = {model: path for model, path in paths.items() if not path.exists()}
+        others = [
+            node
+            for node in snapshot.nodes.values()
+            if node.serving and node.name != self.name and node.host
+        ]
         peers: dict[str, list[Peer]] = {}
         for model in wanted:
             holders = {
@@ -261,21 +267,10 @@ class Membership:
                 for engine in snapshot.engines.values()
                 if model in engine.resident
             }
-            nodes = [
-                node
-                for node in snapshot.nodes.values()
-                if node.serving and node.name != self.name and node.host
-            ]
-            nodes.sort(key=lambda node: (node.name not in holders, node.name))
-            peers[model] = [
-                Peer(
-                    node=node.name,
-                    host=node.host,
-                    port=node.relay_port,
-                    tls_fingerprint=node.tls_fingerprint,
-                )
-                for node in nodes
-            ]
+            first = sorted(
+                others, key=lambda node: (node.name not in holders, node.name)
+            )
+            peers[model] = [node_peer(node) for node in first]
         if self._loop is not None:
             self.copies.want(wanted, peers, self._loop)
 

@@ -370,11 +370,12 @@ class Supervisor:
         ):
             return
         held = {item.name for item in engine.resident}
-        copying = self.membership.copies.missing() if self.membership.copies else ()
+        copies = self.membership.copies
+        copying = copies.missing() if copies is not None else frozenset()
         missing = sorted(
             self.membership.placed.get(engine.desired.name, frozenset())
             - held
-            - set(copying)
+            - copying
         )
         if missing:
             engine.next_placed_load = now + PLACED_LOAD_RETRY_S
