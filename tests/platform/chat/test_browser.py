@@ -18,6 +18,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from django.db import connections
 
+from api.models import Usage
 from chat.models import Conversation, Message
 from fleet.models import EngineState
 from tests.conftest import ROOT
@@ -102,6 +103,17 @@ def sampling(page, **fields) -> None:
         page.fill(f"#{name}", str(value))
 
 
+def usage_written(page, count: int) -> None:
+    """Wait for the live front to write the usage rows of the page's answers
+    (a background writer does, after each answer): the teardown deletes the
+    user, and a row written after that would reference no user."""
+    wait_for(
+        lambda: Usage.objects.filter(user=page.user).count() >= count,
+        timeout=30,
+        what=f"{count} usage rows written",
+    )
+
+
 def answer(page, index: int):
     return page.locator(".message.assistant").nth(index)
 
@@ -158,6 +170,7 @@ def test_chat_streams_stops_regenerates_and_comes_back(page, live):
     page.reload()
     expect(page.locator(".message")).to_have_count(4)
     expect(page.locator(".message.user").first).to_have_text("Name a colour.")
+    usage_written(page, 3)  # the first, the stopped and the regenerated answer
 
 
 def test_markdown_is_rendered_and_sanitised(page, live):
@@ -201,6 +214,7 @@ def test_chat_reconnects_after_the_socket_drops(page, live):
         expect(answer(page, 0).locator(".stats")).to_contain_text(
             "tokens", timeout=30_000
         )
+        usage_written(page, 1)
     finally:
         live.front_pid = front.pid
 
