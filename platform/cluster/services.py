@@ -90,7 +90,17 @@ def node_join(*, name: str, join_token: str) -> NodeIdentity:
         node.join_token_hash = ""
         node.join_token_expires_at = None
         node.joined_at = timezone.now()
-        node.save()
+        # Only the join's columns: a node's own database role may write no
+        # other (fleet/node_database.py).
+        node.save(
+            update_fields=[
+                "secret_hash",
+                "join_token_hash",
+                "join_token_expires_at",
+                "joined_at",
+                "updated_at",
+            ]
+        )
     return NodeIdentity(name=name, secret=secret)
 
 
