@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -297,21 +297,43 @@ def test_the_password_is_printed_once_and_kept_only_as_a_verifier(
 
 
 def test_dropping_a_node_role_removes_it(two_nodes, drop_roles):
-    """`node_db_role NAME --drop` drops the role (and its policies) and clears
-    it from the node; the control: the role existed with its policies."""
+    """`node_db_role NAME --drop` drops the role (and its policies), its open
+    session can do nothing more, and the node has no role; the control: the
+    role existed with its policies and its session read."""
     role = role_name()
     drop_roles.append(role)
-    make_role("a", role)
+    url = make_role("a", role)
     assert role_exists(role)
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM pg_policies WHERE %s = ANY(roles)", [role])
         assert cursor.fetchone()[0] == 3
+    session = psycopg.connect(url, autocommit=True)
+    assert session.execute("SELECT count(*) FROM cluster_node").fetchone() == (2,)
     call_command("node_db_role", "a", "--drop", stderr=io.StringIO())
+    with pytest.raises(psycopg.Error):
+        session.execute("SELECT count(*) FROM cluster_node")
+    session.close()
     assert not role_exists(role)
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM pg_policies WHERE %s = ANY(roles)", [role])
         assert cursor.fetchone()[0] == 0
     assert Node.objects.get(name="a").db_role == ""
+
+
+def test_a_role_name_taken_by_the_server_is_refused(two_nodes, drop_roles):
+    """Roles are shared by every database of a server: a name that exists
+    already (another cluster's node, anyone's) is refused, not taken over;
+    the node keeps no role."""
+    role = role_name()
+    drop_roles.append(role)
+    with connection.cursor() as cursor:
+        cursor.execute(f'CREATE ROLE "{role}" LOGIN')
+    with pytest.raises(CommandError, match="exists already"):
+        make_role("a", role)
+    assert Node.objects.get(name="a").db_role == ""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_policies WHERE %s = ANY(roles)", [role])
+        assert cursor.fetchone()[0] == 0
 
 
 def test_a_supervisor_runs_on_its_node_role_alone(
