@@ -320,6 +320,26 @@ def test_dropping_a_node_role_removes_it(two_nodes, drop_roles):
     assert Node.objects.get(name="a").db_role == ""
 
 
+def test_grant_all_gives_every_node_role_what_it_lacks(two_nodes, drop_roles):
+    """After an upgrade, `node_db_role --grant-all` grants each node role again
+    what the supervisor needs: a privilege taken away (the control: the write
+    is refused then) is back, and no password is printed."""
+    role = role_name()
+    drop_roles.append(role)
+    url = make_role("a", role)
+    measure = (
+        "UPDATE catalog_modelconfig SET measured_memory_mib = 300 WHERE name = 'served'"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(f'REVOKE UPDATE ON catalog_modelconfig FROM "{role}"')
+    with psycopg.connect(url, autocommit=True) as node_db:
+        assert outcome(node_db.cursor(), measure) == "refused"
+        out = io.StringIO()
+        call_command("node_db_role", "--grant-all", stdout=out, stderr=io.StringIO())
+        assert out.getvalue() == ""
+        assert outcome(node_db.cursor(), measure) == "1 rows"
+
+
 def test_a_role_name_taken_by_the_server_is_refused(two_nodes, drop_roles):
     """Roles are shared by every database of a server: a name that exists
     already (another cluster's node, anyone's) is refused, not taken over;
