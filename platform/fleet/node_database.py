@@ -217,6 +217,8 @@ def node_role_create(*, node: Node, role: str = "") -> NodeCredentials:
             f"role name {role!r}: lower-case letters, digits and _ only, at most "
             f"{ROLE_MAX} characters"
         )
+    if node.revoked_at is not None:
+        raise NodeRoleError(f"node {node.name!r} is revoked")
     if node.db_role and node.db_role != role:
         raise NodeRoleError(
             f"node {node.name!r} has role {node.db_role!r}: drop it first (--drop)"
@@ -253,11 +255,13 @@ def node_role_create(*, node: Node, role: str = "") -> NodeCredentials:
 
 def node_role_grant_all() -> list[str]:
     """Grant every node role again what a supervisor needs now (after an
-    upgrade whose supervisor writes a new column); the roles."""
+    upgrade whose supervisor writes a new column), a revoked node's never;
+    the roles."""
     if connection.vendor != "postgresql":
         return []
     roles = list(
         Node.objects.exclude(db_role="")
+        .filter(revoked_at__isnull=True)
         .order_by("name")
         .values_list("db_role", flat=True)
     )

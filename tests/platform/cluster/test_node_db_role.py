@@ -248,9 +248,10 @@ def test_a_node_role_writes_its_own_rows_and_nothing_else(two_nodes, drop_roles)
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             cursor.execute("SELECT * FROM api_apikey")
 
-        # Revoked (by the operator, with the full credentials): it cannot clear
-        # its revocation, and it writes nothing of its own any more.
-        node_revoke(node=two_nodes["a"])
+        # Revoked (here only its row: the row-level policies alone, as where
+        # the front's user may not take the role's privileges away), it
+        # cannot clear its revocation and writes nothing of its own any more.
+        Node.objects.filter(name="a").update(revoked_at=timezone.now())
         revoked = {
             "clearing its own revocation": (
                 "UPDATE cluster_node SET revoked_at = NULL WHERE name = 'a'",
@@ -318,6 +319,27 @@ def test_dropping_a_node_role_removes_it(two_nodes, drop_roles):
         cursor.execute("SELECT count(*) FROM pg_policies WHERE %s = ANY(roles)", [role])
         assert cursor.fetchone()[0] == 0
     assert Node.objects.get(name="a").db_role == ""
+
+
+def test_revoking_a_node_ends_its_roles_reads_too(two_nodes, drop_roles):
+    """Revoking a node (the admin's action) takes every table from its role,
+    for its open session as well, and neither --grant-all nor a new password
+    gives them back; the control: that session read before."""
+    role = role_name()
+    drop_roles.append(role)
+    url = make_role("a", role)
+    with psycopg.connect(url, autocommit=True) as node_db:
+        read = "SELECT count(*) FROM cluster_node"
+        assert node_db.execute(read).fetchone() == (2,)
+        node_revoke(node=Node.objects.get(name="a"))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            node_db.execute(read)
+    call_command("node_db_role", "--grant-all", stderr=io.StringIO())
+    with psycopg.connect(url, autocommit=True) as node_db:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            node_db.execute(read)
+    with pytest.raises(CommandError, match="revoked"):
+        make_role("a", role)
 
 
 def test_grant_all_gives_every_node_role_what_it_lacks(two_nodes, drop_roles):
