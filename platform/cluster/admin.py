@@ -71,6 +71,7 @@ class NodeAdmin(admin.ModelAdmin):
             "copy_progress",
             "version",
             "tls_fingerprint",
+            "db_role",
             "engine_list",
             "revoked_at",
         ]

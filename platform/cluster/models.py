@@ -79,11 +79,27 @@ class Node(models.Model):
         help_text="The relay's certificate, pinned by every other node. Empty: "
         "the relay speaks plain TCP.",
     )
+    db_role = models.CharField(
+        "database role",
+        max_length=63,
+        blank=True,
+        editable=False,
+        help_text="The PostgreSQL role this node's supervisor logs in as "
+        "(`manage.py node_db_role`): it may write this node's own rows only. "
+        "Empty: the node uses the full DATABASE_URL.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["db_role"],
+                condition=~models.Q(db_role=""),
+                name="cluster_node_db_role_unique",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.name

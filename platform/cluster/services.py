@@ -2,15 +2,18 @@
 joining, heartbeats, drain and revocation."""
 
 import hmac
+import logging
 import secrets
 from datetime import timedelta
 
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from .identity import NodeIdentity, secret_hash
 from .models import ClusterSettings, Node
+
+log = logging.getLogger("roundhouse.cluster")
 
 
 class ClusterUnavailable(Exception):
@@ -90,7 +93,17 @@ def node_join(*, name: str, join_token: str) -> NodeIdentity:
         node.join_token_hash = ""
         node.join_token_expires_at = None
         node.joined_at = timezone.now()
-        node.save()
+        # Only the join's columns: a node's own database role may write no
+        # other (fleet/node_database.py).
+        node.save(
+            update_fields=[
+                "secret_hash",
+                "join_token_hash",
+                "join_token_expires_at",
+                "joined_at",
+                "updated_at",
+            ]
+        )
     return NodeIdentity(name=name, secret=secret)
 
 
@@ -141,7 +154,8 @@ def node_drain(*, node: Node, draining: bool = True) -> None:
 
 def node_revoke(*, node: Node) -> None:
     """Revoke a node: its secret and any join token stop working at once (the
-    relays of the other nodes close its links), its supervisor stops."""
+    relays of the other nodes close its links), its supervisor stops, and its
+    own database role (if it has one) loses every table, open sessions too."""
     node.revoked_at = timezone.now()
     node.join_token_hash = ""
     node.join_token_expires_at = None
@@ -153,3 +167,27 @@ def node_revoke(*, node: Node) -> None:
             "updated_at",
         ]
     )
+    if node.db_role:
+        _node_role_revoke(node.db_role)
+
+
+def _node_role_revoke(role: str) -> None:
+    """Take every table's privileges from a revoked node's role (the tables'
+    owner, the front's user, granted them; revoked, they are gone for its
+    open sessions as well). Its row-level policies already refuse a revoked
+    node's writes: this also ends its reads."""
+    if connection.vendor != "postgresql":
+        return
+    who = connection.ops.quote_name(role)
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT current_schema()")
+            schema = connection.ops.quote_name(cursor.fetchone()[0])
+            cursor.execute(f"REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {who}")
+    except DatabaseError as error:
+        log.warning(
+            "node role %s keeps its privileges (%s): drop it with "
+            "`manage.py node_db_role NAME --drop`",
+            role,
+            str(error).strip(),
+        )
