@@ -178,6 +178,23 @@ def engines_desired(*, node: str | None = None) -> list[DesiredEngine]:
     ]
 
 
+def engine_specs_on_nodes_only() -> dict[str, list[str]]:
+    """The enabled engine specs by node name, when every enabled spec belongs
+    to a node ({} when one does not, or none is enabled): then a plain
+    supervisor (no --node) runs no engine at all."""
+    specs = list(
+        EngineSpec.objects.filter(enabled=True)
+        .order_by("order", "name")
+        .values_list("name", "node__name")
+    )
+    if not specs or any(node is None for _, node in specs):
+        return {}
+    by_node: dict[str, list[str]] = {}
+    for name, node in specs:
+        by_node.setdefault(node, []).append(name)
+    return dict(sorted(by_node.items()))
+
+
 # An engine whose state the supervisor has not refreshed for this long is taken
 # for down (the supervisor polls every second; its own death stops the writes).
 # Heartbeats are written and aged by the database's clock (Now()), never a
