@@ -104,6 +104,7 @@ async def model_route(call: Call, model: str) -> tuple[ModelRoute, Snapshot]:
         call.key is not None and not api_key_allows(key=call.key, model=model)
     ):
         raise errors.model_not_found(model)
+    call.share_prompt_cache = route.share_prompt_cache
     task = route.task
     if task not in ENDPOINT_TASKS[call.endpoint]:
         path = _ENDPOINT_PATHS.get(call.endpoint) or (

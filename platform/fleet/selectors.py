@@ -292,6 +292,7 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
             node_labels=frozenset(model.node_labels),
             avoid_labels=frozenset(model.avoid_labels),
             memory_mib=float(model.measured_memory_mib or 0),
+            share_prompt_cache=model.share_prompt_cache_across_owners,
         )
         for model in ModelConfig.objects.filter(enabled=True)
     }
