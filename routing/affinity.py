@@ -27,13 +27,21 @@ MAX_PREFIXES = 200_000
 MAX_PREFIXES_PER_REQUEST = 16
 
 
-def prefix_keys(model: str, messages: Sequence[Any]) -> tuple[str, ...]:
+def prefix_keys(
+    model: str, messages: Sequence[Any], *, scope: str = ""
+) -> tuple[str, ...]:
     """The keys of `messages[:1]`, `messages[:2]`, ... for `model` (each a hash
     chained on the one before, the first on the model's name: another model's
     cache holds nothing of it), longest first, at most
-    MAX_PREFIXES_PER_REQUEST of them: the longest ones and the first."""
+    MAX_PREFIXES_PER_REQUEST of them: the longest ones and the first.
+
+    `scope`: whose cache the keys are of (the front passes the caller's key or
+    user, unless the model shares its prompt cache across them): the same
+    messages in another scope have other keys, so no caller can find, by
+    where it is routed, what another sent. "": one scope for every caller."""
     keys: list[str] = []
-    digest = hashlib.blake2b(model.encode(), digest_size=16).digest()
+    seed = model if not scope else f"{model}\0{scope}"
+    digest = hashlib.blake2b(seed.encode(), digest_size=16).digest()
     for message in messages:
         text = json.dumps(message, sort_keys=True, separators=(",", ":"), default=str)
         digest = hashlib.blake2b(digest + text.encode(), digest_size=16).digest()

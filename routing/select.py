@@ -113,6 +113,9 @@ class ModelRoute:
     node_labels: frozenset[str] = frozenset()
     avoid_labels: frozenset[str] = frozenset()
     memory_mib: float = 0.0  # measured; 0: unknown
+    # Callers (keys, users) share one another's prompt cache and its affinity;
+    # False: each has its own scope (platform/api/choices.py).
+    share_prompt_cache: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,13 @@ A prefix that a slot in use is still reading (a burst of new conversations
 with one system prompt) is waited for instead of read twice: the new request
 waits (`awaiting`) until the other slot has read it, then copies it. A prefix
 is copied from a slot in the same KV group where one holds it, else from
-another group where the backend can."""
+another group where the backend can.
+
+A request's cache salt (GenerateRequest.cache_salt: the front's id of whose
+cache it may use) scopes all of it: a slot's cache, or a prefix a slot in
+use holds, counts only for a request with the salt of the request that
+filled it. Without that, one caller could tell from the answer's speed or its
+`cached_tokens` whether another had sent a prompt starting the same way."""
 
 from collections import Counter
 from collections.abc import Callable
@@ -64,12 +70,14 @@ class PrefixSharing:
         # Prompt tokens copied from a slot in use instead of evaluated.
         self.copied_tokens = 0
 
-    def choose(self, slots: list[Slot], prompt: list[int], *, whole: bool) -> Choice:
-        """Where a new request with this prompt goes (`whole`: its prompt is
-        read whole, for its log-probabilities: nothing is taken from a cache
-        or another slot)."""
-        lent_in = {} if whole else self._busy_prefixes(slots, prompt)
-        slot, shared = self._cached_slot(slots, prompt, lent_in)
+    def choose(
+        self, slots: list[Slot], prompt: list[int], *, whole: bool, salt: str = ""
+    ) -> Choice:
+        """Where a new request with this prompt and cache salt goes (`whole`:
+        its prompt is read whole, for its log-probabilities: nothing is taken
+        from a cache or another slot)."""
+        lent_in = {} if whole else self._busy_prefixes(slots, prompt, salt)
+        slot, shared = self._cached_slot(slots, prompt, lent_in, salt)
         donor, lent = self._lender(lent_in, self.group_of(slot))
         return Choice(slot, 0 if whole else shared, donor, lent)
 
@@ -115,6 +123,7 @@ class PrefixSharing:
         slots: list[Slot],
         prompt: list[int],
         lent_in: dict[int, tuple[Slot, int]],
+        salt: str,
     ) -> tuple[Slot, int]:
         """The free slot to take: the one that starts with the longest prefix
         of the prompt, from its own cache or copied from a slot in use in its
@@ -129,7 +138,8 @@ class PrefixSharing:
             if slot.request is not None:
                 continue
             group = self.group_of(slot)
-            shared = common_prefix(slot.tokens, prompt) if self.enabled else 0
+            mine = self.enabled and slot.salt == salt
+            shared = common_prefix(slot.tokens, prompt) if mine else 0
             score = max(shared, self._lender(lent_in, group)[1])
             if score < MIN_SHARED_PREFIX:
                 score = 0
@@ -139,7 +149,7 @@ class PrefixSharing:
         return best, best_shared
 
     def _busy_prefixes(
-        self, slots: list[Slot], prompt: list[int]
+        self, slots: list[Slot], prompt: list[int], salt: str
     ) -> dict[int, tuple[Slot, int]]:
         """Per KV group, the slot in use whose tokens share the longest prefix
         with the prompt (a slot still reading its prompt: the prompt it will
@@ -150,7 +160,7 @@ class PrefixSharing:
         if not self.enabled or self._copy is None:
             return best
         for slot in slots:
-            if slot.request is None:
+            if slot.request is None or slot.salt != salt:
                 continue
             held = slot.request.prompt_tokens if slot.todo else slot.tokens
             shared = common_prefix(held, prompt)

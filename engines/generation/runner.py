@@ -41,6 +41,9 @@ class GenerationRequest:
     # Who asked (the front's id of the caller; "" for none: a caller of its
     # own). Free slots go first to the callers with the fewest in slots.
     caller: str = ""
+    # Whose prompt cache it may use (GenerateRequest.cache_salt; "": the
+    # cache of every request without a salt).
+    cache_salt: str = ""
     # The grammar the answer is held to (an llguidance matcher,
     # engines/constrained/grammar.py), and whether tool calls are read out of it.
     matcher: Any = None

@@ -29,6 +29,9 @@ class Slot:
     # request), when it last held a request, and how many of the current
     # request's prompt tokens came from the cache.
     tokens: list[int] = field(default_factory=list)
+    # The cache salt of the request whose KV `tokens` holds: only a request
+    # with the same salt reuses or copies it (engines/generation/prefix_sharing.py).
+    salt: str = ""
     used_at: int = 0
     cached: int = 0
     # (slot, its request, tokens): the prefix to copy once that slot has read

@@ -341,7 +341,9 @@ class SlotBackend(GenerationBackend):
         prompt = request.prompt_tokens
         sharing = self.prefix_sharing
         # A prompt whose log-probabilities are asked for is read whole.
-        choice = sharing.choose(self.slots, prompt, whole=request.prompt_logprobs)
+        choice = sharing.choose(
+            self.slots, prompt, whole=request.prompt_logprobs, salt=request.cache_salt
+        )
         slot, donor = choice.slot, choice.donor
         # At least the prompt's last token is evaluated: its logits give the
         # first token.
@@ -363,6 +365,7 @@ class SlotBackend(GenerationBackend):
         self._admissions += 1
         slot.used_at = self._admissions
         slot.request = request
+        slot.salt = request.cache_salt
         slot.todo = list(prompt[keep:])
         slot.n_past = slot.cached = keep
         slot.generated = slot.unsent_tokens = 0

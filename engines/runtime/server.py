@@ -183,6 +183,19 @@ class EngineServer:
         try:
             if not await self._authenticated(reader, writer):
                 return
+            if self._stop.is_set():
+                # Stopping: the request is not read. Said as `unreachable`, so
+                # the caller knows it never started here and may send it to
+                # another engine (a connection closed unanswered reads as an
+                # engine that died with the request, which is not retried).
+                refusal = ErrorReply(
+                    code=ErrorCode.UNREACHABLE,
+                    message=f"engine {self.config.name} is stopping",
+                )
+                with contextlib.suppress(ConnectionError, OSError):
+                    writer.write(refusal.encoded())
+                    await writer.drain()
+                return
             while not self._stop.is_set():
                 try:
                     payload = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)

@@ -136,6 +136,7 @@ async def serve_generation(
         emit=emit,
         background=request.priority == "batch",
         caller=request.caller or "",
+        cache_salt=request.cache_salt or "",
         matcher=matcher,
         tool_calls=request.offers_tools,
         prompt_logprobs=request.echo and params.logprobs,

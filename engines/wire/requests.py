@@ -143,6 +143,11 @@ class GenerateRequest(Wire):
     # Who asked, as the front's limits know them (an opaque id): a model's
     # free slots go first to the callers with the fewest requests in slots.
     caller: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    # Whose prompt cache the request may read and fill (an opaque id, vLLM's
+    # `cache_salt`): a slot's cached prefix is reused, or copied, only for a
+    # request with the same salt. None: the cache shared by every request
+    # without one.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=64)] | None = None
     prompt: str | None = None
     messages: Annotated[list[Turn], Field(max_length=MAX_MESSAGES)] | None = None
     prompt_tokens: (

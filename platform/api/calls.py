@@ -51,6 +51,10 @@ class Call:
     # A chat's message prefixes (routing.affinity.prefix_keys): the engine
     # whose prompt cache holds the longest is preferred.
     prefixes: tuple[str, ...] = ()
+    # The model lets callers share one another's prompt cache
+    # (ModelRoute.share_prompt_cache, set by pipeline.model_route); else each
+    # key or user has its own (`cache_scope`).
+    share_prompt_cache: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # Prompt tokens the engine took from a slot's cache instead of evaluating.
@@ -67,6 +71,20 @@ class Call:
     def failed(self, error: errors.ApiError) -> HttpResponse:
         self.status, self.error_code = error.status, error.code or error.type
         return error.response()
+
+    @property
+    def cache_scope(self) -> str:
+        """Whose prompt cache the call may use and fill: its API key's or its
+        user's (one cache per caller: a cached prefix, by its speed, its
+        cached_tokens or where it is routed, would tell one caller what
+        another sent), or "" (shared by all) where the model allows sharing."""
+        if self.share_prompt_cache:
+            return ""
+        if self.key is not None:
+            return f"key:{self.key.pk}"
+        if self.user is not None:
+            return f"user:{self.user.pk}"
+        return ""
 
     def hung_up(self) -> None:
         """The caller went away (an error already recorded stays)."""

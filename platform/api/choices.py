@@ -6,6 +6,7 @@ every choice (a prompt once, however many choices it has)."""
 
 import asyncio
 import contextlib
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -44,20 +45,33 @@ def engine_requests(
     body's fields, our own request id (unique across engines and their
     restarts, which engine ids are not), the priority (a batch line yields
     to interactive requests in the engine) and the caller (whose limits
-    admitted it: the engine shares its slots fairly between callers). A
-    chat's message prefixes go on the call, for cache-aware routing."""
+    admitted it: the engine shares its slots fairly between callers) and
+    the cache salt of the call's cache scope (the engine reuses a cached
+    prefix only for the same salt, as vLLM's `cache_salt`). A chat's message
+    prefixes, in the same scope, go on the call, for cache-aware routing."""
     envelope: dict[str, Any] = {}
     if priority != "interactive":
         envelope["priority"] = priority
     if call.caller:
         envelope["caller"] = call.caller
+    scope = call.cache_scope
+    if scope:
+        envelope["cache_salt"] = cache_salt(scope)
     requests = [
         request.model_copy(update={**envelope, "request_id": uuid.uuid4().hex})
         for request in payload.engine_requests()
     ]
     if requests and requests[0].messages:
-        call.prefixes = prefix_keys(payload.model, engine_messages(requests[0]))
+        call.prefixes = prefix_keys(
+            payload.model, engine_messages(requests[0]), scope=scope
+        )
     return requests
+
+
+def cache_salt(scope: str) -> str:
+    """The engine's name for a cache scope: a hash, so that engine logs and
+    states name no key or user."""
+    return hashlib.blake2b(scope.encode(), digest_size=16).hexdigest()
 
 
 def engine_messages(request: GenerateRequest) -> list[dict[str, Any]]:

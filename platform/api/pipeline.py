@@ -60,8 +60,9 @@ ENDPOINT_TASKS = {
 }
 # Where an endpoint's task mismatch sends the caller, in its error message.
 _ENDPOINT_PATHS = {"ws.chat": "/ws/chat/"}
-# An engine that cannot be reached is skipped and the next choice tried, this
-# many times at most.
+# An engine that cannot be reached (the request never reached it) is skipped
+# and the next choice tried, this many engines at most. An engine that died
+# with the request is not (with_engine).
 MAX_ENGINE_TRIES = 3
 
 
@@ -103,6 +104,7 @@ async def model_route(call: Call, model: str) -> tuple[ModelRoute, Snapshot]:
         call.key is not None and not api_key_allows(key=call.key, model=model)
     ):
         raise errors.model_not_found(model)
+    call.share_prompt_cache = route.share_prompt_cache
     task = route.task
     if task not in ENDPOINT_TASKS[call.endpoint]:
         path = _ENDPOINT_PATHS.get(call.endpoint) or (
@@ -164,13 +166,15 @@ async def with_engine(
     attempt: Callable[[Any], Awaitable[Any]],
 ) -> Any:
     """Run `attempt(client)` on the routed engine, of this host or another
-    node. An engine that cannot be reached, or whose connection dropped before
-    any of its answer arrived (its engine or its whole node died, or the node
-    was cut off), is skipped for the next choice: the request had not started
-    there as far as the caller can tell, so nothing is lost and nothing is
-    answered twice. Engine failures become ApiErrors."""
+    node. Only a request that never reached an engine is sent to another: an
+    engine that cannot be reached (nothing listens on its port, its node's
+    relay could not reach it, no link to its node) is skipped for the next
+    choice, up to MAX_ENGINE_TRIES engines. A request whose engine took it and
+    then died (its connection dropped before the answer) is not: the request
+    may be what killed it, and one poison input must not take down every
+    replica in turn; the caller gets `engine_died`. Engine failures become
+    ApiErrors."""
     tried: set[str] = set()
-    died: EngineDied | None = None
     unreachable: EngineUnreachable | None = None
     # The engine whose prompt cache holds the longest of the request's
     # prefixes, as any front remembers it (Redis: only where a model has
@@ -184,8 +188,6 @@ async def with_engine(
             choice = GATEWAY.choose(route, snapshot, excluding=tried, affinity=affinity)
         except NoEngine as none:
             # No other engine: the failure met, else why there is none.
-            if died is not None:
-                raise engine_failure(died) from None
             if unreachable is not None:
                 raise errors.from_mapping(
                     errors.NO_ENGINE,
@@ -200,22 +202,27 @@ async def with_engine(
         GATEWAY.in_flight[engine] += 1
         try:
             result = await attempt(GATEWAY.client(engine, snapshot))
-        except (EngineUnreachable, EngineDied) as error:
+        except EngineUnreachable as error:
             _landed(engine)
-            log.warning("engine %s failed before answering: %s", engine, error)
+            log.warning("engine %s could not be reached: %s", engine, error)
             tried.add(engine)
             GATEWAY.cache.invalidate()
-            if isinstance(error, EngineDied):
-                died = error
-            else:
-                unreachable = error
+            unreachable = error
             if len(tried) >= MAX_ENGINE_TRIES:
-                if died is not None:
-                    raise engine_failure(died) from None
                 raise errors.from_mapping(
                     errors.NO_ENGINE, str(error), code=errors.ApiCode.ENGINE_UNREACHABLE
                 ) from None
             continue
+        except EngineDied as error:
+            _landed(engine)
+            log.warning(
+                "engine %s failed while serving a request (not sent to another "
+                "engine): %s",
+                engine,
+                error,
+            )
+            GATEWAY.cache.invalidate()
+            raise engine_failure(error) from None
         except BaseException as error:
             _landed(engine)
             if isinstance(error, EngineError):
@@ -245,7 +252,8 @@ def engine_failure(error: EngineError) -> errors.ApiError:
         )
     return errors.from_mapping(
         errors.ENGINE_DIED,
-        f"The engine serving this model failed mid-request: {error}",
+        "The engine serving this request failed while serving it (the request "
+        f"was not sent to another engine): {error}",
         code=errors.ApiCode.ENGINE_DIED,
     )
 

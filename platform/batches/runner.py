@@ -71,9 +71,12 @@ log = logging.getLogger("roundhouse.batches")
 RECORD_EVERY_S = 1.0
 RECORD_MAX = 200
 # Statuses worth trying again: the engine's queue is full (429), no engine is
-# up or it is cooling or short of memory (503), it died or stopped answering
-# mid-request (502, 504).
+# up or it is cooling or short of memory (503), it stopped answering (504) or
+# answered something unreadable (502). Never a line whose engine died while
+# serving it (NOT_RETRIED): the line may be what killed it, and trying it
+# again would take down one engine after another; that line fails alone.
 RETRY_STATUSES = {429, 502, 503, 504}
+NOT_RETRIED = frozenset({errors.ApiCode.ENGINE_DIED})
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 
 SCHEMAS = {
@@ -399,6 +402,7 @@ class BatchRun:
                 waited = time.monotonic() - started
                 if (
                     failure.status not in RETRY_STATUSES
+                    or failure.code in NOT_RETRIED
                     or waited > settings.ROUNDHOUSE_BATCH_RETRY_S
                 ):
                     if admitted is not None:

@@ -95,6 +95,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
                     "sampling",
                     "chat_template",
                     "prompt_cache",
+                    "share_prompt_cache_across_owners",
                     "context_overflow",
                 ]
             },

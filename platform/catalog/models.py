@@ -166,6 +166,14 @@ class ModelConfig(models.Model):
         "that starts the same way (a chat's next turn evaluates only its new "
         "tokens). Off: every prompt is evaluated in full.",
     )
+    share_prompt_cache_across_owners = models.BooleanField(
+        default=False,
+        help_text="Let every API key and user reuse one another's cached prompt "
+        "prefixes (and route to them). Faster for a system prompt many callers "
+        "share, but one caller can then tell, from timing or cached_tokens, "
+        "whether another sent a given prefix. Off: each key or user has its "
+        "own cache scope.",
+    )
     context_overflow = models.CharField(
         max_length=16,
         choices=ContextOverflow.choices,

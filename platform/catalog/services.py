@@ -96,6 +96,7 @@ VARIANT_COPIED_FIELDS = (
     "sampling",
     "chat_template",
     "prompt_cache",
+    "share_prompt_cache_across_owners",
     "context_overflow",
 )
 

@@ -1,6 +1,8 @@
 """Admin for nodes (Fleet -> Nodes): adding one shows its join command once;
 actions drain, take back, revoke, and issue a new join command."""
 
+from urllib.parse import urlsplit, urlunsplit
+
 from django.conf import settings
 from django.contrib import admin, messages
 from django.db import connection
@@ -22,22 +24,72 @@ SQLITE_NOTICE = (
 )
 
 
+# What the join command shows where a value is secret or only the operator
+# knows it: a shell parameter that must be set (`${NAME:?what it is}`), so the
+# command runs as shown once the operator exports NAME, and without it the
+# shell refuses to run it, saying what is missing, instead of joining with a
+# placeholder taken for a value.
+LOOPBACK_NAMES = frozenset({"", "localhost", "127.0.0.1", "::1"})
+
+
+def _needed(name: str, what: str) -> str:
+    """A shell parameter the command cannot run without."""
+    return f"${{{name}:?{what}}}"
+
+
+SECRET_KEY_SHOWN = _needed(
+    "SECRET_KEY", "the SECRET_KEY every host of this cluster uses"
+)
+
+
 def database_url_shown() -> str:
-    """The database URL for a join command, its password hidden: the operator
-    fills it in (it is never shown by the admin)."""
+    """This cluster's database URL for a join command: its user, port and
+    name as this host uses them, the password (never shown by the admin) and a
+    loopback host (not reachable from another host) as placeholders."""
     db = settings.DATABASES["default"]
-    user = db.get("USER") or "USER"
-    password = ":PASSWORD" if db.get("PASSWORD") else ""
-    host = db.get("HOST") or "DB-HOST"
+    user = db.get("USER") or _needed("DATABASE_USER", "the database user")
+    password = ""
+    if db.get("PASSWORD"):
+        password = ":" + _needed("DATABASE_PASSWORD", "the database password")
+    host = db.get("HOST") or ""
+    if host in LOOPBACK_NAMES:
+        host = _needed("DATABASE_HOST", "the database host as that host reaches it")
     port = f":{db['PORT']}" if db.get("PORT") else ""
     return f"postgres://{user}{password}@{host}{port}/{db.get('NAME')}"
 
 
+def redis_url_shown() -> str:
+    """This cluster's REDIS_URL for a join command (its port and database
+    number as set here), a password and a loopback host as placeholders; ""
+    without Redis."""
+    if not settings.REDIS_URL:
+        return ""
+    url = urlsplit(settings.REDIS_URL)
+    host = url.hostname or ""
+    if host in LOOPBACK_NAMES:
+        host = _needed("REDIS_HOST", "the Redis host as that host reaches it")
+    elif ":" in host:
+        host = f"[{host}]"
+    auth = ""
+    if url.password is not None:
+        password = _needed("REDIS_PASSWORD", "the Redis password")
+        auth = f"{url.username or ''}:{password}@"
+    elif url.username:
+        auth = f"{url.username}@"
+    port = f":{url.port}" if url.port else ""
+    return urlunsplit((url.scheme, f"{auth}{host}{port}", url.path, url.query, ""))
+
+
 def join_command(node: Node, token: str) -> str:
-    """What to run on the new host, from the repository's folder there."""
-    redis = " REDIS_URL=redis://REDIS-HOST:6379/0" if settings.REDIS_URL else ""
+    """What to run on the node's host, from the repository's folder there:
+    every variable a process of this cluster needs, with this cluster's
+    values where they are not secret and shell parameters that must be set
+    where they are (or only the operator knows them)."""
+    redis = redis_url_shown()
+    redis = f" REDIS_URL={redis}" if redis else ""
     return (
         f"ROUNDHOUSE_JOIN_TOKEN={token} DATABASE_URL={database_url_shown()}{redis} "
+        f"SECRET_KEY={SECRET_KEY_SHOWN} "
         f".venv/bin/python manage.py supervise --node {node.name}"
     )
 
@@ -105,9 +157,19 @@ class NodeAdmin(admin.ModelAdmin):
         self.message_user(
             request,
             format_html(
-                "Run this on the new host, in Roundhouse's folder after "
-                "<code>make setup</code> (shown once; valid for {} minutes, "
-                "one use): <pre>{}</pre>",
+                "Run this on the host that is to be node {}, in Roundhouse's "
+                "folder after <code>make setup</code> (shown once; valid for {} "
+                "minutes, one use): <pre>{}</pre>"
+                "Export each variable named in <code>${{NAME:?...}}</code> "
+                "first (the shell refuses to run the command without it). "
+                "<code>DATABASE_URL</code>, <code>REDIS_URL</code> (the same "
+                "database number) and <code>SECRET_KEY</code> must be the same "
+                "on every host. If this is a host that already runs the "
+                "platform (the first host): give its engine specs this node, "
+                "then stop its plain <code>manage.py supervise</code> and run "
+                "this instead (a plain supervisor runs no engine that belongs "
+                "to a node).",
+                node.name,
                 round(ClusterSettings.load().join_token_ttl_s / 60),
                 join_command(node, token),
             ),

@@ -4,7 +4,7 @@ schema, which the engine reads back)."""
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from django.db.models.functions import Now
 
@@ -124,13 +124,26 @@ def thermal_thresholds() -> Thresholds:
 
 
 def engine_config(
-    *, spec: EngineSpec, server: ServerSettings, thermal: Thresholds
+    *,
+    spec: EngineSpec,
+    server: ServerSettings,
+    thermal: Thresholds,
+    placed: frozenset[str] = frozenset(),
 ) -> EngineConfig:
-    """The typed configuration one engine starts with and is pushed live."""
+    """The typed configuration one engine starts with and is pushed live.
+    `placed`: the models whose replicas are placed on this engine (a
+    cluster's routing.placement), kept loaded there: their keep-alive does not
+    apply on this engine (it still does where a model is loaded outside its
+    placement), so the supervisor's loading of placed replicas and the idle
+    unload never undo each other."""
     limits = engine_limits(spec=spec)
     models = [
         ModelSpec.from_dict(item)
         for item in models_servable_by(capabilities=spec.effective_capabilities)
+    ]
+    models = [
+        replace(model, keep_alive_s=0) if model.name in placed else model
+        for model in models
     ]
     return EngineConfig(
         name=spec.name,
@@ -155,7 +168,9 @@ def engine_config(
 
 def engines_desired(*, node: str | None = None) -> list[DesiredEngine]:
     """Every enabled engine of `node` (None: the engines of no node, on a
-    one-host platform) with the configuration it should be running."""
+    one-host platform) with the configuration it should be running: on a
+    node, the replicas placed on an engine are kept loaded there
+    (engine_config's `placed`)."""
     server = ServerSettings.load()
     thermal = thermal_thresholds()
     specs = EngineSpec.objects.filter(enabled=True)
@@ -164,6 +179,7 @@ def engines_desired(*, node: str | None = None) -> list[DesiredEngine]:
         if node is None
         else specs.filter(node__name=node)
     )
+    placed = {} if node is None else models_placed_on(node=node)
     return [
         DesiredEngine(
             spec_id=spec.pk,
@@ -172,10 +188,44 @@ def engines_desired(*, node: str | None = None) -> list[DesiredEngine]:
             env=dict(spec.env),
             devices=spec.devices,
             restart_requested_at=spec.restart_requested_at,
-            config=engine_config(spec=spec, server=server, thermal=thermal),
+            config=engine_config(
+                spec=spec,
+                server=server,
+                thermal=thermal,
+                placed=placed.get(spec.name, frozenset()),
+            ),
         )
         for spec in specs.order_by("order", "name")
     ]
+
+
+def models_placed_on(*, node: str) -> dict[str, frozenset[str]]:
+    """Engine name -> the models whose replicas are placed on it, for the
+    engines of `node` (routing.placement, from one read of the fleet)."""
+    snapshot = routing_snapshot()
+    placed: dict[str, set[str]] = {}
+    for model in snapshot.models:
+        for engine in snapshot.placed(model):
+            if snapshot.engines[engine].node == node:
+                placed.setdefault(engine, set()).add(model)
+    return {engine: frozenset(models) for engine, models in placed.items()}
+
+
+def engine_specs_on_nodes_only() -> dict[str, list[str]]:
+    """The enabled engine specs by node name, when every enabled spec belongs
+    to a node ({} when one does not, or none is enabled): then a plain
+    supervisor (no --node) runs no engine at all."""
+    specs = list(
+        EngineSpec.objects.filter(enabled=True)
+        .order_by("order", "name")
+        .values_list("name", "node__name")
+    )
+    if not specs or any(node is None for _, node in specs):
+        return {}
+    by_node: dict[str, list[str]] = {}
+    for name, node in specs:
+        by_node.setdefault(node, []).append(name)
+    return dict(sorted(by_node.items()))
 
 
 # An engine whose state the supervisor has not refreshed for this long is taken
@@ -242,6 +292,7 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
             node_labels=frozenset(model.node_labels),
             avoid_labels=frozenset(model.avoid_labels),
             memory_mib=float(model.measured_memory_mib or 0),
+            share_prompt_cache=model.share_prompt_cache_across_owners,
         )
         for model in ModelConfig.objects.filter(enabled=True)
     }

@@ -13,10 +13,16 @@ through this module, so they run the same server with the same settings.
 """
 
 import argparse
+import ipaddress
+import logging
+import logging.config
 import os
+import socket
 
 import uvicorn
 from django.conf import settings
+
+log = logging.getLogger("roundhouse.serve")
 
 # Long streams get this long to finish when the front is stopped; then their
 # connections are closed, which cancels their requests in the engines.
@@ -41,6 +47,11 @@ def main(argv: list[str] | None = None) -> None:
         "--no-access-log", action="store_true", help="do not log each request"
     )
     args = parser.parse_args(argv)
+    logging.config.dictConfig(settings.LOGGING)
+    level, message = host_names_message(
+        args.host, args.port, allowed=list(settings.ALLOWED_HOSTS)
+    )
+    log.log(level, message)
     uvicorn.run(
         "roundhouse.asgi:application",
         host=args.host,
@@ -55,6 +66,36 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
     )
+
+
+def host_names_message(host: str, port: int, *, allowed: list[str]) -> tuple[int, str]:
+    """What the front says at start of the host names it answers (Django's
+    ALLOWED_HOSTS): INFO, or WARNING when it listens beyond loopback but
+    answers loopback names only, so every other client would get 400
+    DisallowedHost."""
+    names = ", ".join(allowed) or "none"
+    message = (
+        f"front on {host}:{port} answers the host names {names} (ALLOWED_HOSTS); "
+        "a request for any other name is refused 400 (DisallowedHost)"
+    )
+    if _loopback(host) or "*" in allowed or not all(map(_loopback, allowed)):
+        return logging.INFO, message
+    return logging.WARNING, (
+        f"{message}. It listens beyond loopback: set ALLOWED_HOSTS to the names "
+        f"and addresses clients use (e.g. ALLOWED_HOSTS={socket.gethostname()},"
+        "127.0.0.1,localhost), and CSRF_TRUSTED_ORIGINS=https://NAME behind an "
+        "HTTPS proxy"
+    )
+
+
+def _loopback(name: str) -> bool:
+    """Whether a listen address or host name is this host's loopback."""
+    if name.lower() in ("localhost", ".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

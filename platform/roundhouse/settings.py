@@ -48,8 +48,15 @@ SECRET_KEY = env.str("SECRET_KEY", default="") or _secret_key_from_run_dir(RUN_D
 # DEBUG: Django's debug mode; off unless set to a true value.
 DEBUG = env.bool("DEBUG", default=False)
 
-# ALLOWED_HOSTS: comma-separated host names the front answers to.
+# ALLOWED_HOSTS: comma-separated host names the front answers to (the name or
+# address clients put in the URL); any other is refused 400 (DisallowedHost).
+# The front logs them at start (roundhouse/serve.py).
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
+
+# CSRF_TRUSTED_ORIGINS: comma-separated origins (scheme://name[:port]) whose
+# form posts (the admin's login) are accepted when they differ from the
+# request's own, as behind a reverse proxy that terminates HTTPS. Default: none.
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
 # DATABASE_URL: the control-plane database. Default: SQLite in the run dir.
 # PostgreSQL example: postgres://user@127.0.0.1:5432/roundhouse

@@ -200,8 +200,10 @@ class Load:
 def test_every_process_of_a_node_sigkilled(cluster, orm):
     """Node c holds a replica of smol-c (pinned there; a second replica on
     another node). SIGKILL every process of c mid-stream: the stream ends
-    with engine_died; requests sent meanwhile that had not started on c are
-    answered by the other replica (none lost); c is unreachable within 10 s,
+    with engine_died; requests sent meanwhile that had not reached c are
+    answered by the other replica (none lost), and one c had taken when it
+    died (at most one: the load sends one at a time) is answered
+    engine_died, not sent to another engine; c is unreachable within 10 s,
     and after the grace period its replica is placed and loaded on another
     node."""
     a = cluster.nodes["a"]
@@ -236,9 +238,9 @@ def test_every_process_of_a_node_sigkilled(cluster, orm):
         assert "ec" not in survivors and len(survivors) == 2
         wait_resident("smol-c", survivors)
         outcomes = load.stop()
-        assert [status for status, _, _ in outcomes] == [200] * len(outcomes), [
-            o for o in outcomes if o[0] != 200
-        ]
+        failed = [o for o in outcomes if o[0] != 200]
+        assert len(failed) <= 1, failed
+        assert all(o[2]["error"]["code"] == "engine_died" for o in failed), failed
         assert {node for _, node, _ in outcomes[-3:]} <= {"a", "b"}
     finally:
         ModelConfig.objects.filter(name="smol-c").delete()

@@ -107,3 +107,34 @@ def test_a_request_goes_to_the_slot_with_the_longest_shared_prefix(engine):
     boats = ask("boats and their sails")
     again = ask("boats and their sails")
     assert again.usage.cached_tokens == boats.usage.prompt_tokens - 1
+
+
+def test_a_cached_prefix_is_reused_only_for_the_same_cache_salt(engine):
+    """A prompt read under one cache salt (one caller's, as the front sends
+    it) is not taken from the cache for a request with another salt, which
+    would tell that caller what the first sent: it is read whole. The same
+    salt again takes it from the cache; so do two requests without a salt
+    (the control: a model that shares its cache across callers)."""
+    client = engine.client()
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which knots hold a mooring line best?"},
+    ]
+
+    def ask(salt: str | None) -> int:
+        reply = client.generate(
+            GenerateRequest(
+                model=CACHED,
+                messages=messages,
+                temperature=0,
+                max_tokens=1,
+                cache_salt=salt,
+            )
+        )
+        return reply.usage.cached_tokens
+
+    assert ask("owner-a") == 0
+    assert ask("owner-b") == 0  # another caller: nothing from a's cache
+    assert ask("owner-a") > 32  # a again: its own cache
+    assert ask(None) == 0  # no salt is a scope of its own
+    assert ask(None) > 32

@@ -78,3 +78,18 @@ def test_requests_in_flight_spread_a_burst_over_replicas():
     idle = snapshot({"ea": 0, "eb": 0})
     assert router.choose(model, idle, in_flight={"ea": 1}).engine == "eb"
     assert router.choose(model, idle, in_flight={"ea": 1, "eb": 1}).engine == "ea"
+
+
+def test_a_prefix_is_found_only_in_the_scope_that_sent_it():
+    """Keys of one scope (one API key's or user's) are not another's: a
+    conversation one caller sent is not found by another sending the same
+    messages. The same scope finds it; the shared scope ("": a model that
+    shares its cache across callers) finds it for everyone (the control)."""
+    first = turn(2)
+    affinity = AffinityMap()
+    affinity.remember(prefix_keys("m", first, scope="key:1"), "eb")
+    assert affinity.lookup(prefix_keys("m", first, scope="key:2")) == ""
+    assert affinity.lookup(prefix_keys("m", first, scope="user:1")) == ""
+    assert affinity.lookup(prefix_keys("m", first, scope="key:1")) == "eb"
+    affinity.remember(prefix_keys("m", first), "ea")
+    assert affinity.lookup(prefix_keys("m", first)) == "ea"

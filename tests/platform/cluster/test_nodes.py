@@ -175,11 +175,72 @@ def test_the_admin_shows_the_join_command_once(admin_client):
     command = next(text for text in shown if "ROUNDHOUSE_JOIN_TOKEN=" in text)
     token = command.split("ROUNDHOUSE_JOIN_TOKEN=")[1].split()[0]
     assert "manage.py supervise --node gpu-2" in command
+    assert "SECRET_KEY=${SECRET_KEY:?" in command
+    assert "must be the same on every host" in command
+    # The first host, already running the platform, is told to switch over.
+    assert "stop its plain <code>manage.py supervise</code>" in command
     node = Node.objects.get(name="gpu-2")
     assert node.join_token_hash == secret_hash(token)
     page = admin_client.get(reverse("admin:cluster_node_change", args=[node.pk]))
     assert token not in page.content.decode()
     assert "pending" in page.content.decode()
+
+
+def run_join_command(command: str, exported: dict[str, str]) -> tuple[int, str]:
+    """Run a join command in a shell with `exported` in its environment, the
+    supervisor replaced by `env` (what it would have been given); its exit
+    status and output."""
+    shown = command.replace(".venv/bin/python manage.py supervise", "env #")
+    ran = subprocess.run(
+        ["bash", "-c", shown],
+        env={"PATH": os.environ["PATH"], **exported},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return ran.returncode, ran.stdout + ran.stderr
+
+
+def test_the_join_command_runs_with_this_clusters_values(settings, monkeypatch):
+    """The join command carries this cluster's REDIS_URL (its database number
+    /5, its port) and DATABASE_URL with every secret (Redis and database
+    passwords, SECRET_KEY) and every loopback host as a shell parameter that
+    must be set: exported, the command runs and the supervisor gets the
+    values every host must share; nothing secret is in the text. Control: run
+    as shown without them, the shell refuses it and names what is missing."""
+    from cluster.admin import join_command
+
+    settings.REDIS_URL = "redis://:redis-pw-1@127.0.0.1:6390/5"
+    settings.SECRET_KEY = "the-real-secret-key"
+    database = settings.DATABASES["default"]
+    monkeypatch.setitem(database, "USER", "rh")
+    monkeypatch.setitem(database, "PASSWORD", "db-pw-1")
+    monkeypatch.setitem(database, "HOST", "db.example")
+    monkeypatch.setitem(database, "PORT", "5433")
+    monkeypatch.setitem(database, "NAME", "roundhouse")
+    command = join_command(Node(name="gpu-2"), "rhj-token")
+    for secret in ("redis-pw-1", "db-pw-1", "the-real-secret-key"):
+        assert secret not in command
+    assert "supervise --node gpu-2" in command
+    status, shown = run_join_command(
+        command,
+        {
+            "SECRET_KEY": "k1",
+            "REDIS_PASSWORD": "rp",
+            "REDIS_HOST": "10.0.0.2",
+            "DATABASE_PASSWORD": "dp",
+        },
+    )
+    assert status == 0, shown
+    given = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+    assert given["ROUNDHOUSE_JOIN_TOKEN"] == "rhj-token"
+    assert given["SECRET_KEY"] == "k1"
+    assert given["REDIS_URL"] == "redis://:rp@10.0.0.2:6390/5"
+    assert given["DATABASE_URL"] == "postgres://rh:dp@db.example:5433/roundhouse"
+    # Control: the same command with nothing exported does not run.
+    status, shown = run_join_command(command, {})
+    assert status != 0
+    assert "SECRET_KEY" in shown or "PASSWORD" in shown
 
 
 def test_a_view_only_staff_user_cannot_drain_or_revoke(client, django_user_model):

@@ -105,3 +105,29 @@ def test_an_engines_incarnation_is_its_recorded_start():
     first = routing_snapshot().engines["e1"].incarnation
     engine_state_record(spec_id=spec.pk, started_at=timezone.now() + timedelta(1))
     assert "" != first != routing_snapshot().engines["e1"].incarnation
+
+
+def test_a_replica_placed_on_an_engine_is_kept_loaded_there():
+    """On a node, the configuration of an engine a model's replica is placed
+    on keeps that model loaded (keep-alive 0: the supervisor loads placed
+    replicas, and the idle unload must not undo that and reload it); the
+    node's other engine, where the model is not placed, keeps the model's own
+    keep-alive (a load there is a fallback, unloaded when idle). Control: a
+    one-host platform's engine keeps the model's keep-alive."""
+    from cluster.models import Node
+
+    node = Node.objects.create(
+        name="n1",
+        address="10.0.0.1",
+        joined_at=timezone.now(),
+        last_heartbeat=timezone.now(),
+    )
+    placed = EngineSpecFactory(name="e1", capabilities=["gguf"], node=node, order=1)
+    other = EngineSpecFactory(name="e2", capabilities=["gguf"], node=node, order=2)
+    alone = EngineSpecFactory(name="e0", capabilities=["gguf"], order=0)
+    ModelConfigFactory(name="kept", engine_pin="e1", keep_alive_s=300)
+    on_node = {item.spec_id: item.config for item in engines_desired(node="n1")}
+    assert on_node[placed.pk].models["kept"].keep_alive_s == 0
+    assert on_node[other.pk].models["kept"].keep_alive_s == 300
+    one_host = {item.spec_id: item.config for item in engines_desired()}
+    assert one_host[alone.pk].models["kept"].keep_alive_s == 300

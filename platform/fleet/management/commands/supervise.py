@@ -1,13 +1,37 @@
 """`manage.py supervise`: run the engine supervisor for this host (one per host)."""
 
+import logging
+
+from django import db
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from cluster.services import ClusterUnavailable, NodeRefused
+from fleet.selectors import engine_specs_on_nodes_only
 from fleet.services import FleetStartError, fleet_ensure
 from fleet.supervisor import Supervisor
 from fleet.supervisor_lock import SupervisorRunning
+
+log = logging.getLogger("roundhouse.supervisor")
+
+
+def plain_supervisor_notice() -> str | None:
+    """What a supervisor without --node says when every enabled engine spec
+    belongs to a node (it would run no engine), or None."""
+    try:
+        by_node = engine_specs_on_nodes_only()
+    except db.Error:
+        return None  # the supervisor rides out the outage and says so itself
+    if not by_node:
+        return None
+    owned = "; ".join(f"{node}: {', '.join(specs)}" for node, specs in by_node.items())
+    return (
+        f"every enabled engine spec belongs to a node ({owned}): this supervisor, "
+        "started without --node, runs no engine. On each node's host run "
+        "`manage.py supervise --node NAME` instead (the first host too, once its "
+        "specs name its node: stop this one and start that)."
+    )
 
 
 class Command(BaseCommand):
@@ -40,6 +64,10 @@ class Command(BaseCommand):
     ) -> None:
         if ensure and node:
             raise CommandError("--ensure starts a one-host supervisor: no --node")
+        notice = None if node else plain_supervisor_notice()
+        if notice is not None:
+            log.warning("%s", notice)
+            self.stdout.write(self.style.WARNING(notice))
         if ensure:
             try:
                 outcome = fleet_ensure(timeout_s=timeout)
