@@ -5,6 +5,7 @@ raise one error type per failure: a reply that does not match its schema is an
 error (EngineReplyInvalid), never read in part."""
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -15,7 +16,7 @@ from typing import Any, Literal, cast
 import numpy as np
 from pydantic import ValidationError
 
-from engines.launch.config import LOOPBACK
+from engines.launch.config import LOOPBACK, LiveConfig
 from engines.wire.bounds import CONTROL_TIMEOUT_S, MAX_FRAME_BYTES
 from engines.wire.errors import ErrorCode, ProtocolError
 from engines.wire.frames import (
@@ -159,6 +160,24 @@ def _embeddings(reply: EmbedReply, array: bytes | None) -> np.ndarray:
     return decode_array(array)
 
 
+@contextlib.contextmanager
+def _translated(name: str, during: str):
+    """The one translation of what reading an engine's answer can raise, for
+    both clients (their reads differ only in I/O): a timeout is
+    EngineTimeout, a frame over its cap (FrameTooLarge) or a malformed one
+    EngineRequestError with its code, a connection that ends EngineDied.
+    `during`: what the timeout means ("no answer in 120 s", "stream
+    stalled")."""
+    try:
+        yield
+    except TimeoutError:  # before OSError: it is one
+        raise EngineTimeout(f"engine {name}: {during}") from None
+    except ProtocolError as error:
+        raise EngineRequestError(error.code, error.message) from None
+    except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
+        raise EngineDied(f"engine {name}: {error or type(error).__name__}") from None
+
+
 def _unreachable(name: str, error: OSError | TimeoutError) -> EngineUnreachable:
     if isinstance(error, TimeoutError):
         return EngineUnreachable(
@@ -286,17 +305,10 @@ class AsyncEngineClient(_EngineAddress):
         limit = _timeout_for(message.kind, timeout)
         reader, writer = await self._open(message)
         try:
-            await writer.drain()
-            async with asyncio.timeout(limit):
-                return await self._read_reply(reader, message.kind)
-        except TimeoutError:
-            raise EngineTimeout(
-                f"engine {self.name}: no answer in {limit:g} s"
-            ) from None
-        except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
-            raise EngineDied(
-                f"engine {self.name} dropped the request: {error}"
-            ) from None
+            with _translated(self.name, f"no answer in {limit:g} s"):
+                await writer.drain()
+                async with asyncio.timeout(limit):
+                    return await self._read_reply(reader, message.kind)
         finally:
             writer.close()
 
@@ -378,15 +390,12 @@ class AsyncEngineClient(_EngineAddress):
         reader, writer = await self._open(message)
         order = _Stream(self.name)
         try:
-            await writer.drain()
+            with _translated(self.name, "stream stalled"):
+                await writer.drain()
             while True:
-                try:
+                with _translated(self.name, "stream stalled"):
                     async with asyncio.timeout(limit):
                         payload = await read_frame(reader)
-                except TimeoutError:
-                    raise EngineTimeout(f"engine {self.name}: stream stalled") from None
-                except (ConnectionError, OSError) as error:
-                    raise EngineDied(f"engine {self.name}: {error}") from None
                 if payload is None:
                     raise EngineDied(f"engine {self.name} closed the stream")
                 frame = order.frame(payload)
@@ -400,7 +409,7 @@ class AsyncEngineClient(_EngineAddress):
         reply, _ = await self.request(CancelRequest(request_id=request_id))
         return cast(CancelReply, reply).cancelled
 
-    async def configure(self, config: dict[str, Any]) -> OkReply:
+    async def configure(self, config: LiveConfig) -> OkReply:
         reply, _ = await self.request(ConfigureRequest(config=config))
         return cast(OkReply, reply)
 
@@ -424,24 +433,13 @@ class EngineClient(_EngineAddress):
             sock = socket.create_connection((LOOPBACK, self.port), CONTROL_TIMEOUT_S)
         except OSError as error:
             raise EngineUnreachable(f"engine {self.name}: {error}") from None
-        with sock:
+        with sock, _translated(self.name, f"no answer in {limit:g} s"):
             sock.settimeout(limit)
-            try:
-                sock.sendall(self._opening(message))
-                reply = _reply(message.kind, recv_frame(sock), self.name)
-                array = None
-                if isinstance(reply, EmbedReply) and reply.encoding == "npy":
-                    array = recv_frame(sock)
-            except TimeoutError:
-                raise EngineTimeout(
-                    f"engine {self.name}: no answer in {limit:g} s"
-                ) from None
-            except (ConnectionError, OSError) as error:
-                raise EngineDied(
-                    f"engine {self.name} dropped the request: {error}"
-                ) from None
-            except ProtocolError as error:
-                raise EngineRequestError(error.code, error.message) from None
+            sock.sendall(self._opening(message))
+            reply = _reply(message.kind, recv_frame(sock), self.name)
+            array = None
+            if isinstance(reply, EmbedReply) and reply.encoding == "npy":
+                array = recv_frame(sock)
         return reply, array
 
     def call(self, kind: str, **fields: Any) -> Frame:
@@ -469,9 +467,17 @@ class EngineClient(_EngineAddress):
     def embed(
         self, model: str, texts: list[str], *, encoding: Encoding = "npy"
     ) -> np.ndarray:
+        rows, _ = self.embed_counted(model, texts, encoding=encoding)
+        return rows
+
+    def embed_counted(
+        self, model: str, texts: list[str], *, encoding: Encoding = "npy"
+    ) -> tuple[np.ndarray, int]:
+        """The rows and the texts' token total, as the model counted them."""
         message = _embed_request(model, texts, encoding)
         reply, array = self.request(message)
-        return _embeddings(cast(EmbedReply, reply), array)
+        header = cast(EmbedReply, reply)
+        return _embeddings(header, array), header.usage.prompt_tokens
 
     def generate(self, request: GenerateRequest) -> GenerateAnswer:
         """The whole answer: text, finish_reason, usage, timings, request_id."""
@@ -491,23 +497,21 @@ class EngineClient(_EngineAddress):
         order = _Stream(self.name)
         with sock:
             sock.settimeout(timeout or REQUEST_TIMEOUT_S)
-            try:
+            with _translated(self.name, "stream stalled"):
                 sock.sendall(self._opening(message))
-                while True:
-                    frame = order.frame(recv_frame(sock))
-                    yield frame
-                    if isinstance(frame, DoneFrame):
-                        return
-            except TimeoutError:
-                raise EngineTimeout(f"engine {self.name}: stream stalled") from None
-            except (ConnectionError, OSError) as error:
-                raise EngineDied(f"engine {self.name}: {error}") from None
+            while True:
+                with _translated(self.name, "stream stalled"):
+                    payload = recv_frame(sock)
+                frame = order.frame(payload)
+                yield frame
+                if isinstance(frame, DoneFrame):
+                    return
 
     def cancel(self, request_id: str) -> bool:
         reply, _ = self.request(CancelRequest(request_id=request_id))
         return cast(CancelReply, reply).cancelled
 
-    def configure(self, config: dict[str, Any]) -> OkReply:
+    def configure(self, config: LiveConfig) -> OkReply:
         reply, _ = self.request(ConfigureRequest(config=config))
         return cast(OkReply, reply)
 
