@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
+from engines.launch.config import LiveConfig  # noqa: E402
 from engines.launch.process import spawn_engine  # noqa: E402
 from engines.wire.client import AsyncEngineClient, EngineClient, EngineError  # noqa: E402
 
@@ -89,7 +90,7 @@ class Engine:
 
     def configure(self, *, window_ms: float, max_batch: int) -> None:
         spec = model_spec(window_ms=window_ms, max_batch=max_batch)
-        self.client.configure({"models": [spec]})
+        self.client.configure(LiveConfig.from_dict({"models": [spec]}))
 
     def rss(self) -> int:
         return psutil.Process(self.process.pid).memory_info().rss

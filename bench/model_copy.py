@@ -33,7 +33,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
 
 from cluster.tls import relay_certificate, server_tls_context  # noqa: E402
 from engines.wire.link_client import LinkPool, Peer, client_tls_context  # noqa: E402
-from engines.wire.link_files import FILES_STREAM, FileServer, copy_model  # noqa: E402
+from engines.wire.link_files import (  # noqa: E402
+    FILES_STREAM,
+    FileServer,
+    copy_model,
+    model_digests,
+)
 from engines.wire.link_relay import Relay  # noqa: E402
 
 MODEL = ROOT / "var" / "models" / "gemma-3-270m-q4_k_m.gguf"
@@ -86,15 +91,17 @@ async def raw_copy(port: int, dest: Path) -> float:
     return time.perf_counter() - started
 
 
-async def link_copy(peer: Peer, secret: str, dest: Path) -> float:
-    pool = LinkPool(node="a", secret=secret)
+async def link_copy(peer: Peer, secret: str, dest: Path, digests: dict) -> float:
+    pool = LinkPool(node="a", secret=secret, plain_tcp=True)
 
     async def open_stream(data: bytes):
         return (await pool.link(peer)).open(FILES_STREAM, data)
 
     started = time.perf_counter()
     try:
-        await copy_model(open_stream, "m", dest, progress=lambda *p: None)
+        await copy_model(
+            open_stream, "m", dest, digests=digests, progress=lambda *p: None
+        )
     finally:
         pool.close()
     return time.perf_counter() - started
@@ -132,10 +139,11 @@ async def measure(model: Path, rounds: int) -> dict[str, list[float]]:
             assert child.stdout.readline().strip() == "serving"
             _, _, fingerprint = relay_certificate(tmp / "run", "b")
             peer = Peer("b", "127.0.0.1", relay_port, tls_fingerprint=fingerprint)
+            digests = model_digests(model)  # the catalog's
             for round_ in range(rounds + 1):
                 dest = tmp / "copies" / f"m-{round_}.gguf"
                 kind = "link, cold" if round_ == 0 else "link"
-                times[kind].append(await link_copy(peer, secret, dest))
+                times[kind].append(await link_copy(peer, secret, dest, digests))
                 shutil.rmtree(tmp / "copies")
                 if round_:
                     (tmp / "copies").mkdir()

@@ -27,6 +27,13 @@ and after one fault:
                        n=8 while `--users` others chat: the others' p50 time
                        to first token against theirs alone (bench/abuse.py;
                        its own table, goal <= 1.5x with the default user limits)
+  relay_flood          on a two-node cluster of its own (network namespaces, as
+                       root), 500 unauthenticated connections held open against
+                       node b's relay while a client streams through it: the
+                       client's p50 time to first token against the same run
+                       without the flood, and whether b's supervisor, engine
+                       and heartbeat are alive afterwards (bench/relay_flood.py;
+                       its own table, goal <= 1.5x)
 
 Each request ends as exactly one of: succeeded (a finish_reason and `[DONE]`),
 429, error (another status, or an error event mid-stream), lost (neither an
@@ -66,7 +73,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import abuse  # noqa: E402
+from bench import abuse, relay_flood  # noqa: E402
 from bench.faults import Database, EngineWatch, FaultPlatform  # noqa: E402
 from bench.front import ENGINE, MODEL  # noqa: E402
 from bench.generation import MODEL_PATH  # noqa: E402
@@ -94,6 +101,7 @@ SCENARIOS = (
     "database_down",
     "burst",
     "abuse",
+    "relay_flood",
 )
 
 
@@ -480,6 +488,12 @@ def cleanup(bench: Bench | None, platform: FaultPlatform | None) -> None:
                 process.wait(10)
 
 
+def _server_url(admin_url: str) -> str:
+    """The PostgreSQL server of an admin connection URL, without its database
+    (bench/cluster.py names its own)."""
+    return admin_url.rsplit("/", 1)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16, help="max_tokens")
@@ -509,7 +523,11 @@ def main() -> None:
     parser.add_argument(
         "--keep", action="store_true", help="keep the run dir (logs) and database"
     )
+    relay_flood.arguments(parser)
     args = parser.parse_args()
+    if args.only == ["relay_flood"]:  # a cluster of its own: no platform here
+        relay_flood.run(_server_url(args.postgres), args)
+        return
     if not MODEL_PATH.exists():
         raise SystemExit(f"{MODEL_PATH} missing: run `make test` or `make run` first")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -552,6 +570,8 @@ def main() -> None:
         if bench and bench.abuse_phases:
             abuse.report(bench.abuse_phases, args)
         log_summary(run_dir)
+        if not args.only or "relay_flood" in args.only:
+            relay_flood.run(_server_url(args.postgres), args)
         if args.keep:
             if bench and bench.results:
                 dump(bench.results, run_dir / "outcomes.json")

@@ -22,7 +22,8 @@ from typing import Annotated, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engines.launch.config import OFFLINE_ENV, Limits, inherited_environment
+from engines.launch.config import Limits
+from engines.launch.environment import OFFLINE_ENV, inherited_environment
 
 # The quantizations the catalog offers (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 Quantization = Literal[
@@ -47,8 +48,8 @@ INSPECTION_ENV = dict(OFFLINE_ENV)
 
 def inspection_environment(base: Mapping[str, str], *, root: str) -> dict[str, str]:
     """A tool's environment: what it uses of `base` (the engines' allow-list,
-    engines/launch/config.py: none of the web side's secrets), the project `root` on
-    its path and INSPECTION_ENV."""
+    engines/launch/environment.py: none of the web side's secrets), the
+    project `root` on its path and INSPECTION_ENV."""
     env = inherited_environment(base)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, base.get("PYTHONPATH")]))
     env.update(INSPECTION_ENV)

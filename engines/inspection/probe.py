@@ -20,8 +20,9 @@ import psutil
 from engines.backends.factory import load_backend
 from engines.backends.memory import estimate_model_mib
 from engines.inspection.messages import MIB, ProbeRequest, ProbeResult, inspection_main
-from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec, device_memory_file
+from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec
 from engines.launch.devices import DeviceMemory, default_memory_probes
+from engines.launch.environment import device_memory_file
 from engines.wire.errors import ProtocolError
 
 

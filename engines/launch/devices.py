@@ -3,7 +3,7 @@
 NVIDIA cards through `nvidia-smi --query-gpu`, AMD cards through sysfs
 (`mem_info_vram_total` / `mem_info_vram_used`). Machines without a GPU read
 nothing; tests drive the same interface from a JSON file whose path the engine
-gets in ROUNDHOUSE_DEVICE_MEMORY_FILE (see engines/launch/config.py).
+gets in ROUNDHOUSE_DEVICE_MEMORY_FILE (see engines/launch/environment.py).
 """
 
 import json

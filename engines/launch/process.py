@@ -8,14 +8,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engines.launch.config import (
+from engines.launch.config import EngineConfig
+from engines.launch.environment import (
     CONFIG_ENV,
     CONFIG_FILE_ENV,
     LIFELINE_FD_ENV,
     MAX_ENV_STRING,
     OFFLINE_ENV,
     TOKEN_ENV,
-    EngineConfig,
     env_problems,
     inherited_environment,
 )

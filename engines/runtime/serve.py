@@ -2,7 +2,7 @@
 `python -m engines.runtime.serve --name N --port P`.
 
 Started by `manage.py supervise`, which hands over the token and configuration in
-the environment (engines/launch/config.py lists the variables). Exits 0 after a
+the environment (engines/launch/environment.py lists the variables). Exits 0 after a
 `shutdown` request or SIGTERM/SIGINT, once requests in flight have finished.
 
 An engine never outlives its supervisor: it watches a lifeline pipe whose write
@@ -23,10 +23,10 @@ import sys
 import threading
 from collections.abc import Callable
 
-from engines.launch.config import (
+from engines.launch.config import EngineConfig
+from engines.launch.environment import (
     CONFIG_ENV,
     TOKEN_ENV,
-    EngineConfig,
     config_in_environment,
     lifeline_fd_from_environment,
     offline_environment_set,

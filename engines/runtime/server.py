@@ -13,14 +13,9 @@ from typing import Any
 import psutil
 
 from engines.generation.runner import GenerationRunner
-from engines.launch.config import (
-    LOOPBACK,
-    EngineConfig,
-    LiveConfig,
-    device_memory_file,
-    thermal_file,
-)
+from engines.launch.config import LOOPBACK, EngineConfig
 from engines.launch.devices import DeviceMemory, default_memory_probes
+from engines.launch.environment import device_memory_file, thermal_file
 from engines.runtime.residency import DRAIN_TIMEOUT_S, Residency, ResidentModel
 from engines.runtime.streaming import serve_generation
 from engines.runtime.thermal import ThermalGate, default_probes
@@ -393,12 +388,7 @@ class EngineServer:
     async def handle_configure(self, request: ConfigureRequest) -> Reply:
         """Apply the request's LiveConfig: the settings it gives replace the
         running ones, without a restart."""
-        try:
-            live = LiveConfig.from_dict(request.config)
-        except ValueError as error:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"bad configuration: {error}"
-            ) from None
+        live = request.config  # typed and checked when the request was read
         live.apply(self.config)
         if live.thermal is not None or live.devices is not None:
             self.device_memory.devices = set(self.config.devices)

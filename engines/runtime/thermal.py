@@ -6,7 +6,7 @@ judged by its vendor's thresholds (engines/launch/config.py Thresholds). Work
 pauses at `high` and resumes only below `resume` (hysteresis), so an engine does
 not flap around one temperature.
 Sensors are read without torch: psutil, nvidia-smi, sysfs; tests drive the same
-interface from a JSON file (ROUNDHOUSE_THERMAL_FILE, see engines/launch/config.py).
+interface from a JSON file (ROUNDHOUSE_THERMAL_FILE, see engines/launch/environment.py).
 """
 
 import json

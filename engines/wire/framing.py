@@ -196,13 +196,6 @@ async def read_frame(
         raise ConnectionError("connection closed inside a frame") from None
 
 
-async def read_message(
-    reader: asyncio.StreamReader, *, max_bytes: int = MAX_FRAME_BYTES
-) -> dict[str, Any] | None:
-    payload = await read_frame(reader, max_bytes=max_bytes)
-    return None if payload is None else decode_message(payload)
-
-
 # -- blocking sockets -----------------------------------------------------------
 
 
@@ -220,9 +213,3 @@ def recv_frame(sock: socket.socket, *, max_bytes: int = MAX_FRAME_BYTES) -> byte
     """The next frame's payload from a blocking socket."""
     size = frame_length(_recv_exactly(sock, HEADER.size), max_bytes=max_bytes)
     return _recv_exactly(sock, size)
-
-
-def recv_message(
-    sock: socket.socket, *, max_bytes: int = MAX_FRAME_BYTES
-) -> dict[str, Any]:
-    return decode_message(recv_frame(sock, max_bytes=max_bytes))

@@ -46,6 +46,9 @@ from engines.wire.frames import ErrorReply
 LINK_HEADER = struct.Struct(">IBI")  # stream id, frame type, payload length
 MAX_LINK_PAYLOAD = 1 << 20
 OPEN, DATA, CLOSE, PING, PONG = 1, 2, 3, 4, 5
+# Stream ids are u32; 0 is the link's own (pings). A client wraps past the
+# largest to 1 again, skipping ids still open.
+MAX_STREAM_ID = 0xFFFFFFFF
 FRAME_TYPES = frozenset({OPEN, DATA, CLOSE, PING, PONG})
 # Engine names as the admin allows them (slugs): a stream naming anything else
 # is refused before the relay looks for the engine.
@@ -56,14 +59,20 @@ ENGINE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 LINK_PING_S = 1.0
 LINK_DEAD_S = 3.0
 RELAY_DEAD_S = 5.0
+# A relay's PONG says whether its node reaches the cluster's database now. A
+# node that cannot reach the database tells from its links whether it alone is
+# cut off (its peers reach the database: their fronts take its work) or the
+# database is down for everyone (then it serves on its last view). Empty (a
+# relay of an older version): not known, taken for "reaches it".
+DATABASE_REACHED, DATABASE_UNREACHED = b"\x01", b"\x00"
 # After a link to a node could not be made, requests for it fail at once for
 # this long (they go to another replica) instead of each waiting to connect.
 CONNECT_COOLDOWN_S = 1.0
 
 
 class LinkRefused(Exception):
-    """The relay refused the link (wrong or revoked secret, a node that cannot
-    confirm its place in the cluster) or is not who it should be."""
+    """The relay refused the link (wrong or revoked secret, a certificate
+    not its node's) or is not who it should be."""
 
 
 class LinkHello(BaseModel):

@@ -3,7 +3,7 @@ a pool of links, one per peer node, and `RemoteEngineClient`, the engine
 client whose connection is a stream on a link instead of a socket."""
 
 import asyncio
-import itertools
+import functools
 import logging
 import ssl
 import time
@@ -22,9 +22,11 @@ from engines.wire.link import (
     CLOSE,
     CONNECT_COOLDOWN_S,
     DATA,
+    DATABASE_UNREACHED,
     LINK_DEAD_S,
     LINK_PING_S,
     MAX_LINK_PAYLOAD,
+    MAX_STREAM_ID,
     OPEN,
     PING,
     PONG,
@@ -97,29 +99,41 @@ class Link:
         self._writer = writer
         self._on_lost = on_lost
         self._streams: dict[int, asyncio.StreamReader] = {}
-        self._ids = itertools.count(1)
+        self._last_id = 0
         self._heard_at = time.monotonic()
         self.lost: str | None = None
+        # Whether the peer's node reaches the cluster's database, as its last
+        # PONG said (None before the first).
+        self.peer_database: bool | None = None
         self._tasks = [
             asyncio.ensure_future(self._read_loop()),
             asyncio.ensure_future(self._keepalive()),
         ]
 
     @property
-    def open_streams(self) -> int:
-        return len(self._streams)
+    def alive(self) -> bool:
+        """Not lost, and the peer was heard from within LINK_DEAD_S."""
+        return self.lost is None and time.monotonic() - self._heard_at <= LINK_DEAD_S
 
     def open(self, engine: str, data: bytes) -> tuple[asyncio.StreamReader, Any]:
         """A new stream to `engine` on the peer, with `data` sent on it."""
         if self.lost is not None:
             raise ConnectionResetError(f"link to node {self.peer.node} lost")
-        stream = next(self._ids)
+        stream = self._next_id()
         reader = asyncio.StreamReader(limit=MAX_LINK_PAYLOAD * 2)
         self._streams[stream] = reader
         self.send(
             link_frame(stream, OPEN, engine.encode("utf-8")) + data_frames(stream, data)
         )
         return reader, StreamWriter(self, stream)
+
+    def _next_id(self) -> int:
+        """A stream id no open stream has: after MAX_STREAM_ID, ids start
+        again at 1 (0 is the link's own, for pings)."""
+        while True:
+            self._last_id = self._last_id % MAX_STREAM_ID + 1
+            if self._last_id not in self._streams:
+                return self._last_id
 
     def send(self, data: bytes) -> None:
         if self.lost is None:
@@ -164,6 +178,8 @@ class Link:
                         reader.feed_eof()
                 elif kind == PING:
                     self.send(link_frame(0, PONG))
+                elif kind == PONG:
+                    self.peer_database = payload != DATABASE_UNREACHED
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as error:
             self.close(f"connection ended ({type(error).__name__})")
         except ProtocolError as error:
@@ -182,10 +198,22 @@ class Link:
 class LinkPool:
     """The links of one event loop, one per peer node, made on first use.
     With a private CA, every link is mutual TLS under it; else TLS with the
-    peer's pinned certificate (or plain TCP for a peer that has none)."""
+    peer's pinned certificate. A peer that has none is reached in plain TCP
+    only where `plain_tcp` allows it (a cluster whose links are plain:
+    ROUNDHOUSE_CLUSTER_TLS off); else it is refused before anything is sent,
+    so this node's secret never travels in clear text to an address someone
+    set on a row."""
 
-    def __init__(self, *, node: str, secret: str, ca: PrivateCa | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        node: str,
+        secret: str,
+        ca: PrivateCa | None = None,
+        plain_tcp: bool = False,
+    ) -> None:
         self.node = node
+        self.plain_tcp = plain_tcp
         self._secret = secret
         self._ca_context = client_tls_context(ca) if ca is not None else None
         self._links: dict[str, Link] = {}
@@ -204,21 +232,29 @@ class LinkPool:
             return link
         failed = self._failed.get(peer.node)
         if failed is not None and time.monotonic() - failed[0] < CONNECT_COOLDOWN_S:
-            raise ConnectionRefusedError(f"node {peer.node}: {failed[1]} (just now)")
+            raise ConnectionRefusedError(f"{failed[1]} (just now)")
         pending = self._connecting.get(peer.node)
         if pending is None:
             pending = asyncio.ensure_future(self._connect(peer))
             self._connecting[peer.node] = pending
-            pending.add_done_callback(
-                lambda _, name=peer.node: self._connecting.pop(name, None)
-            )
+            pending.add_done_callback(functools.partial(self._connected, peer.node))
         return await asyncio.shield(pending)
+
+    def _connected(self, node: str, attempt: asyncio.Future) -> None:
+        """A connection attempt ended: its error is taken here (every caller
+        may have stopped waiting for it), not reported as never retrieved."""
+        self._connecting.pop(node, None)
+        if not attempt.cancelled():
+            attempt.exception()
 
     async def _connect(self, peer: Peer) -> Link:
         try:
             link = await asyncio.wait_for(self._handshake(peer), CONTROL_TIMEOUT_S)
         except (OSError, TimeoutError, LinkRefused) as error:
-            self._failed[peer.node] = (time.monotonic(), str(error) or "timed out")
+            why = str(error) or "timed out"
+            if not why.startswith(f"node {peer.node}"):
+                why = f"node {peer.node}: {why}"
+            self._failed[peer.node] = (time.monotonic(), why)
             raise
         self._failed.pop(peer.node, None)
         old = self._links.get(peer.node)
@@ -231,6 +267,13 @@ class LinkPool:
         context = self._ca_context
         if context is None and peer.tls_fingerprint:
             context = client_tls_context()
+        if context is None and not self.plain_tcp:
+            raise LinkRefused(
+                f"node {peer.node} has no TLS certificate on record, and this "
+                "node's links use TLS: its secret is not sent in clear text "
+                "(the node's supervisor publishes one when it starts with "
+                "ROUNDHOUSE_CLUSTER_TLS on)"
+            )
         try:
             reader, writer = await asyncio.open_connection(
                 peer.host, peer.port, ssl=context
@@ -306,6 +349,15 @@ def client_tls_context(ca: PrivateCa | None = None) -> ssl.SSLContext:
     return context
 
 
+class NodeUnreachable(EngineUnreachable):
+    """No link to the engine's node could be made (or it was lost): every
+    engine of that node is out of reach from here, not only this one."""
+
+    def __init__(self, message: str, *, node: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
 class RemoteEngineClient(AsyncEngineClient):
     """An engine on another node, reached over the link to that node's relay:
     the same client as for a local engine, another transport."""
@@ -325,7 +377,8 @@ class RemoteEngineClient(AsyncEngineClient):
             link = await self.pool.link(self.peer)
             return link.open(self.name, data)
         except (OSError, TimeoutError, LinkRefused, ValidationError) as error:
-            raise EngineUnreachable(
+            raise NodeUnreachable(
                 f"engine {self.name} on node {self.peer.node}: "
-                f"{error or type(error).__name__}"
+                f"{error or type(error).__name__}",
+                node=self.peer.node,
             ) from None

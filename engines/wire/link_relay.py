@@ -1,17 +1,30 @@
 """The relay side of a node link (engines/wire/link.py says the protocol):
-accepts links from the other nodes and carries each stream, byte for byte, to
-an engine of this host on 127.0.0.1 with that engine's token, or, for a files
-stream, answers it from this host's model files (engines/wire/link_files.py)."""
+accepts links from the other nodes and carries each stream to an engine of
+this host on 127.0.0.1 with that engine's token (only the requests a link
+may make: engines/wire/link_gate.py), or, for a files stream, answers it from
+this host's model files (engines/wire/link_files.py).
+
+What a peer can hold of the relay is bounded: handshakes before anyone is
+authenticated (engines/wire/link_admission.py), MAX_LINKS_PER_NODE links per
+node (a new one closes the oldest), MAX_STREAMS_PER_LINK streams per link (a
+stream beyond is answered `unreachable`: the caller tries another replica),
+and MAX_LINK_HELD_BYTES of what a link's streams sent and their engines have
+not read yet (a link over it is dropped). A stream id opened twice, or any
+other break of the protocol, drops the link. Nothing a peer sends ends the
+relay: an error no one expected drops that link and is logged.
+"""
 
 import asyncio
 import contextlib
+import hashlib
+import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from engines.wire.bounds import AUTH_TIMEOUT_S, CONTROL_TIMEOUT_S, MAX_AUTH_FRAME_BYTES
+from engines.wire.bounds import CONTROL_TIMEOUT_S, MAX_AUTH_FRAME_BYTES
 from engines.wire.client import connect_and_send
 from engines.wire.errors import ErrorCode, ProtocolError
 from engines.wire.frames import ErrorReply
@@ -25,6 +38,8 @@ from engines.wire.framing import (
 from engines.wire.link import (
     CLOSE,
     DATA,
+    DATABASE_REACHED,
+    DATABASE_UNREACHED,
     ENGINE_NAME,
     MAX_LINK_PAYLOAD,
     OPEN,
@@ -38,7 +53,29 @@ from engines.wire.link import (
     link_frame,
     read_link_frame,
 )
+from engines.wire.link_admission import (
+    HANDSHAKE_S,
+    MAX_LOOKUPS,
+    REFUSED,
+    FailedHellos,
+    Handshakes,
+    RefusalLog,
+)
 from engines.wire.link_files import FILES_STREAM, MAX_REQUEST_BYTES, FileServer
+from engines.wire.link_gate import RequestGate
+
+log = logging.getLogger("roundhouse.relay")
+
+MAX_LINKS_PER_NODE = 8
+MAX_STREAMS_PER_LINK = 128
+MAX_LINK_HELD_BYTES = 64 * 1024 * 1024
+
+
+def link_proof(secret: str) -> str:
+    """What a link's node proved itself with, as the cluster stores a node
+    secret (its SHA-256, hex): a link whose node's stored secret is no longer
+    this is closed (Relay.recheck)."""
+    return hashlib.sha256(secret.encode("utf-8", errors="replace")).hexdigest()
 
 
 def _certificate_refusal(writer: asyncio.StreamWriter, node: str) -> str | None:
@@ -72,6 +109,28 @@ class _Upstream:
     # A files stream's request as it arrives (None: an engine stream).
     inbox: asyncio.StreamReader | None = None
     inbox_bytes: int = 0
+    # An engine stream's requests, checked whole before they are sent on.
+    gate: RequestGate = field(default_factory=RequestGate)
+
+    @property
+    def held(self) -> int:
+        """Bytes of this stream the relay holds: a request not yet whole,
+        what waits for the engine connection, what the engine has not read
+        (a files stream's request is capped on its own)."""
+        held = self.gate.held + sum(len(chunk) for chunk in self.pending)
+        if self.writer is not None and self.writer.transport is not None:
+            held += self.writer.transport.get_write_buffer_size()
+        return held
+
+
+@dataclass
+class _Link:
+    """An accepted link: its node, what the node proved itself with, and
+    its connection."""
+
+    node: str
+    proof: str
+    writer: asyncio.StreamWriter
 
 
 class Relay:
@@ -85,61 +144,112 @@ class Relay:
         authenticate: Authenticate,
         engine_address: EngineAddress,
         serving: Callable[[], str | None] = lambda: None,
+        database: Callable[[], bool] = lambda: True,
         files: FileServer | None = None,
     ) -> None:
         self.node = node
         self._files = files
         self._authenticate = authenticate
         self._engine_address = engine_address
-        # Why this node takes no streams now (None: it does).
+        # Why this node takes no streams now (None: it does). Links are
+        # welcomed either way (a node that cannot confirm its place still
+        # tells its peers so, in its PONGs: `database`, whether it reaches
+        # the cluster's database now).
         self._serving = serving
-        self._links: dict[int, tuple[str, asyncio.StreamWriter]] = {}
+        self._database = database
+        self._links: dict[int, _Link] = {}
         self._server: asyncio.AbstractServer | None = None
+        self._tls: ssl.SSLContext | None = None
+        self.handshakes = Handshakes()
+        self._failed = FailedHellos()
+        self._refusals = RefusalLog()
+        self._lookups = asyncio.Semaphore(MAX_LOOKUPS)
 
     async def start(
         self, host: str, port: int, *, tls: ssl.SSLContext | None = None
     ) -> None:
+        # TLS is started per connection, once the connection is admitted
+        # (Handshakes): a handshake is bounded like the hello after it.
+        self._tls = tls
         self._server = await asyncio.start_server(
-            self._handle, host, port, ssl=tls, reuse_address=True
+            self._handle, host, port, reuse_address=True
         )
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for _, writer in list(self._links.values()):
-            writer.close()
+        for link in list(self._links.values()):
+            link.writer.close()
 
     def links_of(self, node: str) -> int:
-        return sum(1 for peer, _ in self._links.values() if peer == node)
+        return sum(1 for link in self._links.values() if link.node == node)
 
-    def drop_links(self, nodes: set[str]) -> None:
-        """Close the links of these nodes now (revoked): their streams hang up
-        on the engines, which cancel them."""
-        for peer, writer in list(self._links.values()):
-            if peer in nodes:
-                writer.close()
+    def linked_nodes(self) -> set[str]:
+        return {link.node for link in list(self._links.values())}
+
+    def recheck(self, proofs: Mapping[str, str]) -> None:
+        """Close every link whose node is not in `proofs` (node -> the
+        secret it must have proved itself with: link_proof) or proved itself
+        with another secret: a node deleted, revoked or joined again since."""
+        for link in list(self._links.values()):
+            if proofs.get(link.node) != link.proof:
+                log.warning(
+                    "relay closed a link of node %s: that node is no longer "
+                    "the one that opened it (deleted, revoked or joined again)",
+                    link.node,
+                )
+                link.writer.close()
 
     async def _handle(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
-            peer = await self._welcome(reader, writer)
+            await self._serve_link(reader, writer)
+        except Exception as error:  # noqa: BLE001 - that link alone ends
+            peername = writer.get_extra_info("peername")
+            self._refusals.refused(
+                str(peername[0]) if peername else "?",
+                f"dropped on an unexpected error ({type(error).__name__}: {error})",
+            )
+        finally:
+            writer.close()
+
+    async def _serve_link(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        peername = writer.get_extra_info("peername")
+        address = str(peername[0]) if peername else "?"
+        if not self.handshakes.enter(address):
+            self._refusals.refused(address, "too many links being set up")
+            writer.transport.abort()
+            return
+        try:
+            async with asyncio.timeout(HANDSHAKE_S):
+                if self._tls is not None:
+                    await writer.start_tls(self._tls, ssl_handshake_timeout=HANDSHAKE_S)
+                welcomed = await self._welcome(reader, writer, address)
         except (
             ConnectionError,
             OSError,
             TimeoutError,
             asyncio.IncompleteReadError,
             ProtocolError,  # a hello over the cap, refused from its header
-        ):
-            writer.close()
+        ) as error:
+            self._refusals.refused(address, f"no hello ({type(error).__name__})")
             return
-        if peer is None:
+        finally:
+            self.handshakes.leave(address)
+        if welcomed is None:
             with contextlib.suppress(ConnectionError, OSError):
-                await writer.drain()
-            writer.close()
+                async with asyncio.timeout(HANDSHAKE_S):
+                    await writer.drain()
             return
+        link = _Link(*welcomed, writer)
+        others = [key for key, held in self._links.items() if held.node == link.node]
+        for key in others[: max(0, len(others) - MAX_LINKS_PER_NODE + 1)]:
+            self._links[key].writer.close()  # the oldest: a node reconnecting
         key = id(writer)
-        self._links[key] = (peer, writer)
+        self._links[key] = link
         upstreams: dict[int, _Upstream] = {}
         try:
             await self._carry(reader, writer, upstreams)
@@ -155,47 +265,47 @@ class Relay:
             self._links.pop(key, None)
             for upstream in upstreams.values():
                 self._hang_up(upstream)
-            writer.close()
 
-    async def _welcome(self, reader, writer) -> str | None:
-        """The calling node once its hello is checked; None (refusal sent)."""
-        async with asyncio.timeout(AUTH_TIMEOUT_S):
-            payload = await read_frame(reader, max_bytes=MAX_AUTH_FRAME_BYTES)
+    async def _welcome(self, reader, writer, address: str) -> tuple[str, str] | None:
+        """The calling node and its proof once its hello is checked; None
+        (the refusal written: the same for every reason)."""
+        payload = await read_frame(reader, max_bytes=MAX_AUTH_FRAME_BYTES)
         if payload is None:
             return None
         try:
             hello = LinkHello.model_validate(decode_message(payload))
         except (ProtocolError, ValidationError):
-            refusal = "not a link hello"
+            hello, why = None, "not a link hello"
         else:
-            refusal = (
-                self._serving()
-                or _certificate_refusal(writer, hello.node)
-                or await self._authenticate(hello.node, hello.secret)
+            why = _certificate_refusal(writer, hello.node)
+        if hello is not None and why is None:
+            if self._failed.throttled(address):
+                why = "too many failed hellos from this address lately"
+            else:
+                async with self._lookups:
+                    why = await self._authenticate(hello.node, hello.secret)
+                if why is not None:
+                    self._failed.failed(address)
+        elif hello is None:
+            self._failed.failed(address)
+        if why is not None:
+            self._refusals.refused(address, why)
+            writer.write(
+                ErrorReply(code=ErrorCode.UNAUTHORIZED, message=REFUSED).encoded()
             )
-        if refusal is not None:
-            error = ErrorReply(code=ErrorCode.UNAUTHORIZED, message=refusal)
-            writer.write(error.encoded())
             return None
         writer.write(encode_message(LinkWelcome(node=self.node).model_dump()))
-        return hello.node
+        return hello.node, link_proof(hello.secret)
 
     async def _carry(self, reader, writer, upstreams: dict[int, _Upstream]) -> None:
         while True:
             async with asyncio.timeout(RELAY_DEAD_S):
                 stream, kind, payload = await read_link_frame(reader)
             if kind == PING:
-                writer.write(link_frame(0, PONG))
-            elif kind == OPEN and payload == FILES_STREAM.encode():
-                upstream = upstreams[stream] = _Upstream(inbox=asyncio.StreamReader())
-                upstream.task = asyncio.ensure_future(
-                    self._serve_files(stream, upstream, writer, upstreams)
-                )
+                reached = DATABASE_REACHED if self._database() else DATABASE_UNREACHED
+                writer.write(link_frame(0, PONG, reached))
             elif kind == OPEN:
-                upstream = upstreams[stream] = _Upstream()
-                upstream.task = asyncio.ensure_future(
-                    self._pump(stream, payload, upstream, writer, upstreams)
-                )
+                self._open(stream, payload, writer, upstreams)
             elif kind == DATA:
                 upstream = upstreams.get(stream)
                 if upstream is None or upstream.hung_up:
@@ -207,14 +317,74 @@ class Relay:
                     upstream.inbox_bytes += len(payload)
                     if room > 0:
                         upstream.inbox.feed_data(payload[:room])
-                elif upstream.writer is None:
-                    upstream.pending.append(payload)
-                else:
-                    upstream.writer.write(payload)
+                    continue
+                try:
+                    data = upstream.gate.feed(payload)
+                except ProtocolError as refused:
+                    self._refuse(stream, refused, writer, upstreams)
+                    continue
+                if upstream.writer is None:
+                    upstream.pending.append(data)
+                elif data:
+                    upstream.writer.write(data)
+                held = sum(each.held for each in upstreams.values())
+                if held > MAX_LINK_HELD_BYTES:
+                    raise ProtocolError(
+                        ErrorCode.OVERLOADED,
+                        f"the link's streams hold {held} bytes their engines "
+                        f"have not read, over the cap of {MAX_LINK_HELD_BYTES}",
+                    )
             elif kind == CLOSE:
                 upstream = upstreams.pop(stream, None)
                 if upstream is not None:
                     self._hang_up(upstream)
+
+    def _open(
+        self,
+        stream: int,
+        payload: bytes,
+        writer: asyncio.StreamWriter,
+        upstreams: dict[int, _Upstream],
+    ) -> None:
+        """Start stream `stream`: to the engine `payload` names, or files."""
+        if stream in upstreams:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"stream {stream} opened while open"
+            )
+        if len(upstreams) >= MAX_STREAMS_PER_LINK:
+            refusal = ErrorReply(
+                code=ErrorCode.UNREACHABLE,
+                message=f"node {self.node}: a link carries at most "
+                f"{MAX_STREAMS_PER_LINK} streams at once",
+            )
+            writer.write(data_frames(stream, refusal.encoded()))
+            writer.write(link_frame(stream, CLOSE))
+            return
+        if payload == FILES_STREAM.encode():
+            upstream = upstreams[stream] = _Upstream(inbox=asyncio.StreamReader())
+            upstream.task = asyncio.ensure_future(
+                self._serve_files(stream, upstream, writer, upstreams)
+            )
+        else:
+            upstream = upstreams[stream] = _Upstream()
+            upstream.task = asyncio.ensure_future(
+                self._pump(stream, payload, upstream, writer, upstreams)
+            )
+
+    def _refuse(
+        self,
+        stream: int,
+        refused: ProtocolError,
+        writer: asyncio.StreamWriter,
+        upstreams: dict[int, _Upstream],
+    ) -> None:
+        """Answer a stream that sent what a link does not carry, and close it
+        (its engine connection hung up: nothing after it reaches the engine)."""
+        upstream = upstreams.pop(stream, None)
+        if upstream is not None:
+            self._hang_up(upstream)
+        writer.write(data_frames(stream, ErrorReply.of(refused).encoded()))
+        writer.write(link_frame(stream, CLOSE))
 
     @staticmethod
     def _hang_up(upstream: _Upstream) -> None:
@@ -238,15 +408,15 @@ class Relay:
                 refusal = f"node {self.node} does not serve model files"
             if refusal is not None:
                 answer = ErrorReply(code=ErrorCode.UNREACHABLE, message=refusal)
-                reply = answer.encoded()
+                link.write(data_frames(stream, answer.encoded()))
+                await link.drain()
             else:
                 async with asyncio.timeout(CONTROL_TIMEOUT_S):
                     request = await read_frame(
                         upstream.inbox, max_bytes=MAX_REQUEST_BYTES
                     )
-                reply = await self._files.answer(request or b"")
-            link.write(data_frames(stream, reply))
-            await link.drain()
+                # Answered, written and drained, with what a link holds capped.
+                await self._files.reply(stream, request or b"", link)
         except (ConnectionError, OSError, TimeoutError, ProtocolError):
             pass
         finally:

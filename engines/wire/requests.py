@@ -23,6 +23,7 @@ from pydantic import (
     ValidationError,
 )
 
+from engines.launch.config import LiveConfig
 from engines.wire.bounds import (
     MAX_MESSAGES,
     MAX_PROMPT_CHARS,
@@ -236,9 +237,9 @@ class ConfigureRequest(Wire):
     """Change the settings a running engine may change without a restart."""
 
     kind: Literal["configure"] = "configure"
-    # engines.launch.config.LiveConfig's JSON form (its to_dict), read back
-    # by the engine with its from_dict.
-    config: dict[str, JsonValue]
+    # What changes, typed (unknown keys and mistyped values refused when the
+    # request is read, before the engine applies any of it).
+    config: LiveConfig
 
 
 class ShutdownRequest(Wire):

@@ -9,7 +9,8 @@ new request's prefixes up there, longest first. Only models with replicas
 look (one engine holds a model of one replica anyway).
 
 Redis is an aid, never a dependency: a lookup that takes longer than
-LOOKUP_TIMEOUT_S or fails uses this front's own map instead; after a failure,
+LOOKUP_TIMEOUT_S (CONNECT_TIMEOUT_S for a loop's first, which connects) or
+fails uses this front's own map instead; after a failure,
 or SLOW_LOOKUPS_DOWN slow lookups in a row, Redis is left alone for
 RETRY_AFTER_S (logged once per outage).
 Writes leave the request's path: they run after it, in a task of their own.
@@ -42,6 +43,8 @@ log = logging.getLogger("roundhouse.affinity")
 KEY_PREFIX = "roundhouse:affinity:"
 TTL_S = 1200
 LOOKUP_TIMEOUT_S = 0.25
+# A loop's first lookup also opens its first connection: it gets longer.
+CONNECT_TIMEOUT_S = 1.0
 SLOW_LOOKUPS_DOWN = 3
 WRITE_TIMEOUT_S = 1.0
 RETRY_AFTER_S = 5.0
@@ -62,6 +65,7 @@ class _Lane:
     client: aioredis.Redis
     pending: deque = field(default_factory=lambda: deque(maxlen=MAX_PENDING_WRITES))
     writer: asyncio.Task | None = None
+    tried: bool = False  # a lookup has ended on this loop (answered or not)
 
 
 class SharedAffinity:
@@ -91,7 +95,7 @@ class SharedAffinity:
                 self.url,
                 max_connections=MAX_CONNECTIONS,
                 timeout=LOOKUP_TIMEOUT_S,
-                socket_connect_timeout=LOOKUP_TIMEOUT_S,
+                socket_connect_timeout=CONNECT_TIMEOUT_S,
             )
             lane = self._lanes[loop] = _Lane(aioredis.Redis(connection_pool=pool))
         return lane
@@ -134,12 +138,15 @@ class SharedAffinity:
             return ""
         lane = self._lane() if shared else None
         if lane is not None:
+            bound = LOOKUP_TIMEOUT_S if lane.tried else CONNECT_TIMEOUT_S
             try:
-                async with asyncio.timeout(LOOKUP_TIMEOUT_S):
+                async with asyncio.timeout(bound):
                     values = await lane.client.mget([KEY_PREFIX + key for key in keys])
             except (RedisError, OSError, TimeoutError) as error:
+                lane.tried = True
                 self._failed(error)
             else:
+                lane.tried = True
                 self._worked()
                 for value in values:
                     engine = _current(value, engines)

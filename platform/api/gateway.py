@@ -5,25 +5,36 @@ node's relay (engines/wire/link_client.py), authenticated by this host's node
 secret."""
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import weakref
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from django import db
 from django.conf import settings
 
 from cluster.identity import NodeIdentity, identity_read, identity_stamp
 from cluster.models import UNREACHABLE_AFTER_S
+from cluster.peers_reached import serving_through_outage
 from cluster.selectors import node_peer
 from cluster.tls import private_ca
 from engines.wire.client import AsyncEngineClient, EngineUnreachable, connection_file
 from engines.wire.link_client import LinkPool, RemoteEngineClient
-from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
-from routing.select import Choice, ModelRoute, Router, Snapshot, SnapshotCache
+from fleet.outages import OutageClock
+from fleet.selectors import routing_snapshot
+from routing.select import (
+    Choice,
+    ModelRoute,
+    NoEngine,
+    Router,
+    Snapshot,
+    SnapshotCache,
+)
 
 from . import errors
 from .affinity import SharedAffinity
@@ -32,18 +43,59 @@ from .services import DATABASE_OUTAGE
 log = logging.getLogger("roundhouse.api")
 
 # A snapshot older than the cache's max age is still used while a fresh one loads
-# in the background, up to this age; older than that, the request waits for the
-# load (a front that saw no request for a while).
+# in the background, up to this age (on a cluster, up to UNREACHABLE_AFTER_S);
+# older than that, the request waits for the load in flight (a front that saw no
+# request for a while).
 STALE_LIMIT_S = 10.0
-# After a load failed on the database, the last snapshot (however old) is used
-# and the next load waits this long: requests during an outage do not each try
-# a database that is down.
+# After a load failed on the database, requests answer from the last snapshot
+# without waiting (or refuse: Gateway._confirmed) until a load succeeds, and the
+# next load starts this long after the failure at the earliest: requests during
+# an outage do not each try a database that is down.
 RELOAD_AFTER_FAILURE_S = 1.0
+# A node no link could be made to is passed over by this front's routing for
+# this long (its engines are chosen only when no other engine can serve);
+# then the next request tries it again.
+NODE_AVOID_S = 5.0
+# After a failed load, the request that starts the next one waits this long for
+# it at most: a database that is back answers within it (the request is served
+# from the new view, not refused from the old); one that still hangs costs that
+# one request no more, and the others do not wait for it at all.
+RETRY_WAIT_S = 0.5
 
 
-def _log_failure(done: asyncio.Future) -> None:
-    if not done.cancelled() and done.exception() is not None:
-        log.warning("loading the routing snapshot failed: %s", done.exception())
+async def finished(work: Future, timeout: float | None = None) -> bool:
+    """Wait, without blocking the event loop, until `work` (of another thread)
+    is done or `timeout` passed; whether it is done. Unlike awaiting
+    asyncio.wrap_future, giving up never cancels the work, which others may
+    share."""
+    if work.done():
+        return True
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def wake(_: Future) -> None:
+        with contextlib.suppress(RuntimeError):  # that loop has closed since
+            loop.call_soon_threadsafe(done.set)
+
+    work.add_done_callback(wake)
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+def unconfirmed(snapshot: Snapshot, age_s: float) -> bool:
+    """Whether a node of a cluster can no longer vouch for this view: the
+    other nodes take one that has not reached the database for
+    UNREACHABLE_AFTER_S for unreachable, and its work is theirs, unless this
+    host's supervisor finds the database down for every node it reaches
+    (then nobody takes anything: it serves on, as one host does)."""
+    return (
+        bool(snapshot.nodes)
+        and age_s > UNREACHABLE_AFTER_S
+        and not serving_through_outage(settings.RUN_DIR)
+    )
 
 
 class Gateway:
@@ -52,16 +104,18 @@ class Gateway:
     def __init__(self) -> None:
         self.router = Router()
         self.cache = SnapshotCache(self._load, max_age_s=1.0)
-        self._refreshing: asyncio.Future | None = None
         # Loads run in one thread of their own, which keeps its database
         # connection: asgiref's threads reconnect for every request.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._clients: dict[str, tuple[tuple, AsyncEngineClient]] = {}
-        self._failed_at = -float("inf")  # loop.time() of the last failed load
-        # The loader thread's view of database outages (time.monotonic()): when
-        # the current one began, and the last one's (start, end).
-        self._outage_began: float | None = None
-        self.last_outage: tuple[float, float] | None = None
+        # The one load in flight (shared by every caller that needs it), and
+        # whether the last load failed on the database, when (time.monotonic()).
+        self._loading: Future | None = None
+        self._flight_lock = threading.Lock()
+        self._failing = False
+        self._failed_at = -float("inf")
+        # The loader thread's view of database outages.
+        self.outages = OutageClock()
         # Cluster: this host's identity (read from the run dir, and again
         # when the file changed: looked at every IDENTITY_RECHECK_S), one link
         # pool per event loop, prompt-cache affinity and this front's requests
@@ -75,77 +129,141 @@ class Gateway:
         self.private_ca = private_ca()
         self.affinity = SharedAffinity(settings.REDIS_URL)
         self.in_flight: Counter[str] = Counter()
+        # Node -> when (time.monotonic()) a link to it last failed.
+        self._unreachable_nodes: dict[str, float] = {}
 
     def close(self) -> None:
         """Close the loader thread's database connection (it reconnects when
         needed)."""
         self._loader.submit(db.connections.close_all).result()
 
+    def forget(self) -> None:
+        """Forget what this front knows of the fleet (the snapshot, a failed
+        load, nodes passed over), after the load in flight: the next request
+        reads the database. For a test that starts from a new database."""
+        self._loader.submit(self.cache.clear).result()
+        self._failing = False
+        self._failed_at = -float("inf")
+        self._unreachable_nodes.clear()
+
     def _load(self) -> Snapshot:
         """Read the fleet (in the loader thread). Heartbeats the supervisor could
         not write during an outage this thread saw end lately are not taken for
         a dead supervisor: staleness is counted without the outage."""
         try:
-            snapshot = routing_snapshot(heartbeat_grace_s=self._heartbeat_grace())
+            snapshot = routing_snapshot(heartbeat_grace_s=self.outages.grace_s())
         except db.DatabaseError:
             db.connection.close()  # a broken connection: the next load reconnects
-            if self._outage_began is None:
-                self._outage_began = time.monotonic()
+            self.outages.failed()
             raise
-        if self._outage_began is not None:
-            self.last_outage = (self._outage_began, time.monotonic())
-            self._outage_began = None
+        self.outages.worked()
         return snapshot
 
-    def _heartbeat_grace(self) -> float:
-        """How long the database has been down (the outage this thread sees
-        now, or the last one while it is recent enough to explain stale
-        heartbeats); else 0."""
-        now = time.monotonic()
-        if self._outage_began is not None:
-            return now - self._outage_began
-        if self.last_outage is None:
-            return 0.0
-        began, ended = self.last_outage
-        return ended - began if now - ended <= HEARTBEAT_STALE_S else 0.0
+    def _reload(self) -> Snapshot:
+        """A load (in the loader thread) whose outcome counts wherever it was
+        started from, a request waiting for it or a refresh in the background:
+        after a failure requests answer from memory (`snapshot`) until a load
+        succeeds."""
+        try:
+            snapshot = self.cache.get()
+        except db.DatabaseError as error:
+            self._failed_at = time.monotonic()
+            self._failing = True
+            DATABASE_OUTAGE.failed("reading the fleet", error)
+            raise
+        except BaseException:
+            log.exception("loading the routing snapshot failed")
+            raise
+        self._failing = False
+        DATABASE_OUTAGE.worked()  # an outage seen here ends here too
+        return snapshot
 
-    async def _get(self) -> Snapshot:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._loader, self.cache.get)
+    def _load_started(self) -> Future:
+        """The load in flight, or a new one: every caller that needs a load
+        shares the one in flight (a database that hangs holds one load, not
+        one per request queued on the loader thread)."""
+        with self._flight_lock:
+            if self._loading is None or self._loading.done():
+                self._loading = self._loader.submit(self._reload)
+            return self._loading
+
+    def _reload_started(self) -> Future | None:
+        """A new load, unless one is in flight or the database failed the
+        last under RELOAD_AFTER_FAILURE_S ago (then None)."""
+        if self._reload_held_back():
+            return None
+        with self._flight_lock:
+            if self._loading is not None and not self._loading.done():
+                return None
+            self._loading = self._loader.submit(self._reload)
+            return self._loading
+
+    async def _loaded(self) -> Snapshot:
+        """The result of the load in flight (or of a new one)."""
+        loading = self._load_started()
+        await finished(loading)
+        return loading.result()
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         """The fleet as of about a second ago, read from the database at most
         once a second and, while requests keep coming, never on a request's
-        path: a stale snapshot (up to STALE_LIMIT_S old) is used, and
-        `refresh_later` loads the next one once the request is under way.
-        `fresh`: wait for a snapshot under a second old.
+        path: a stale snapshot (up to STALE_LIMIT_S old, UNREACHABLE_AFTER_S
+        on a cluster) is used, and `refresh_later` loads the next one once the
+        request is under way. `fresh`: wait for a snapshot under a second old.
 
-        While the database is down, the last snapshot is used however old it
-        is (an engine it shows up but that is gone fails over as usual); with
-        none in memory the database's error is raised."""
+        Once a load failed on the database (on a request's path or in the
+        background), requests answer from memory until a load succeeds: one
+        host serves on the last snapshot however old it is (an engine it shows
+        up but that is gone fails over as usual), a node of a cluster refuses
+        once it is UNREACHABLE_AFTER_S old (`_confirmed`). One reload at a time
+        tries the database; only the request that starts it waits for it, at
+        most RETRY_WAIT_S. With none in memory the database's error is
+        raised."""
         current = self.cache.fresh()
         if current is not None:
             return current
         peeked = self.cache.peek()
-        if peeked is not None and self._failed_recently():
-            return self._confirmed(*peeked)
+        if peeked is not None and self._failing:
+            retry = self._reload_started()
+            if retry is not None:
+                await finished(retry, timeout=RETRY_WAIT_S)
+                current = self.cache.fresh()
+                if current is not None:
+                    return current
+            return self._confirmed(*self.cache.peek())
         if (
             fresh
             or peeked is None
-            or peeked[1] > STALE_LIMIT_S
+            or peeked[1] > self._stale_limit(peeked[0])
             or self.cache.invalidated  # an engine just failed: read again
         ):
             try:
-                snapshot = await self._get()
-            except db.DatabaseError as error:
-                self._failed_at = asyncio.get_running_loop().time()
+                return await self._loaded()
+            except db.DatabaseError:
+                peeked = self.cache.peek()
                 if peeked is None:
                     raise
-                DATABASE_OUTAGE.failed("reading the fleet", error)
                 return self._confirmed(*peeked)
-            DATABASE_OUTAGE.worked()  # an outage seen here ends here too
-            return snapshot
         return peeked[0]
+
+    async def view(self, *, wait_s: float) -> tuple[Snapshot, float] | None:
+        """The fleet under a second old, with its age in seconds: waits up to
+        `wait_s` for the load in flight (or a new one, unless the database
+        failed one under RELOAD_AFTER_FAILURE_S ago); failing that, the last
+        snapshot read, however old; None if none was ever read. For what must
+        not lag the fleet (/healthz): it never refuses and never raises the
+        database's error."""
+        if self.cache.fresh() is None and not self._reload_held_back():
+            await finished(self._load_started(), timeout=wait_s)
+        return self.cache.peek()  # the load's, or the last one read
+
+    @staticmethod
+    def _stale_limit(snapshot: Snapshot) -> float:
+        """How old a snapshot may be used while the next one loads: on a
+        cluster, never past the age at which it is unconfirmed."""
+        if snapshot.nodes:
+            return min(STALE_LIMIT_S, UNREACHABLE_AFTER_S)
+        return STALE_LIMIT_S
 
     def _confirmed(self, snapshot: Snapshot, age_s: float) -> Snapshot:
         """The last snapshot, read again from the database in vain. One host
@@ -153,7 +271,7 @@ class Gateway:
         only while it can confirm that the engines it routes to are still
         placed and up (UNREACHABLE_AFTER_S: by then the other nodes take this
         one for unreachable and its work is theirs)."""
-        if snapshot.nodes and age_s > UNREACHABLE_AFTER_S:
+        if unconfirmed(snapshot, age_s):
             raise errors.cluster_unconfirmed(
                 f"This node has not reached the cluster's database for "
                 f"{age_s:.0f} s: it cannot confirm where models are served, and "
@@ -161,18 +279,21 @@ class Gateway:
             )
         return snapshot
 
-    def _failed_recently(self) -> bool:
-        now = asyncio.get_running_loop().time()
-        return now - self._failed_at < RELOAD_AFTER_FAILURE_S
+    def _reload_held_back(self) -> bool:
+        """Whether the database failed a load under RELOAD_AFTER_FAILURE_S ago
+        (requests during an outage do not each try a database that is down)."""
+        return (
+            self._failing
+            and time.monotonic() - self._failed_at < RELOAD_AFTER_FAILURE_S
+        )
 
     def refresh_later(self) -> None:
         """Load a fresh snapshot in the background if this one is stale (called
-        once a request has reached its engine, not before)."""
-        if self.cache.fresh() is not None:
-            return
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(self._get())
-            self._refreshing.add_done_callback(_log_failure)
+        once a request has reached its engine, not before): one load at a
+        time, and none under RELOAD_AFTER_FAILURE_S after the last one
+        failed."""
+        if self.cache.fresh() is None:
+            self._reload_started()
 
     def choose(
         self,
@@ -185,7 +306,22 @@ class Gateway:
         """The router's choice, with engines that just failed taken for down,
         the `affinity` engine (whose prompt cache holds the request's longest
         prefix: self.affinity) preferred and this front's requests in flight
-        counted as load."""
+        counted as load. Engines of a node this front could not link to lately
+        (node_unreachable) are passed over while another can serve."""
+        avoided = self._avoided_nodes()
+        if avoided:
+            passed_over = excluding | {
+                name
+                for name, engine in snapshot.engines.items()
+                if engine.node in avoided
+            }
+            with contextlib.suppress(NoEngine):
+                return self._choose(model, snapshot, passed_over, affinity)
+        return self._choose(model, snapshot, excluding, affinity)
+
+    def _choose(
+        self, model: ModelRoute, snapshot: Snapshot, excluding: set[str], affinity: str
+    ) -> Choice:
         if excluding:
             engines = {
                 name: dataclasses.replace(engine, up=False)
@@ -197,6 +333,18 @@ class Gateway:
         return self.router.choose(
             model, snapshot, affinity=affinity, in_flight=self.in_flight
         )
+
+    def node_unreachable(self, node: str) -> None:
+        """No link to `node` could be made: its engines are passed over for
+        NODE_AVOID_S (this front's routing, at once)."""
+        self._unreachable_nodes[node] = time.monotonic()
+
+    def _avoided_nodes(self) -> set[str]:
+        horizon = time.monotonic() - NODE_AVOID_S
+        for node, failed_at in list(self._unreachable_nodes.items()):
+            if failed_at < horizon:
+                del self._unreachable_nodes[node]
+        return set(self._unreachable_nodes)
 
     # -- nodes ------------------------------------------------------------------
 
@@ -254,7 +402,10 @@ class Gateway:
             if pool is not None:
                 pool.close()  # links made with the identity this host had
             pool = LinkPool(
-                node=identity.name, secret=identity.secret, ca=self.private_ca
+                node=identity.name,
+                secret=identity.secret,
+                ca=self.private_ca,
+                plain_tcp=not settings.ROUNDHOUSE_CLUSTER_TLS,
             )
             self._pools[loop] = (identity, pool)
         return RemoteEngineClient(name=engine, pool=pool, peer=node_peer(route))

@@ -8,12 +8,15 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from fleet.selectors import engine_counters
 from routing.select import Snapshot
 
-from . import errors, metrics
-from .gateway import GATEWAY
+from . import errors, limits, metrics
+from .gateway import GATEWAY, unconfirmed
 from .selectors import in_db_thread
 from .services import DATABASE_OUTAGE
 
 _engine_counters = in_db_thread(engine_counters)
+# /healthz waits this long at most for a view of the fleet under a second old
+# (a database that hangs): then it answers from the last view, and says how old.
+HEALTH_WAIT_S = 2.0
 
 
 async def _fleet_or_last() -> Snapshot | None:
@@ -29,9 +32,14 @@ async def _fleet_or_last() -> Snapshot | None:
 
 
 async def healthz(request: HttpRequest) -> HttpResponse:
-    """GET /healthz: the front answers; each engine's readiness (as last read,
-    while the database is down). No secrets."""
-    snapshot = await _fleet_or_last()
+    """GET /healthz: the front answers; each engine's readiness from a view of
+    the fleet under a second old (waiting up to HEALTH_WAIT_S for it); while
+    the database does not answer, from the last view read. `view_age_s` says
+    how old the view is. No secrets."""
+    view = await GATEWAY.view(wait_s=HEALTH_WAIT_S)
+    snapshot, age_s = view if view is not None else (None, None)
+    if snapshot is not None and unconfirmed(snapshot, age_s):
+        snapshot = None  # a node cut off from its cluster: it shows nothing
     engines = {
         name: {
             "ready": engine.up,
@@ -43,8 +51,13 @@ async def healthz(request: HttpRequest) -> HttpResponse:
         if engine.enabled
     }
     ready = any(engine["ready"] for engine in engines.values())
-    GATEWAY.refresh_later()
-    body = {"status": "ok", "engines_ready": ready, "engines": engines}
+    body = {
+        "status": "ok",
+        "engines_ready": ready,
+        "engines": engines,
+        "view_age_s": None if age_s is None else round(age_s, 3),
+        "limits": limits.mode(),  # "shared" (Redis), or "local (why)"
+    }
     if snapshot is not None and snapshot.nodes:
         identity = GATEWAY.identity
         body["node"] = identity.name if identity else ""

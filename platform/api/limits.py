@@ -5,24 +5,20 @@ Every caller is admitted against an `Allowance`: an API key's own limits, a
 logged-in user's (api.selectors.user_allowance: the defaults in the admin, or
 the user's override), or a key's batches' (the key's numbers, counted apart
 from its live requests, so a batch never starves its owner's live calls). The
-limits are counters in Django's default cache, so front processes and workers
-that share the cache (Redis, see CACHES in settings) share them.
+counts are api.counters': in Redis (REDIS_URL), so every front and worker
+shares them, or in this process; while Redis is unavailable, each process
+counts on its own (never an error for the caller; /healthz says which).
 
-- Rate: a fixed one-minute window. Each request increments `rl:<scope>:<minute>`
-  (kept for two windows); a count above the rpm limit is refused until the
-  next minute starts. Refused requests count too, so retrying in a loop does not
-  help.
+- Rate: a fixed one-minute window (by Redis's clock when shared). Each request
+  counts in its caller's current window; a count above the rpm limit is
+  refused until the next window starts. Refused requests count too, so
+  retrying in a loop does not help.
 - Concurrency: a request weighs as many engine requests as it opens (`n`
-  choices weigh n). It adds its weight to `cc:<scope>:<epoch>` for the current
-  ten-minute epoch and adds the previous epoch's counter; when the sum is above
-  max_concurrent it gives its weight back at once and is refused. On exit it
-  takes back what it added, exactly once, even when cancelled.
-  Counters live two epochs and a minute, and only the current and previous epoch
-  are read: a slot leaked by a crashed process is forgotten within twenty minutes,
-  while a live request counts for at least ten (one running longer than that stops
-  counting toward the limit). A single counter with a TTL could not do both: a
-  TTL refreshed on use keeps a leaked slot while the key is busy, and one that is
-  not refreshed drops the count of requests still in flight.
+  choices weigh n). It takes its weight as a lease when the caller's leases
+  leave room for it under max_concurrent, else it is refused with nothing
+  taken. On exit it gives the lease back, exactly once, even when cancelled.
+  A lease in Redis lasts counters.LEASE_S and is renewed while its request
+  runs: the slots of a process that was killed are free within that.
 
 The throttle on failed keys (`FailureThrottle`) counts in this process's memory:
 it exists to keep a flood of bad keys off the database, so it must cost nothing.
@@ -37,9 +33,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
-from django.core.cache import DEFAULT_CACHE_ALIAS, cache, caches
-from django.core.cache.backends.locmem import LocMemCache
 
+from .counters import Lease, counters
 from .errors import ApiCode
 from .exceptions import LimitExceeded
 from .models import ApiKey
@@ -50,19 +45,15 @@ __all__ = [
     "LimitExceeded",
     "admission",
     "key_admission",
+    "mode",
 ]
 
 log = logging.getLogger("roundhouse.api")
 
 RATE_WINDOW_S = 60
-# A rate counter outlives its window by one more, for clocks of front processes
-# that disagree by a few seconds.
-RATE_TTL_S = 2 * RATE_WINDOW_S
-CONCURRENCY_EPOCH_S = 600
-CONCURRENCY_TTL_S = 2 * CONCURRENCY_EPOCH_S + 60
 
-# Give-backs of slots whose taking outlived a cancelled request; kept referenced
-# until they finish (the event loop holds tasks only weakly).
+# Give-backs of leases whose taking outlived a cancelled request; kept
+# referenced until they finish (the event loop holds tasks only weakly).
 _releasing: set[asyncio.Task] = set()
 
 
@@ -98,64 +89,10 @@ class Allowance:
         return bool(self.rpm_limit or self.max_concurrent)
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """Taken concurrency: the counter that was incremented, by how much, and
-    its epoch."""
-
-    cache_key: str
-    epoch: int
-    weight: int = 1
-
-
-def _count(cache_key: str, *, ttl_s: int, delta: int = 1) -> int:
-    """Increment a counter, creating it with this TTL when missing; the new value."""
-    try:
-        return cache.incr(cache_key, delta)
-    except ValueError:
-        # Missing: create it. Another process may create it first; add() keeps
-        # theirs and both increments count.
-        cache.add(cache_key, 0, timeout=ttl_s)
-        return cache.incr(cache_key, delta)
-
-
-def _rate_count(allowance: Allowance) -> int | None:
-    """Count a request in the caller's current minute; seconds to wait when over."""
-    now = time.time()
-    window = int(now) // RATE_WINDOW_S
-    count = _count(f"rl:{allowance.scope}:{window}", ttl_s=RATE_TTL_S)
-    if count <= allowance.rpm_limit:
-        return None
-    return max(1, (window + 1) * RATE_WINDOW_S - int(now))
-
-
-def _slot_take(allowance: Allowance, weight: int) -> _Slot | None:
-    """Take `weight` of the caller's concurrency; None (nothing taken) when
-    that would go over its limit."""
-    epoch = int(time.time()) // CONCURRENCY_EPOCH_S
-    slot = _Slot(cache_key=f"cc:{allowance.scope}:{epoch}", epoch=epoch, weight=weight)
-    in_flight = _count(slot.cache_key, ttl_s=CONCURRENCY_TTL_S, delta=weight)
-    in_flight += max(0, cache.get(f"cc:{allowance.scope}:{epoch - 1}", 0))
-    if in_flight > allowance.max_concurrent:
-        _slot_give_back(slot)
-        return None
-    return slot
-
-
-def _slot_give_back(slot: _Slot) -> None:
-    """Take back what a slot added to its counter, while that counter is still
-    read."""
-    if int(time.time()) // CONCURRENCY_EPOCH_S > slot.epoch + 1:
-        # No longer read, and soon expired: decrementing could recreate it.
-        return
-    try:
-        cache.decr(slot.cache_key, slot.weight)
-    except ValueError:
-        pass  # Evicted: nothing left to give back.
-    except Exception:
-        # The cache is unreachable. The slot is forgotten when its epoch ends;
-        # failing the request that is leaving would not bring it back sooner.
-        log.exception("could not give back a concurrency slot (%s)", slot.cache_key)
+def mode() -> str:
+    """How this process counts callers now: "shared" (Redis), or "local
+    (...)" and why (for /healthz)."""
+    return counters().mode()
 
 
 class TooHeavy(LimitExceeded):
@@ -163,14 +100,15 @@ class TooHeavy(LimitExceeded):
     could never be admitted (HTTP 400, not a 429 to retry)."""
 
 
-def _admit(allowance: Allowance, weight: int) -> _Slot | None:
+def _admit(allowance: Allowance, weight: int) -> Lease | None:
     """Count the request in the caller's minute (a request refused as too
     heavy counts too: a flood of them turns into 429s), then take `weight` of
-    its concurrency: the slot taken (None when it has no concurrency limit), or
-    LimitExceeded (nothing taken)."""
+    its concurrency: the lease taken (None when it has no concurrency limit),
+    or LimitExceeded (nothing taken)."""
     if allowance.rpm_limit:
-        retry_after_s = _rate_count(allowance)
-        if retry_after_s is not None:
+        count, left_s = counters().count(allowance.scope, RATE_WINDOW_S)
+        if count > allowance.rpm_limit:
+            retry_after_s = max(1, math.ceil(left_s))
             raise LimitExceeded(
                 f"Rate limit reached for {allowance.who}: {allowance.rpm_limit} "
                 f"requests per minute. Try again in {retry_after_s} s.",
@@ -186,8 +124,8 @@ def _admit(allowance: Allowance, weight: int) -> _Slot | None:
         )
     if not allowance.max_concurrent:
         return None
-    slot = _slot_take(allowance, weight)
-    if slot is None:
+    lease = counters().take(allowance.scope, weight, allowance.max_concurrent)
+    if lease is None:
         raise LimitExceeded(
             f"Too many concurrent requests for {allowance.who}: at most "
             f"{allowance.max_concurrent} at once (a request with n choices "
@@ -195,36 +133,34 @@ def _admit(allowance: Allowance, weight: int) -> _Slot | None:
             1,
             code=ApiCode.CONCURRENCY_LIMIT_EXCEEDED,
         )
-    return slot
+    return lease
 
 
-# The cache's own incr/decr: atomic (Redis INCRBY, LocMemCache under its lock),
-# while BaseCache.aincr is a get then a set, which loses concurrent increments
-# and resets the TTL. A cache in this process answers in microseconds and is
-# called on the event loop; any other (Redis) is called off it, in one thread
-# hop per request on the way in. Not thread-sensitive: cache clients are
-# thread-safe, and counting should not queue behind ORM calls.
+def _give_back_lease(lease: Lease) -> None:
+    lease.counters.give_back(lease)
+
+
+# Redis is called off the event loop (each call bounded by the Redis
+# timeouts), in one thread hop per request on the way in; counting in this
+# process (no REDIS_URL, or Redis unavailable) takes microseconds and runs on
+# the loop. Not thread-sensitive: counting should not queue behind ORM calls.
 _admit_async = sync_to_async(_admit, thread_sensitive=False)
-_slot_give_back_async = sync_to_async(_slot_give_back, thread_sensitive=False)
-
-
-def _in_process() -> bool:
-    return isinstance(caches[DEFAULT_CACHE_ALIAS], LocMemCache)
+_give_back_async = sync_to_async(_give_back_lease, thread_sensitive=False)
 
 
 def _give_back_if_taken(taking: asyncio.Task) -> None:
-    """Once a taking abandoned by a cancelled request ends, give back its slot."""
+    """Once a taking abandoned by a cancelled request ends, give back its lease."""
     if taking.cancelled() or taking.exception() is not None:
         return
-    slot = taking.result()
-    if slot is not None:
-        releasing = asyncio.ensure_future(_slot_give_back_async(slot))
+    lease = taking.result()
+    if lease is not None:
+        releasing = asyncio.ensure_future(_give_back_async(lease))
         _releasing.add(releasing)
         releasing.add_done_callback(_releasing.discard)
 
 
-async def _take(allowance: Allowance, weight: int) -> _Slot | None:
-    if _in_process():
+async def _take(allowance: Allowance, weight: int) -> Lease | None:
+    if not counters().sharing:
         return _admit(allowance, weight)
     # Shielded: a cancellation while the counters are being incremented must not
     # lose track of the increment, so the taking runs on and is given back.
@@ -236,11 +172,11 @@ async def _take(allowance: Allowance, weight: int) -> _Slot | None:
         raise
 
 
-async def _give_back(slot: _Slot) -> None:
-    if _in_process():
-        _slot_give_back(slot)
+async def _give_back(lease: Lease) -> None:
+    if not (lease.lease_id and lease.counters.sharing):
+        _give_back_lease(lease)
     else:
-        await asyncio.shield(_slot_give_back_async(slot))
+        await asyncio.shield(_give_back_async(lease))
 
 
 @asynccontextmanager
@@ -254,12 +190,12 @@ async def admission(allowance: Allowance, *, weight: int = 1) -> AsyncIterator[N
     latter. A refused request holds no concurrency; an admitted one gives its
     weight back exactly once when the block ends, however it ends.
     """
-    slot = await _take(allowance, max(1, weight)) if allowance.limited else None
+    lease = await _take(allowance, max(1, weight)) if allowance.limited else None
     try:
         yield
     finally:
-        if slot is not None:
-            await _give_back(slot)
+        if lease is not None:
+            await _give_back(lease)
 
 
 def key_admission(key: ApiKey, *, weight: int = 1):
@@ -272,12 +208,16 @@ class FailureThrottle:
     failures in a window is refused until the window ends (LimitExceeded with
     the seconds left), without its keys being looked up.
 
-    Callers count a lookup as failed before making it, and `take_back` when it
-    finds the key: lookups in flight count, so that concurrent requests cannot
-    all pass `check` before the first of them fails.
+    Only lookups that failed count. So that concurrent bad keys cannot all be
+    looked up before the first of them fails, a client may have at most as
+    many lookups in flight as it has failures left in its window
+    (`lookup_slot`, `lookup_done`): the rest wait their turn (a burst of good
+    keys behind one proxy address is answered, later) and are refused once
+    the lookups before them used up the window.
 
     Memory is bounded: at most `max_clients` are tracked; past that the one
     that failed least recently is forgotten (and starts counting again).
+    Lookups in flight and their waiters are bounded by the requests open.
     """
 
     def __init__(
@@ -290,6 +230,8 @@ class FailureThrottle:
         # client -> (start of its window, failures in it); the client that
         # failed least recently first.
         self._windows: dict[str, tuple[float, int]] = {}
+        self._in_flight: dict[str, int] = {}
+        self._waiting: dict[str, list[asyncio.Future]] = {}
 
     def check(self, client: str) -> None:
         """LimitExceeded if the client is over its failures in this window."""
@@ -307,6 +249,45 @@ class FailureThrottle:
             code=ApiCode.TOO_MANY_INVALID_KEYS,
         )
 
+    def _failures(self, client: str) -> int:
+        found = self._windows.get(client)
+        if found is None or self.clock() - found[0] >= self.window_s:
+            return 0
+        return found[1]
+
+    async def lookup_slot(self, client: str) -> None:
+        """Take one of the client's lookups in flight, waiting while its
+        lookups in flight would reach its failures left; LimitExceeded once
+        it is over them. Give it back with `lookup_done`."""
+        while True:
+            self.check(client)
+            in_flight = self._in_flight.get(client, 0)
+            if in_flight + self._failures(client) < self.limit:
+                self._in_flight[client] = in_flight + 1
+                return
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.setdefault(client, []).append(waiter)
+            try:
+                await waiter
+            finally:
+                waiters = self._waiting.get(client, [])
+                if waiter in waiters:
+                    waiters.remove(waiter)
+                if not waiters:
+                    self._waiting.pop(client, None)
+
+    def lookup_done(self, client: str) -> None:
+        """One of the client's lookups ended (its failure, if it failed,
+        counted first): the client's waiters look again."""
+        left = self._in_flight.get(client, 0) - 1
+        if left > 0:
+            self._in_flight[client] = left
+        else:
+            self._in_flight.pop(client, None)
+        for waiter in self._waiting.pop(client, []):
+            if not waiter.done():
+                waiter.set_result(None)
+
     def failed(self, client: str) -> None:
         """Count one failed key lookup of the client."""
         now = self.clock()
@@ -317,16 +298,11 @@ class FailureThrottle:
             del self._windows[next(iter(self._windows))]
         self._windows[client] = (found[0], found[1] + 1)  # now the newest
 
-    def take_back(self, client: str) -> None:
-        """Take back one failure counted for the client: its lookup found the
-        key, or could not be made."""
-        found = self._windows.get(client)
-        if found is not None and found[1] > 0:
-            self._windows[client] = (found[0], found[1] - 1)
-
     def clear(self) -> None:
         """Forget every client."""
         self._windows.clear()
+        self._in_flight.clear()
+        self._waiting.clear()
 
     def __len__(self) -> int:
         return len(self._windows)

@@ -25,6 +25,7 @@ from engines.wire.client import (
     EngineUnreachable,
 )
 from engines.wire.frames import StartFrame, StreamEvent
+from engines.wire.link_client import NodeUnreachable
 from engines.wire.requests import GenerateRequest
 from routing.select import ModelRoute, NoEngine, Snapshot
 
@@ -205,6 +206,8 @@ async def with_engine(
         except EngineUnreachable as error:
             _landed(engine)
             log.warning("engine %s could not be reached: %s", engine, error)
+            if isinstance(error, NodeUnreachable):
+                GATEWAY.node_unreachable(error.node)  # its other engines too
             tried.add(engine)
             GATEWAY.cache.invalidate()
             unreachable = error

@@ -22,7 +22,7 @@ def in_db_thread(function: Callable[P, R]) -> Callable[P, Awaitable[R]]:
     """`function` as a coroutine run in asgiref's shared sync thread, after
     retiring that thread's database connection if it is broken or older than
     CONN_MAX_AGE. Django's handler does that on `request_started`, which the
-    API's handler does not send (roundhouse.asgi.BareASGIHandler)."""
+    API's handler does not send (roundhouse.bare_handler.BareASGIHandler)."""
 
     def fresh(*args: P.args, **kwargs: P.kwargs) -> R:
         for connection in db.connections.all(initialized_only=True):

@@ -1,5 +1,6 @@
 """Writes of API keys, and authenticating a request's key."""
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -263,19 +264,19 @@ async def api_key_authenticate(
 
 async def _key_looked_up(*, digest: str, presented: str, client: str | None) -> ApiKey:
     """The live key with this hash from the database, unless the client is
-    over its failed keys (LimitExceeded) or the key was refused moments ago."""
+    over its failed keys (LimitExceeded) or the key was refused moments ago.
+    Concurrent lookups of one key share one database read (`_key_reads`); a
+    lookup counts against the client's failed keys only when it failed."""
     if client is not None:
         AUTH_FAILURES.check(client)
-        AUTH_FAILURES.failed(client)  # until the lookup succeeds
     refusal = _refusal(digest)
     if refusal is None:
+        read, mine = await _key_read_shared(
+            digest=digest, client=client, refusal=_unknown_key(presented)
+        )
         try:
-            key = await api_key_get_by_hash(key_hash=digest)
-        except BaseException as error:  # the database failed, or the caller left
-            if client is not None:
-                AUTH_FAILURES.take_back(client)
-            if not isinstance(error, db.Error):
-                raise
+            key = await asyncio.shield(read)
+        except db.Error as error:
             DATABASE_OUTAGE.failed("looking up an API key", error)
             remembered = _recent_keys.get(digest)
             if remembered is not None:  # older than KEY_STALE_S
@@ -285,23 +286,78 @@ async def _key_looked_up(*, digest: str, presented: str, client: str | None) -> 
                 "Try again shortly."
             ) from None
         DATABASE_OUTAGE.worked()
-        # The lookup by hash already matched; comparing again in constant time
-        # keeps the decision itself free of timing differences, whatever the
-        # database does.
-        if key is None or not hmac.compare_digest(key.key_hash, digest):
-            refusal = (
-                f"Incorrect API key provided: {_masked(presented)}. Ask the "
-                "administrator of this server for a key."
-            )
-        elif key.revoked_at is not None:
-            refusal = f"The API key {key.prefix}... has been revoked."
-        else:
-            _remember_key(key)
-            if client is not None:
-                AUTH_FAILURES.take_back(client)
+        if key is not None:
             return key
-        _remember_refusal(digest, refusal)
+        refusal = _refusal(digest) or _unknown_key(presented)  # remembered
+        if mine:  # its read counted the failure already
+            raise KeyRejected(refusal)
+    if client is not None:
+        AUTH_FAILURES.failed(client)
     raise KeyRejected(refusal)
+
+
+# The database reads of keys in flight, by hash: a burst of requests with one
+# key whose cache entry expired makes one read, not one each.
+_key_reads: dict[str, asyncio.Task] = {}
+
+
+async def _key_read_shared(
+    *, digest: str, client: str | None, refusal: str
+) -> tuple[asyncio.Task, bool]:
+    """The read in flight of this key (and False), or a new one (and True)
+    that holds one of the client's lookup slots until it ends."""
+    loop = asyncio.get_running_loop()
+    running = _key_reads.get(digest)
+    if running is not None and running.get_loop() is loop:
+        return running, False
+    if client is not None:
+        await AUTH_FAILURES.lookup_slot(client)  # may wait, or LimitExceeded
+        running = _key_reads.get(digest)  # one may have started meanwhile
+        if running is not None and running.get_loop() is loop:
+            AUTH_FAILURES.lookup_done(client)
+            return running, False
+    read = loop.create_task(_key_read(digest=digest, client=client, refusal=refusal))
+    _key_reads[digest] = read
+    read.add_done_callback(lambda done: _key_read_forget(digest, done))
+    return read, True
+
+
+def _key_read_forget(digest: str, read: asyncio.Task) -> None:
+    if _key_reads.get(digest) is read:
+        del _key_reads[digest]
+    if not read.cancelled():
+        read.exception()  # retrieved: every waiter may have left
+
+
+async def _key_read(*, digest: str, client: str | None, refusal: str) -> ApiKey | None:
+    """The live key with this hash (remembered), or None (its refusal, or
+    `refusal` for a key that does not exist, remembered and, for `client`,
+    counted as a failure before its waiters look again); db.Error when the
+    database failed."""
+    try:
+        key = await api_key_get_by_hash(key_hash=digest)
+        # The lookup by hash already matched; comparing again in constant
+        # time keeps the decision itself free of timing differences, whatever
+        # the database does.
+        if key is not None and hmac.compare_digest(key.key_hash, digest):
+            if key.revoked_at is None:
+                _remember_key(key)
+                return key
+            refusal = f"The API key {key.prefix}... has been revoked."
+        _remember_refusal(digest, refusal)
+        if client is not None:
+            AUTH_FAILURES.failed(client)
+        return None
+    finally:
+        if client is not None:
+            AUTH_FAILURES.lookup_done(client)
+
+
+def _unknown_key(presented: str) -> str:
+    return (
+        f"Incorrect API key provided: {_masked(presented)}. Ask the "
+        "administrator of this server for a key."
+    )
 
 
 async def _last_used_touch(*, key: ApiKey) -> None:

@@ -419,14 +419,6 @@ def batch_fail(*, batch_id: str, owner: str, code: str, message: str) -> None:
     )
 
 
-def batch_release(*, batch_id: str, owner: str) -> None:
-    """Give up the claim (the worker is stopping with lines left): the next
-    resume queues the batch again."""
-    Batch.objects.filter(pk=batch_id, lease_owner=owner).update(
-        lease_owner="", lease_until=None, queued_at=None
-    )
-
-
 CRASHED = (
     "The batch's worker died {crashes} times running it without answering "
     "a line; it is not run again."

@@ -34,7 +34,7 @@ def run_inspection(
         [sys.executable, "-m", module],
         cwd=settings.BASE_DIR,
         # Only what a tool uses of this process's environment: none of the
-        # web side's secrets (engines/launch/config.py INHERITED_ENV).
+        # web side's secrets (engines/launch/environment.py INHERITED_ENV).
         env=inspection_environment(os.environ, root=str(settings.BASE_DIR)),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -1,5 +1,6 @@
 """The model catalog: which models the platform serves, from where, and how."""
 
+import os
 from pathlib import Path
 
 from django.conf import settings
@@ -48,6 +49,42 @@ class ModelTask(models.TextChoices):
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDING = "embedding"
+
+
+# A path component longer than this is refused by every common file system.
+MAX_PATH_COMPONENT = 255
+MAX_PATH_BYTES = 4096
+
+
+class ModelPathError(ValueError):
+    """A catalog model's path that this host cannot use; `str()` says why."""
+
+
+def model_path_resolve(path: str) -> Path:
+    """A catalog path as a path on this host (`~` expanded, a relative path
+    under the models directory); ModelPathError for one no host can use: an
+    unknown user's `~user`, a NUL byte, a component over 255 bytes or a path
+    over 4096. Touches no file."""
+    if not path or "\x00" in path:
+        raise ModelPathError("a model path must be a non-empty path without NUL")
+    try:
+        expanded = Path(path).expanduser()
+    except RuntimeError as error:  # ~nosuchuser
+        raise ModelPathError(f"cannot expand {path!r}: {error}") from None
+    resolved = (
+        expanded if expanded.is_absolute() else Path(settings.MODELS_DIR) / expanded
+    )
+    long = [
+        part for part in resolved.parts if len(os.fsencode(part)) > MAX_PATH_COMPONENT
+    ]
+    if long:
+        raise ModelPathError(
+            f"a component of the path is over {MAX_PATH_COMPONENT} bytes: "
+            f"{long[0][:40]}..."
+        )
+    if len(os.fsencode(str(resolved))) > MAX_PATH_BYTES:
+        raise ModelPathError(f"the path is over {MAX_PATH_BYTES} bytes")
+    return resolved
 
 
 def validate_sampling(value: object) -> None:
@@ -194,6 +231,13 @@ class ModelConfig(models.Model):
     # filled by the Celery task catalog.inspect_model.
     inspection = models.JSONField(default=dict, blank=True, editable=False)
     inspected_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # The expected SHA-256 of each of the model's files (the path its
+    # manifest lists it under -> hex digest; "" for a one-file model), from
+    # its first inspection or, when unknown, the first hash of its files by a
+    # host with the front's database credentials. Copies between nodes are
+    # checked against these, never against the serving node's word; node
+    # database roles only read them.
+    file_digests = models.JSONField(default=dict, blank=True, editable=False)
     # Memory measurement (the Celery task catalog.measure_model): its state,
     # what it is doing or what went wrong, and the probe's whole report
     # (engines.inspection.messages.ProbeResult). The figures engines use are measured_*.
@@ -246,6 +290,10 @@ class ModelConfig(models.Model):
         return self.name
 
     def clean(self) -> None:
+        try:
+            model_path_resolve(self.path)
+        except ModelPathError as error:
+            raise ValidationError({"path": str(error)}) from None
         embeds = self.format == ModelFormat.EMBEDDING
         if embeds != (self.task == ModelTask.EMBEDDING):
             raise ValidationError(
@@ -254,6 +302,7 @@ class ModelConfig(models.Model):
 
     @property
     def resolved_path(self) -> Path:
-        """The model's path, relative paths taken under the models directory."""
-        path = Path(self.path).expanduser()
-        return path if path.is_absolute() else Path(settings.MODELS_DIR) / path
+        """The model's path, relative paths taken under the models directory;
+        ModelPathError for a path this host cannot use (model_path_resolve):
+        a caller that handles many models skips that one alone."""
+        return model_path_resolve(self.path)

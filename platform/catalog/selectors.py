@@ -8,7 +8,7 @@ from pathlib import Path
 
 from routing.compat import EngineView, pin_problem
 
-from .models import ModelConfig, ModelTask
+from .models import ModelConfig, ModelPathError, ModelTask
 
 
 def model_pin_problem(
@@ -28,17 +28,62 @@ def model_config_problems(
     pin = engines is not None and model_pin_problem(model=model, engines=engines)
     if pin:
         problems.append(pin)
-    if not model.resolved_path.exists():
-        problems.append(
-            f"Path of {model.name!r} does not exist here: {model.resolved_path}."
-        )
+    try:
+        if not model.resolved_path.exists():
+            problems.append(
+                f"Path of {model.name!r} does not exist here: {model.resolved_path}."
+            )
+    except (ModelPathError, OSError) as error:
+        problems.append(f"Path of {model.name!r} cannot be used: {error}.")
     return problems
 
 
 def model_paths(names: set[str]) -> dict[str, Path]:
-    """Each named model's path on this host (relative paths resolved)."""
+    """Each named model's path on this host (relative paths resolved); a
+    model whose path no host can use (ModelPathError) is left out: it fails
+    alone."""
+    return model_paths_checked(names)[0]
+
+
+def model_paths_checked(names: set[str]) -> tuple[dict[str, Path], dict[str, str]]:
+    """Each named model's path on this host, and, apart, why the path of each
+    model whose path no host can use is wrong (ModelPathError)."""
+    paths, problems = {}, {}
+    for model in ModelConfig.objects.filter(name__in=sorted(names)):
+        try:
+            paths[model.name] = model.resolved_path
+        except ModelPathError as error:
+            problems[model.name] = str(error)
+    return paths, problems
+
+
+def model_file_digests(names: set[str]) -> dict[str, dict[str, str]]:
+    """The catalog's SHA-256 of each named model's files ({} when unknown)."""
     rows = ModelConfig.objects.filter(name__in=sorted(names))
-    return {model.name: model.resolved_path for model in rows}
+    return dict(rows.values_list("name", "file_digests"))
+
+
+def models_without_digests() -> dict[str, Path]:
+    """The models whose files' SHA-256 the catalog does not know yet, with
+    their paths on this host (bad paths left out)."""
+    rows = ModelConfig.objects.filter(file_digests={})
+    paths = {model.name: _path_or_none(model) for model in rows}
+    return {name: path for name, path in paths.items() if path is not None}
+
+
+def model_file_digests_writable() -> bool:
+    """Whether this connection may record the catalog's digests (a node's own
+    database role may not: it only reads them)."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return True
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT has_column_privilege(current_user, %s, 'file_digests', 'UPDATE')",
+            [ModelConfig._meta.db_table],
+        )
+        return bool(cursor.fetchone()[0])
 
 
 def model_files_path(name: str) -> Path | None:
@@ -62,7 +107,7 @@ def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
         {
             "name": model.name,
             "format": model.format,
-            "path": str(model.resolved_path),
+            "path": str(path),
             "task": model.task,
             "batch_window_ms": model.batch_window_ms,
             "max_batch_size": model.max_batch_size,
@@ -77,4 +122,12 @@ def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
             "context_overflow": model.context_overflow,
         }
         for model in rows.order_by("name")
+        if (path := _path_or_none(model)) is not None
     ]
+
+
+def _path_or_none(model: ModelConfig) -> Path | None:
+    try:
+        return model.resolved_path
+    except ModelPathError:
+        return None

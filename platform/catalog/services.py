@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from engines.inspection.messages import QUANTIZATIONS
 
-from .models import JobState, ModelConfig, ModelFormat
+from .models import JobState, ModelConfig, ModelFormat, ModelPathError
 
 log = logging.getLogger("roundhouse.catalog")
 
@@ -50,6 +50,26 @@ def model_memory_record(
     return True
 
 
+def model_file_digests_record(*, name: str, digests: dict[str, str]) -> bool:
+    """Keep the SHA-256 of a model's files as the catalog's, if it has none
+    yet (the first hash wins: a later one never replaces it); True if kept."""
+    if not digests:
+        return False
+    rows = ModelConfig.objects.filter(name=name, file_digests={})
+    return rows.update(file_digests=digests) > 0
+
+
+def model_file_digests_compute(model: ModelConfig) -> dict[str, str]:
+    """The SHA-256 of the model's files on this host ({} without files).
+    Blocking: reads every byte."""
+    from engines.wire.link_files import model_digests
+
+    try:
+        return model_digests(model.resolved_path)
+    except (ModelPathError, OSError, ValueError):
+        return {}
+
+
 def model_inspection_run(*, model_id: int) -> bool:
     """Inspect a model's files now and store the result (False: no such
     model, deleted since the task was queued). Running it twice stores the
@@ -63,6 +83,10 @@ def model_inspection_run(*, model_id: int) -> bool:
     model.inspection = found.as_dict()
     model.inspected_at = timezone.now()
     model.save(update_fields=["inspection", "inspected_at"])
+    if not model.file_digests:  # the first inspection records them
+        model_file_digests_record(
+            name=model.name, digests=model_file_digests_compute(model)
+        )
     return True
 
 
@@ -222,7 +246,16 @@ def _model_using(path: Path, *, besides: ModelConfig) -> ModelConfig | None:
     others = ModelConfig.objects.all()
     if besides.pk is not None:
         others = others.exclude(pk=besides.pk)
-    return next((o for o in others if o.resolved_path.resolve() == target), None)
+    return next((o for o in others if _real_path(o) == target), None)
+
+
+def _real_path(model: ModelConfig) -> Path | None:
+    """The model's path with links resolved; None for a path this host cannot
+    use (that model alone is skipped)."""
+    try:
+        return model.resolved_path.resolve()
+    except (ModelPathError, OSError):
+        return None
 
 
 def model_variant_files_remove(*, models: Iterable[ModelConfig]) -> list[Path]:
@@ -235,13 +268,13 @@ def model_variant_files_remove(*, models: Iterable[ModelConfig]) -> list[Path]:
     folder = (Path(settings.MODELS_DIR) / VARIANTS_DIR).resolve()
     # The files the models left point at, however their paths are spelt
     # (absolute, `./`, through a link).
-    kept = {other.resolved_path.resolve() for other in ModelConfig.objects.all()}
+    kept = {_real_path(other) for other in ModelConfig.objects.all()}
     removed = []
     for model in models:
         if model.derived_from_id is None and not model.quantized_to:
             continue
-        path = model.resolved_path.resolve()
-        if path.parent != folder or path in kept:
+        path = _real_path(model)
+        if path is None or path.parent != folder or path in kept:
             continue
         try:
             path.unlink()

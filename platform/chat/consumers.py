@@ -1,7 +1,7 @@
 """The WebSocket chat (`/ws/chat/`): authentication, then any number of
 streams on one socket, each by the client's id.
 
-Protocol (JSON text messages; README "WebSocket chat"):
+Protocol (JSON text messages; docs/using/websocket-chat.md):
 - A socket with a logged-in session is ready at once. Any other must send
   `{"type": "auth", "key": "rh-..."}` first, within AUTH_TIMEOUT_S; anything
   else, a wrong key or silence closes it with 4401 and a reason (4429 for a

@@ -121,6 +121,8 @@ class NodeAdmin(admin.ModelAdmin):
             "last_heartbeat",
             "hardware",
             "copy_progress",
+            "loop_error_list",
+            "peer_links",
             "version",
             "tls_fingerprint",
             "db_role",
@@ -225,6 +227,25 @@ class NodeAdmin(admin.ModelAdmin):
             if copy.get("error"):
                 text += f"; last error: {copy['error']}"
             lines.append(text)
+        return "; ".join(lines) or "—"
+
+    @admin.display(description="loop errors")
+    def loop_error_list(self, node: Node) -> str:
+        """Each of the supervisor's loops that fails now: since when, why."""
+        lines = [
+            f"{loop}: {error.get('error', '')} (since {error.get('since', '?')})"
+            for loop, error in sorted((node.loop_errors or {}).items())
+        ]
+        return "; ".join(lines) or "—"
+
+    @admin.display(description="links to peers")
+    def peer_links(self, node: Node) -> str:
+        """The other nodes its supervisor linked to at its last heartbeat."""
+        reaches = node.reaches if isinstance(node.reaches, dict) else {}
+        lines = [
+            f"{peer}: linked" if seconds == 0 else f"{peer}: failing for {seconds} s"
+            for peer, seconds in sorted(reaches.items())
+        ]
         return "; ".join(lines) or "—"
 
     @admin.display(description="link")

@@ -70,6 +70,25 @@ class Node(models.Model):
         help_text="Models placed here whose files the node is copying from "
         "another node: bytes done, size, source, last error.",
     )
+    loop_errors = models.JSONField(
+        "loop errors",
+        default=dict,
+        blank=True,
+        editable=False,
+        help_text="The node supervisor's loops (heartbeat, copies, relay, "
+        "reconcile) that fail now: the error and since when (written with the "
+        "heartbeat; a loop that fails keeps running).",
+    )
+    reaches = models.JSONField(
+        "links to peers",
+        default=dict,
+        blank=True,
+        editable=False,
+        help_text="For each other node this node's supervisor tried to link to "
+        "at its last heartbeat: for how many seconds its links have failed "
+        "(0: linked). A node that every other node fails to link to for "
+        "6 s is unreachable, whatever its heartbeat.",
+    )
     version = models.CharField(max_length=64, blank=True, editable=False)
     tls_fingerprint = models.CharField(
         "TLS certificate SHA-256",
@@ -104,14 +123,18 @@ class Node(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def status_at(self, now: datetime, *, grace_s: float) -> NodeStatus:
+    def status_at(
+        self, now: datetime, *, grace_s: float, unlinked_s: float = 0.0
+    ) -> NodeStatus:
         """The node's status at `now` (the database's clock): unreachable once
-        its heartbeats stopped UNREACHABLE_AFTER_S ago, down `grace_s` later."""
+        its heartbeats stopped UNREACHABLE_AFTER_S ago, or every other node
+        failed to link to it for that long (`unlinked_s`: for how long), down
+        `grace_s` later."""
         if self.revoked_at is not None:
             return NodeStatus.REVOKED
         if self.joined_at is None or self.last_heartbeat is None:
             return NodeStatus.PENDING
-        silent = now - self.last_heartbeat
+        silent = max(now - self.last_heartbeat, timedelta(seconds=unlinked_s))
         if silent > timedelta(seconds=UNREACHABLE_AFTER_S + grace_s):
             return NodeStatus.DOWN
         if silent > timedelta(seconds=UNREACHABLE_AFTER_S):

@@ -127,6 +127,8 @@ def node_heartbeat(
     version: str | None = None,
     tls_fingerprint: str | None = None,
     copies: dict | None = None,
+    loop_errors: dict | None = None,
+    reaches: dict | None = None,
 ) -> Node:
     """Record that the node is alive (the database's clock, so hosts whose
     clocks differ agree on its age), with what it reports of itself;
@@ -141,6 +143,10 @@ def node_heartbeat(
         fields["tls_fingerprint"] = tls_fingerprint
     if copies is not None:
         fields["copies"] = copies
+    if loop_errors is not None:
+        fields["loop_errors"] = loop_errors
+    if reaches is not None:
+        fields["reaches"] = reaches
     Node.objects.filter(pk=node.pk, revoked_at__isnull=True).update(**fields)
     return node
 

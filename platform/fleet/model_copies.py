@@ -20,11 +20,24 @@ from pathlib import Path
 from engines.wire.errors import ProtocolError
 from engines.wire.link import LinkRefused, PrivateCa
 from engines.wire.link_client import LinkPool, Peer
-from engines.wire.link_files import FILES_STREAM, CopyFailed, copy_model
+from engines.wire.link_files import (
+    FILES_STREAM,
+    MANIFEST_TIMEOUT_S,
+    RANGE_TIMEOUT_S,
+    CopyFailed,
+    copy_model,
+)
+
+from .loop_errors import LoopErrors
 
 log = logging.getLogger("roundhouse.cluster")
 
 RETRY_S = 30.0
+NO_DIGESTS = (
+    "waiting for the catalog's SHA-256 of its files (recorded by the model's "
+    "inspection, or by a host with the front's database credentials that has "
+    "the files)"
+)
 COPY_ERRORS = (
     CopyFailed,
     LinkRefused,
@@ -49,10 +62,28 @@ class _Copy:
 class ModelCopies:
     """The copies of one node, started from any thread, run on `loop`."""
 
-    def __init__(self, *, node: str, secret: str, ca: PrivateCa | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        node: str,
+        secret: str,
+        ca: PrivateCa | None = None,
+        plain_tcp: bool = False,
+        manifest_timeout_s: float = MANIFEST_TIMEOUT_S,
+        range_timeout_s: float = RANGE_TIMEOUT_S,
+        errors: LoopErrors | None = None,
+    ) -> None:
         self.node = node
+        self._errors = errors or LoopErrors()
+        # A peer that gives no manifest, or no range, within these is passed
+        # over for the next (link_files.copy_model).
+        self._timeouts = {
+            "manifest_timeout_s": manifest_timeout_s,
+            "range_timeout_s": range_timeout_s,
+        }
         self._secret = secret
         self._ca = ca
+        self._plain_tcp = plain_tcp  # LinkPool's: peers without TLS reached
         self._copies: dict[str, _Copy] = {}
         self._lock = threading.Lock()
         self._pool: LinkPool | None = None  # made on the loop, on first use
@@ -62,10 +93,12 @@ class ModelCopies:
         wanted: Mapping[str, Path],
         peers: Mapping[str, list[Peer]],
         loop: asyncio.AbstractEventLoop,
+        digests: Mapping[str, Mapping[str, str]],
     ) -> None:
         """Copy each wanted model (name -> its path here, which is missing)
-        from its peers, best first; copies no longer wanted are forgotten
-        (a running one finishes)."""
+        from its peers, best first, checked against the catalog's SHA-256 of
+        its files (`digests`: a model without them waits for them); copies no
+        longer wanted are forgotten (a running one finishes)."""
         now = time.monotonic()
         with self._lock:
             for model in list(self._copies):
@@ -78,9 +111,12 @@ class ModelCopies:
                 if not peers.get(model):
                     copy.error = "no serving node to copy it from"
                     continue
+                if not digests.get(model):
+                    copy.error = NO_DIGESTS
+                    continue
                 copy.running = True
                 asyncio.run_coroutine_threadsafe(
-                    self._run(model, copy, peers[model]), loop
+                    self._run(model, copy, peers[model], dict(digests[model])), loop
                 )
 
     def missing(self) -> frozenset[str]:
@@ -105,9 +141,16 @@ class ModelCopies:
         if self._pool is not None:
             self._pool.close()
 
-    async def _run(self, model: str, copy: _Copy, peers: list[Peer]) -> None:
+    async def _run(
+        self, model: str, copy: _Copy, peers: list[Peer], digests: dict[str, str]
+    ) -> None:
         if self._pool is None:
-            self._pool = LinkPool(node=self.node, secret=self._secret, ca=self._ca)
+            self._pool = LinkPool(
+                node=self.node,
+                secret=self._secret,
+                ca=self._ca,
+                plain_tcp=self._plain_tcp,
+            )
         pool = self._pool
         started = time.monotonic()
         try:
@@ -122,7 +165,14 @@ class ModelCopies:
                 copy.source, copy.error = peer.node, ""
                 log.info("copying model %s from node %s", model, peer.node)
                 try:
-                    await copy_model(open_stream, model, copy.dest, progress=progress)
+                    await copy_model(
+                        open_stream,
+                        model,
+                        copy.dest,
+                        digests=digests,
+                        progress=progress,
+                        **self._timeouts,
+                    )
                 except COPY_ERRORS as error:
                     copy.error = f"from {peer.node}: {error or type(error).__name__}"
                     log.warning("copying model %s: %s", model, copy.error)
@@ -136,10 +186,11 @@ class ModelCopies:
                 )
                 with self._lock:
                     self._copies.pop(model, None)
+                self._errors.cleared(f"copies of {model}")
                 return
             copy.retry_at = time.monotonic() + RETRY_S
-        except Exception:
-            log.exception("copying model %s failed", model)
+        except Exception as error:  # noqa: BLE001 - that copy alone fails
+            self._errors.failed(f"copies of {model}", error)
             copy.error = "failed: see the supervisor's log"
             copy.retry_at = time.monotonic() + RETRY_S
         finally:

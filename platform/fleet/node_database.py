@@ -13,8 +13,8 @@ model_copies.py) touches, and so all its role is granted:
   overrides (each engine's configuration), and the catalog's models;
 - writes, its own node's row only, while it is not revoked: the heartbeat
   columns (last_heartbeat, updated_at, hardware, version, tls_fingerprint,
-  copies) and the join's (secret_hash, join_token_hash, join_token_expires_at,
-  joined_at);
+  copies, loop_errors, reaches) and the join's (secret_hash, join_token_hash,
+  join_token_expires_at, joined_at);
 - writes, its own engines' states only (EngineState rows whose spec is on its
   node): INSERT and UPDATE of every column;
 - writes, any catalog model: the memory a load measured (measured_memory_mib,
@@ -61,6 +61,8 @@ NODE_COLUMNS = (
     "version",
     "tls_fingerprint",
     "copies",
+    "loop_errors",
+    "reaches",
     "secret_hash",
     "join_token_hash",
     "join_token_expires_at",

@@ -21,6 +21,7 @@ from django.db import DatabaseError, InterfaceError, close_old_connections
 from catalog.services import model_memory_record
 from engines.wire.frames import StateReply
 
+from .loop_errors import LoopErrors
 from .models import ServerSettings
 from .selectors import DesiredEngine, engines_desired
 from .services import engine_state_record
@@ -74,9 +75,15 @@ class Recorder:
     """start() / record() / memory() / desired / close()."""
 
     def __init__(
-        self, *, read_every: float, retry_every: float = 1.0, node: str | None = None
+        self,
+        *,
+        read_every: float,
+        retry_every: float = 1.0,
+        node: str | None = None,
+        errors: LoopErrors | None = None,
     ) -> None:
         self.read_every = read_every
+        self.errors = errors or LoopErrors()
         self.node = node  # whose engines to read (None: a one-host platform's)
         self.retry_every = retry_every
         self.desired: Desired | None = None  # the latest successful read
@@ -124,22 +131,42 @@ class Recorder:
 
     # -- the thread --------------------------------------------------------------
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs (or was never started, or was closed)."""
+        return (
+            self._thread.is_alive()
+            or self._thread.ident is None
+            or self._closing.is_set()
+        )
+
     def _run(self) -> None:
+        # Any error of one pass is recorded (logged once, shown in the admin
+        # on a cluster) and the pass is tried again after retry_every.
         while not self._closing.is_set():
-            now = time.monotonic()
-            if now >= self._next_read:
-                self._next_read = now + (
-                    self.read_every if self._read() else self.retry_every
-                )
-            if not self._write():
+            failed = True
+            with self.errors.guard("database"):
+                self._pass()
+                failed = False
+            if failed:
                 self._closing.wait(self.retry_every)
-                continue
-            with self._lock:
-                if not self._states and not self._memory:
-                    self._idle.set()
-            self._wake.wait(max(self._next_read - time.monotonic(), 0.0))
-            self._wake.clear()
         close_old_connections()
+
+    def _pass(self) -> None:
+        """Read the desired engines when due, write what is queued, wait."""
+        now = time.monotonic()
+        if now >= self._next_read:
+            self._next_read = now + (
+                self.read_every if self._read() else self.retry_every
+            )
+        if not self._write():
+            self._closing.wait(self.retry_every)
+            return
+        with self._lock:
+            if not self._states and not self._memory:
+                self._idle.set()
+        self._wake.wait(max(self._next_read - time.monotonic(), 0.0))
+        self._wake.clear()
 
     def _read(self) -> bool:
         def read() -> Desired:

@@ -4,7 +4,7 @@ schema, which the engine reads back)."""
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from django.db.models.functions import Now
 
@@ -142,7 +142,7 @@ def engine_config(
         for item in models_servable_by(capabilities=spec.effective_capabilities)
     ]
     models = [
-        replace(model, keep_alive_s=0) if model.name in placed else model
+        model.model_copy(update={"keep_alive_s": 0}) if model.name in placed else model
         for model in models
     ]
     return EngineConfig(
@@ -246,7 +246,7 @@ def routing_snapshot(*, heartbeat_grace_s: float = 0.0) -> routes.Snapshot:
     states = {
         state.spec_id: state for state in EngineState.objects.annotate(db_now=Now())
     }
-    nodes = nodes_now()
+    nodes = nodes_now(heartbeat_grace_s=heartbeat_grace_s)
     engines = {}
     for spec in EngineSpec.objects.select_related("node").order_by("order", "name"):
         state = states.get(spec.pk)

@@ -21,6 +21,7 @@ dies; at start, engines a previous supervisor left running are ended first
 import contextlib
 import logging
 import os
+import resource
 import secrets
 import signal
 import subprocess
@@ -47,6 +48,7 @@ from engines.wire.client import (
 from engines.wire.frames import StateReply
 
 from .leftovers import engine_leftovers_end
+from .loop_errors import LoopErrors
 from .membership import Membership
 from .models import EngineStatus
 from .recorder import Recorder, resident_models_of
@@ -58,6 +60,29 @@ log = logging.getLogger("roundhouse.supervisor")
 
 # A model placed on an engine whose load failed is tried again after this long.
 PLACED_LOAD_RETRY_S = 10.0
+# The exit code of a supervisor one of whose loop threads (the database
+# thread, the heartbeat, the relay) stopped: its process manager (systemd's
+# Restart=on-failure, `make run`'s fleet_ensure) starts it again.
+LOOP_STOPPED_EXIT = 75
+# The open files the supervisor asks for (up to the hard limit): its relay,
+# engine connections, database and log files share one process.
+OPEN_FILES_WANTED = 65536
+
+
+def open_files_raise() -> int:
+    """Raise this process's soft limit of open files towards the hard limit
+    (OPEN_FILES_WANTED at most); the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = (
+        OPEN_FILES_WANTED
+        if hard == resource.RLIM_INFINITY
+        else min(hard, OPEN_FILES_WANTED)
+    )
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    return soft
 
 
 class Supervisor:
@@ -69,11 +94,19 @@ class Supervisor:
         self.run_dir = Path(run_dir)
         self.timing = timing or Timing()
         self.lock = SupervisorLock(self.run_dir)
-        self.recorder = Recorder(read_every=self.timing.reconcile, node=node)
+        # Its loops' errors: each logged once, shown on the node's admin page.
+        self.errors = LoopErrors()
+        self.recorder = Recorder(
+            read_every=self.timing.reconcile, node=node, errors=self.errors
+        )
         # On a cluster: this host's node (join, heartbeat, relay, placement).
         self.membership = (
-            Membership(name=node, run_dir=self.run_dir) if node is not None else None
+            Membership(name=node, run_dir=self.run_dir, errors=self.errors)
+            if node is not None
+            else None
         )
+        # Not None once the supervisor ends because a loop thread stopped.
+        self.exit_code: int | None = None
         self.workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine")
         self.engines: dict[int, RunningEngine] = {}
         self.stopping = threading.Event()
@@ -90,7 +123,12 @@ class Supervisor:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stopping.set())
-        log.info("supervisor %s started (run dir %s)", os.getpid(), self.run_dir)
+        log.info(
+            "supervisor %s started (run dir %s, %s open files at most)",
+            os.getpid(),
+            self.run_dir,
+            open_files_raise(),
+        )
         if self.membership is not None:
             try:
                 self.membership.join()  # NodeRefused, ClusterUnavailable
@@ -104,8 +142,28 @@ class Supervisor:
     def run(self) -> None:
         """Supervise until a signal arrives."""
         while not self.stopping.is_set():
-            self.tick()
+            # Any error of one pass is recorded and the next pass comes.
+            with self.errors.guard("reconcile"):
+                self.tick()
+            self._notice_stopped_loops()
             self.stopping.wait(self.timing.tick)
+
+    def _notice_stopped_loops(self) -> None:
+        """A loop thread that ended (it never should: each survives its
+        errors) ends the supervisor with LOOP_STOPPED_EXIT, for its process
+        manager to start it again, rather than running on half there."""
+        stopped = None if self.recorder.alive else "database"
+        if stopped is None and self.membership is not None:
+            stopped = self.membership.stopped_loop()
+        if stopped is not None:
+            log.critical(
+                "the supervisor's %s thread stopped: exiting with code %d to be "
+                "started again",
+                stopped,
+                LOOP_STOPPED_EXIT,
+            )
+            self.exit_code = LOOP_STOPPED_EXIT
+            self.stopping.set()
 
     def tick(self) -> None:
         """One turn of the loop; never waits on an engine or the database."""

@@ -108,6 +108,12 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 # (needed for more than one front process or host). Unset: in-memory channel
 # layer and a filesystem Celery broker in the run dir.
 REDIS_URL = env.str("REDIS_URL", default="")
+# REDIS_CONNECT_TIMEOUT_S / REDIS_TIMEOUT_S: how long the API's limits
+# (api.counters) wait for Redis to connect, and to answer a command, before
+# they count in this process alone until Redis answers again. A request waits
+# at most this long, once per outage.
+REDIS_CONNECT_TIMEOUT_S = env.float("REDIS_CONNECT_TIMEOUT_S", default=0.5)
+REDIS_TIMEOUT_S = env.float("REDIS_TIMEOUT_S", default=1.0)
 
 INSTALLED_APPS = [
     "daphne",
@@ -218,10 +224,9 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-# The cache holds the API keys' rate and concurrency counters (api.limits). Limits
-# shared by several front processes need a shared cache: Redis when REDIS_URL is
-# set. Unset, each process counts on its own in memory, which is right for the one
-# front process of an embedded run.
+# Django's cache: Redis when REDIS_URL is set, shared by every front process.
+# (The API's limits count in Redis through their own client, api.counters,
+# which bounds every call and falls back to counting in this process.)
 if REDIS_URL:
     CACHES = {
         "default": {

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import tempfile
 import urllib.error
 import urllib.request
@@ -29,6 +30,7 @@ from catalog.models import ModelConfig
 from cluster.models import ClusterSettings, Node
 from cluster.services import node_create
 from fleet.models import EngineSpec, EngineState, ServerSettings
+from fleet.node_database import node_role_create, node_role_drop
 from tests.cluster.netns import (
     Host,
     Network,
@@ -94,6 +96,8 @@ class TestNode:
     env: dict
     engine: str
     log_dir: Path
+    # The node's own database role (docs/operating/cluster.md, database credentials).
+    supervisor_database_url: str = ""
     processes: dict = field(default_factory=dict)
 
     @property
@@ -110,6 +114,9 @@ class TestNode:
             self.host,
             self.name,
             env=self.env,
+            supervisor_env={"DATABASE_URL": self.supervisor_database_url}
+            if self.supervisor_database_url
+            else {},
             log_dir=self.log_dir,
             root=ROOT,
             join_token=join_token,
@@ -133,9 +140,12 @@ class Cluster:
         self.key = ApiKeyFactory(name="cluster").plaintext
         self.node_env = lambda name: {}
 
-    def database_url(self) -> str:
+    def database_url(self, auth: str = "") -> str:
+        """The test database through the bridge, as the front's user or as
+        `auth` ("role:password")."""
         db = connection.settings_dict
-        auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+        if not auth:
+            auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
         port = db["PORT"] or 5432
         return f"postgres://{auth}@{self.network.gateway}:{port}/{db['NAME']}"
 
@@ -151,6 +161,21 @@ class Cluster:
         EngineSpec.objects.create(
             name=f"e{name}", node=node, backend="cpu", capabilities=["gguf"], order=0
         )
+        # The first host's supervisor keeps the full credentials (the first
+        # host of docs/operating/cluster.md; it records the catalog's file
+        # digests); every later one logs in as its node's own role, as "What a
+        # node can and cannot do" asks of a supervisor-only host: what the
+        # cluster tests do, a node role can do (fronts are trusted and keep the
+        # full credentials).
+        # Role names are server-wide: a fresh one.
+        supervisor_database_url = ""
+        if self.nodes:
+            credentials = node_role_create(
+                node=node, role=f"rhtest_{name}_{secrets.token_hex(4)}"
+            )
+            supervisor_database_url = self.database_url(
+                f"{credentials.role}:{credentials.password}"
+            )
         # A node name may come back (a test adds one and removes it): each
         # start of a node is a fresh host with a run dir of its own.
         run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.tmp)) / "run"
@@ -171,6 +196,7 @@ class Cluster:
             env=env,
             engine=f"e{name}",
             log_dir=self.tmp,
+            supervisor_database_url=supervisor_database_url,
         )
         self.nodes[name] = test_node
         test_node.start(join_token=token)
@@ -201,6 +227,8 @@ class Cluster:
         node.host.stop_all(timeout=30)
         self.network.remove_host(name)
         EngineSpec.objects.filter(node__name=name).delete()
+        for row in Node.objects.filter(name=name).exclude(db_role=""):
+            node_role_drop(node=row)
         Node.objects.filter(name=name).delete()
 
     def close(self) -> None:

@@ -235,11 +235,13 @@ def start_node(
     root: Path,
     join_token: str = "",
     front_port: int = 8000,
+    supervisor_env: dict | None = None,
 ) -> dict[str, subprocess.Popen]:
     """A node's processes as an operator starts them on its host: the
-    supervisor (`--node NAME`, joining with the token the first time) and a
-    front listening on the host's address."""
-    supervisor_env = dict(env)
+    supervisor (`--node NAME`, joining with the token the first time; its
+    environment is `env` with `supervisor_env` over it) and a front listening
+    on the host's address."""
+    supervisor_env = env | (supervisor_env or {})
     if join_token:
         supervisor_env["ROUNDHOUSE_JOIN_TOKEN"] = join_token
     return {

@@ -11,8 +11,11 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import redis
+from django.db import connection
 from websockets.sync.client import connect
 
+from api.affinity import KEY_PREFIX
 from api.models import Usage
 from catalog.models import ModelConfig
 from cluster.identity import identity_read, secret_hash
@@ -53,6 +56,14 @@ def supervise_here(
     )
 
 
+def _sessions_of(role: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = %s", [role]
+        )
+        return cursor.fetchone()[0]
+
+
 def test_a_node_joins_once_with_its_token(cluster, orm, tmp_path):
     """Each node exchanged its one-time token for its own secret: the secret
     is in its run dir (0600) and only its hash in the database; the node
@@ -70,6 +81,10 @@ def test_a_node_joins_once_with_its_token(cluster, orm, tmp_path):
         assert row.join_token_hash == "" and row.joined_at is not None
         assert row.hardware["cores"] >= 1 and row.hardware["ram_mib"] > 0
         assert row.version and len(row.tls_fingerprint) == 64
+        # After the first host, a node's supervisor runs on the node's own
+        # database role (joined and heartbeating with it).
+        if name != "a":
+            assert row.db_role and _sessions_of(row.db_role) > 0
 
     again = supervise_here("a", tmp_path / "again", token=cluster.tokens["a"])
     assert again.returncode != 0
@@ -182,9 +197,21 @@ def test_replicas_share_the_load_and_a_conversation_returns_to_its_cache(cluster
         assert status == 200, body
         return headers["X-Roundhouse-Engine"], body
 
+    shared = redis.Redis.from_url(cluster.redis_url)
+
+    def remembered() -> int:
+        return sum(1 for _ in shared.scan_iter(f"{KEY_PREFIX}*"))
+
+    before = remembered()
     with ThreadPoolExecutor(len(conversations)) as pool:
         first = list(pool.map(ask, conversations))
     assert {engine for engine, _ in first} == {"ea", "eb"}, Counter(first)
+    # Front a writes what it routed after answering, off the request's path.
+    wait_for(
+        lambda: remembered() >= before + len(conversations),
+        timeout=10,
+        what="the first turns' prefixes in Redis",
+    )
     for turn, (messages, (engine, body)) in enumerate(
         zip(conversations, first, strict=True)
     ):

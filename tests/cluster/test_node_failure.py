@@ -267,15 +267,22 @@ def test_a_revoked_node_is_cut_off_at_once(cluster, orm):
         node_revoke(node=Node.objects.get(name="d"))
         assert node_status("d") == "revoked"
         # A request in flight when b's relay dropped d's link fails (502);
-        # from then on d's link is refused for its secret. (Waited for by its
-        # reason: on a crowded machine b may also refuse for a moment because
-        # its own heartbeat is late, which says nothing of d.)
+        # from then on d's link is refused (the one answer a relay gives
+        # every refusal), and b's relay logs why: d's revocation.
         status, _, body = wait_for(
-            lambda: _refused_for(ask(d, "smol-b", cluster.key), "node 'd' is revoked"),
+            lambda: _refused_for(ask(d, "smol-b", cluster.key), "link refused"),
             timeout=15,
-            what="d's requests to b refused for d's revocation",
+            what="d's requests to b refused",
         )
         assert status == 503, body
+        wait_for(
+            lambda: (
+                f"relay refused a link from {d.host.address}: node 'd' is "
+                "revoked" in cluster.nodes["b"].log()
+            ),
+            timeout=15,
+            what="b's relay to log d's revocation as the reason",
+        )
         # Others stop routing to d once their view of the fleet shows it
         # revoked (a second or so), or d's relay refuses (its next beat).
         status, _, body = wait_for(
@@ -345,3 +352,113 @@ def test_a_batch_on_a_dead_nodes_worker_is_finished_elsewhere_once(cluster, orm)
             survivor.terminate()
             survivor.wait(60)
         cluster.remove_node("c")
+
+
+def _drop(node, chain: str, port_side: str, port: int) -> None:
+    """Drop, on `node`'s host, TCP packets in `chain` to or from `port`
+    (undone by reconnect(), which flushes the chains)."""
+    node.host.run(
+        ["iptables", "-A", chain, "-p", "tcp", port_side, str(port), "-j", "DROP"],
+        check=True,
+    )
+
+
+def _relay_port(name: str) -> int:
+    return Node.objects.get(name=name).relay_port
+
+
+def test_a_node_whose_relay_no_one_reaches_loses_its_replica(cluster, orm):
+    """Node c's relay port dropped on c (a partial partition: c still writes
+    its heartbeat, its own links to a and b still work): a and b, which link
+    to each other, fail to link to c, so within a few heartbeats the cluster
+    takes c for unreachable, after the grace period for down, and c's
+    replica of smol-c is placed and loaded on another node and served there.
+    Control: c's heartbeat stays current throughout (by its heartbeat alone c
+    is ready), and before the block smol-c was c's."""
+    a = cluster.nodes["a"]
+    c = cluster.add_node("c", labels=["spare"])
+    model_row("smol-c", engine_pin="ec", node_labels=["spare"])
+    try:
+        wait_resident("smol-c", {"ec"})
+        assert _placed("smol-c") == ("ec",)
+        assert ask(a, "smol-c", cluster.key)[:2] == (200, "c")
+        _drop(c, "INPUT", "--dport", _relay_port("c"))
+        blocked_at = time.monotonic()
+        wait_for(
+            lambda: node_status("c") in ("unreachable", "down"),
+            timeout=30,
+            what="node c unreachable for its links",
+        )
+        print(f"node c unreachable after {time.monotonic() - blocked_at:.1f} s")
+        wait_for(lambda: node_status("c") == "down", timeout=GRACE_S + 20, what="down")
+        from cluster.selectors import nodes_now
+
+        assert nodes_now()["c"].heartbeat_age_s < 6, "c stopped beating"
+        reaches = {
+            name: row.reaches
+            for name, row in Node.objects.in_bulk(field_name="name").items()
+        }
+        assert reaches["a"]["c"] > 6 and reaches["a"]["b"] == 0, reaches
+        assert reaches["c"]["a"] == 0, reaches  # c's own links work
+        moved = set(_placed("smol-c"))
+        assert moved and "ec" not in moved, moved
+        wait_resident("smol-c", moved)
+        status, node, body = ask(a, "smol-c", cluster.key)
+        assert status == 200 and node in ("a", "b"), body
+    finally:
+        c.host.reconnect()
+        ModelConfig.objects.filter(name="smol-c").delete()
+        cluster.remove_node("c")
+
+
+def test_a_database_outage_for_every_node_is_served_through(cluster, orm):
+    """PostgreSQL dropped on every host (the nodes still reach each other's
+    relays): each node's links say the outage is everyone's, so both fronts
+    go on serving smol past the 6 s after which a node cut off alone refuses
+    (from the test's side of the database, both nodes are unreachable then).
+    Control, in the same outage: b's relay port dropped too, a reaches no
+    peer and refuses (cluster_unconfirmed), while b, which still reaches a,
+    serves on. The database back, both are ready and serve."""
+    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    for node in (a, b):  # both fronts know the key (they cannot look it up)
+        assert ask(node, "smol", cluster.key)[0] == 200
+    assert ask_inside(b, "smol", cluster.key)[0] == 200
+    try:
+        for node in (a, b):
+            _drop(node, "OUTPUT", "--dport", 5432)
+        wait_for(
+            lambda: {node_status("a"), node_status("b")} <= {"unreachable", "down"},
+            timeout=30,
+            what="both nodes past their last heartbeat",
+        )
+        served_until = time.monotonic() + 8
+        answers = []
+        while time.monotonic() < served_until or len(answers) < 4:
+            for node in (a, b):  # for 8 s, and two rounds at least
+                status, _, body = ask(node, "smol", cluster.key, "Say yes.")
+                answers.append((node.name, status, body))
+        refused = [answer for answer in answers if answer[1] != 200]
+        assert not refused, refused
+        _drop(b, "INPUT", "--dport", _relay_port("b"))
+        status, _, body = wait_for(
+            lambda: _refused(ask(a, "smol", cluster.key)),
+            timeout=30,
+            what="a to refuse once it reaches no peer",
+        )
+        assert body["error"]["code"] == "cluster_unconfirmed", body
+        status, body = ask_inside(b, "smol", cluster.key)
+        assert status == 200, body
+    finally:
+        for node in (a, b):
+            node.host.reconnect()
+    wait_for(
+        lambda: {node_status("a"), node_status("b")} == {"ready"},
+        timeout=30,
+        what="both nodes ready again",
+    )
+    for node in (a, b):
+        wait_for(
+            lambda node=node: _served(ask(node, "smol", cluster.key)),
+            timeout=30,
+            what=f"{node.name} serving again",
+        )

@@ -50,7 +50,7 @@ def front_start_line(tmp_path, *, host: str, allowed: str | None) -> str:
 
 
 def test_a_front_on_every_address_with_loopback_names_says_what_to_set(tmp_path):
-    """Started as the README's cluster section starts it (--host 0.0.0.0)
+    """Started as docs/operating/cluster.md starts it (--host 0.0.0.0)
     with ALLOWED_HOSTS unset: it warns that it answers 127.0.0.1 and
     localhost only and says to set ALLOWED_HOSTS (and CSRF_TRUSTED_ORIGINS
     behind an HTTPS proxy)."""

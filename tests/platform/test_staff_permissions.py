@@ -5,36 +5,14 @@ is obeyed (the control). The dashboard's orders: tests/platform/chat/
 test_dashboard_views.py."""
 
 import pytest
-from django.contrib.auth import get_user_model
-from django.contrib.auth.models import Permission
 from django.test import Client
 from django.urls import reverse
 
 from batches.models import Batch
 from tests.factories import EngineSpecFactory, ModelConfigFactory
-from tests.platform.batches.test_admin import batch  # noqa: F401 - a fixture
+from tests.platform.staff import CHANGE, VIEW, staff_member
 
 pytestmark = pytest.mark.django_db
-
-VIEW = ["catalog.view_modelconfig", "batches.view_batch", "fleet.view_enginespec"]
-CHANGE = [
-    "catalog.add_modelconfig",
-    "catalog.change_modelconfig",
-    "batches.change_batch",
-    "fleet.change_enginespec",
-]
-
-
-def staff_member(name: str, permissions: list[str]):
-    """A new staff member (not a superuser) holding `permissions`
-    ("app.codename")."""
-    user = get_user_model().objects.create_user(name, is_staff=True)
-    for permission in permissions:
-        app, codename = permission.split(".")
-        user.user_permissions.add(
-            Permission.objects.get(content_type__app_label=app, codename=codename)
-        )
-    return user
 
 
 def staff_client(name: str, permissions: list[str]) -> Client:
@@ -104,7 +82,7 @@ def test_requantizing_needs_the_add_permission_too():
     assert not model.variants.exists()
 
 
-def test_cancelling_a_batch_needs_the_change_permission(viewer, operator, batch):  # noqa: F811
+def test_cancelling_a_batch_needs_the_change_permission(viewer, operator, batch):
     """A viewer's cancel leaves the batch running; an operator's stops it."""
     changelist = "admin:batches_batch_changelist"
     act(viewer, changelist, "cancel_batches", [batch])

@@ -2,8 +2,8 @@
 
 import dataclasses
 import logging
+import sys
 import threading
-import time
 
 import pytest
 
@@ -19,6 +19,7 @@ from routing.select import (
     SnapshotCache,
     assign_owners,
 )
+from tests.waiting import wait_for
 
 
 def engine(name, backend="cpu", *, up=True, order=0, resident=(), **kwargs):
@@ -467,10 +468,23 @@ def test_cache_loads_once_for_concurrent_callers():
     start = threading.Barrier(threads_count)
     calls = []
 
+    def asking() -> int:
+        """The threads blocked in cache.get (on its lock), other than this one."""
+        me = threading.get_ident()
+        return sum(
+            frame.f_code is SnapshotCache.get.__code__
+            for ident, frame in sys._current_frames().items()
+            if ident != me
+        )
+
     def slow_load():
         calls.append(1)
-        # Keep the load in flight long enough for every other thread to ask.
-        time.sleep(0.1)
+        # Keep the load in flight until every other thread has asked.
+        wait_for(
+            lambda: asking() == threads_count - 1,
+            timeout=10,
+            what="every other thread waiting on the load",
+        )
         return Snapshot(engines={}, models={})
 
     cache = SnapshotCache(slow_load)

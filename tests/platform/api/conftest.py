@@ -1,14 +1,19 @@
-"""API tests start with empty limit counters and a clock the test can set."""
+"""API tests start with empty limit counters and a clock the test can set; the
+limits on the real Redis, and a real outage of the database, for the tests
+that ask."""
 
 import types
 
 import pytest
+import redis
 from asgiref.sync import sync_to_async
-from django.core.cache import cache
-from django.db import connections
+from django.db import connection, connections
 
-from api import limits, selectors, services, usage
+from api import counters, selectors, services, usage
 from api.gateway import GATEWAY
+from fleet.outages import OutageClock
+from tests.platform.api.limit_checks import REDIS_URL
+from tests.platform.api.outage import Outage
 
 
 def forget_keys() -> None:
@@ -19,18 +24,19 @@ def forget_keys() -> None:
     services.DATABASE_OUTAGE.down = False
     services.DATABASE_OUTAGE.failed_at = -float("inf")
     selectors.user_allowances_forget()
+    GATEWAY.forget()  # the fleet read again at once, from this test's database
 
 
 @pytest.fixture(autouse=True)
 def empty_cache():
     """Counters, remembered and refused keys, throttled clients, users'
     remembered limits and a database outage of an earlier test (same key
-    ids, same hashes after a flush, the test client's one address) must not
-    leak into this one."""
-    cache.clear()
+    ids, same hashes after a flush, the test client's one address; the
+    gateway's failed fleet reads) must not leak into this one."""
+    counters.forget()
     forget_keys()
     yield
-    cache.clear()
+    counters.forget()
     forget_keys()
 
 
@@ -52,8 +58,32 @@ def close_background_connections() -> None:
 
 @pytest.fixture
 def clock(monkeypatch) -> types.SimpleNamespace:
-    """The limits' clock, fixed at `clock.now` (seconds since the epoch)."""
+    """The limits' clock in this process (what counts windows without Redis),
+    fixed at `clock.now` (seconds since the epoch)."""
     fake = types.SimpleNamespace(now=1_800_000_000.0)
     fake.time = lambda: fake.now
-    monkeypatch.setattr(limits, "time", fake)
+    monkeypatch.setattr(counters, "time", fake)
     return fake
+
+
+@pytest.fixture
+def redis_limits(settings):
+    """The limits on the real Redis (db 3), emptied before and after."""
+    settings.REDIS_URL = REDIS_URL
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture(params=["unreachable", "refusing"])
+def outage(request, transactional_db, tmp_path, monkeypatch):
+    """An outage the test starts (ended at teardown if the test did not). The
+    gateway forgets it afterwards: no other test's routing sees its grace."""
+    if request.param == "refusing" and connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's ALLOW_CONNECTIONS")
+    monkeypatch.setattr(GATEWAY, "outages", OutageClock())
+    outage = Outage(request.param, tmp_path)
+    yield outage
+    if outage.saved or outage.kind == "refusing":
+        outage.end()

@@ -10,7 +10,13 @@ import secrets
 
 import redis
 
-from api.affinity import KEY_PREFIX, LOOKUP_TIMEOUT_S, TTL_S, SharedAffinity
+from api.affinity import (
+    CONNECT_TIMEOUT_S,
+    KEY_PREFIX,
+    LOOKUP_TIMEOUT_S,
+    TTL_S,
+    SharedAffinity,
+)
 from routing.affinity import prefix_keys
 from routing.select import EngineStatus
 from tests.engines.conftest import free_port
@@ -125,8 +131,9 @@ async def test_without_redis_a_front_routes_on_its_own_map(caplog):
 
 async def test_a_redis_that_does_not_answer_is_given_up_after_a_few_lookups():
     """A Redis that accepts connections but never answers (a hung server):
-    each lookup gives up after LOOKUP_TIMEOUT_S and answers from this
-    front's map; after a few in a row Redis is left alone."""
+    each lookup gives up after LOOKUP_TIMEOUT_S (the first, which connects,
+    after CONNECT_TIMEOUT_S) and answers from this front's map; after a few
+    in a row Redis is left alone."""
     accepted: list[asyncio.StreamWriter] = []
 
     async def hang(reader, writer):
@@ -139,8 +146,9 @@ async def test_a_redis_that_does_not_answer_is_given_up_after_a_few_lookups():
     keys = conversation()
     front.local.remember(keys, "ea t1")
     try:
-        for _ in range(3):
-            async with asyncio.timeout(LOOKUP_TIMEOUT_S * 4):
+        for lookup in range(3):
+            bound = CONNECT_TIMEOUT_S if lookup == 0 else LOOKUP_TIMEOUT_S
+            async with asyncio.timeout(bound + 1):
                 assert await front.lookup(keys, fleet) == "ea"
         assert accepted  # it did reach the hung server
         assert not front.sharing

@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 
 from api.sse import DROPPED_HEADER
 from tests.factories import ApiKeyFactory
-from tests.platform.api.test_streams import (
+from tests.platform.api.chat_front import (
     CHAT,
     chat_engine,
     chat_scope,

@@ -9,10 +9,8 @@ import json
 import os
 import signal
 import socket
-from pathlib import Path
 
 import pytest
-from django.conf import settings as django_settings
 
 from api.calls import Call
 from api.errors import ApiError
@@ -22,6 +20,7 @@ from engines.wire.framing import auth_frame, recv_frame
 from engines.wire.requests import GenerateRequest
 from routing.select import EngineStatus, ModelRoute, Snapshot
 from tests.engines.conftest import EngineProcess, free_port, start_engine
+from tests.engines.generating import gguf_spec
 from tests.waiting import wait_for
 
 CHAT = "smollm2-135m-instruct"
@@ -33,16 +32,7 @@ TALE = TALE.model_copy(update={"ignore_eos": True})
 
 
 def smol_spec() -> dict:
-    return {
-        "name": CHAT,
-        "format": "gguf",
-        "task": "chat",
-        "path": str(
-            Path(django_settings.MODELS_DIR) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        ),
-        "context_length": 2048,
-        "slots": 1,
-    }
+    return gguf_spec(CHAT, SMOL_FILE, context_length=2048, slots=1)
 
 
 @pytest.fixture

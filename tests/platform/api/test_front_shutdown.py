@@ -16,7 +16,7 @@ from django.utils import timezone
 from api.models import ApiKey, Usage
 from tests.conftest import ROOT
 from tests.factories import ApiKeyFactory
-from tests.platform.api.test_usage import usage_table_locked
+from tests.platform.api.usage_lock import usage_table_locked
 from tests.platform.live import (
     database_url,
     free_port_block,

@@ -42,6 +42,7 @@ async def test_a_new_node_identity_is_taken_without_a_restart(settings, tmp_path
     restart, and its links then speak with the new secret: a relay that knows
     only the new one refused the old (control) and takes the new."""
     settings.RUN_DIR = tmp_path
+    settings.ROUNDHOUSE_CLUSTER_TLS = False  # the relay below is plain TCP
     gateway = Gateway()
     gateway.IDENTITY_RECHECK_S = 0.0
     assert gateway.identity is None
@@ -59,7 +60,7 @@ async def test_a_new_node_identity_is_taken_without_a_restart(settings, tmp_path
         nodes={"b": NodeRoute("b", "ready", host="127.0.0.1", relay_port=port)},
     )
     try:
-        with pytest.raises(EngineUnreachable, match="wrong secret"):
+        with pytest.raises(EngineUnreachable, match="link refused"):
             await gateway.client("e-b", snapshot).ping()
         identity_write(tmp_path, NodeIdentity(name="a", secret="rhn-new"))
         assert gateway.identity == NodeIdentity(name="a", secret="rhn-new")
@@ -69,3 +70,69 @@ async def test_a_new_node_identity_is_taken_without_a_restart(settings, tmp_path
         assert relay.links_of("a") == 1
     finally:
         await relay.close()
+
+
+async def test_a_node_no_link_reaches_is_passed_over_at_once(
+    settings, tmp_path, monkeypatch
+):
+    """A model with a replica on node c (first in order: nothing listens at its
+    relay's address) and one on node b. The first request tries c, fails to
+    link, and is served by b; the next goes to b at once, without trying c
+    (control: it tried c first again). A model only c holds is still tried
+    there, and answers why it failed."""
+    from api import pipeline
+    from api.calls import Call
+    from api.errors import ApiError
+    from routing.select import ModelRoute
+
+    settings.RUN_DIR = tmp_path
+    settings.ROUNDHOUSE_CLUSTER_TLS = False  # a plain link: refused by c's port
+    identity_write(tmp_path, NodeIdentity(name="a", secret="rhn-a"))
+    gateway = Gateway()
+    monkeypatch.setattr(pipeline, "GATEWAY", gateway)
+    route = ModelRoute(name="m", format="gguf", task="chat", replicas=2)
+    lonely = ModelRoute(name="only-c", format="hf", task="chat")  # b: no hf
+    engines = {
+        name: EngineStatus(
+            name,
+            "cpu",
+            formats,
+            True,
+            order=order,
+            resident=models,
+            node=node,
+        )
+        for name, node, order, formats, models in (
+            ("e-c", "c", 0, frozenset({"gguf", "hf"}), frozenset({"m", "only-c"})),
+            ("e-b", "b", 1, frozenset({"gguf"}), frozenset({"m"})),
+        )
+    }
+    nodes = {
+        name: NodeRoute(name, "ready", host="127.0.0.1", relay_port=free_port())
+        for name in ("b", "c")
+    }
+    snapshot = Snapshot(
+        engines=engines, models={"m": route, "only-c": lonely}, nodes=nodes
+    )
+    tried: list[str] = []
+
+    async def attempt(client):
+        tried.append(client.name)
+        if client.name == "e-b":
+            return "answered by b"  # b's relay is not what this test is about
+        return await client.ping()  # c: no relay listens there
+
+    assert await pipeline.with_engine(Call("chat"), route, snapshot, attempt) == (
+        "answered by b"
+    )
+    assert tried == ["e-c", "e-b"]
+    tried.clear()
+    assert await pipeline.with_engine(Call("chat"), route, snapshot, attempt) == (
+        "answered by b"
+    )
+    assert tried == ["e-b"]  # c passed over at once
+    tried.clear()
+    with pytest.raises(ApiError) as failed:
+        await pipeline.with_engine(Call("chat"), lonely, snapshot, attempt)
+    assert tried == ["e-c"]
+    assert "node c" in str(failed.value.message)

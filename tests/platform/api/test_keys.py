@@ -283,6 +283,72 @@ async def test_concurrent_bad_keys_of_one_client_are_bounded_too(monkeypatch):
     assert len(lookups) == limit
 
 
+async def models_asgi(key: str, client: str = "10.0.0.7") -> int:
+    """The status of GET /v1/models with `key`, from `client`, through the
+    front's ASGI application as the server hands it a request."""
+    from roundhouse.asgi import api_application
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/v1/models",
+        "raw_path": b"/v1/models",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"authorization", f"Bearer {key}".encode()),
+        ],
+        "client": (client, 40000),
+        "server": ("127.0.0.1", 8000),
+    }
+    sent = []
+    answered = asyncio.Event()
+    requested = []
+
+    async def receive():
+        if not requested:
+            requested.append(True)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            answered.set()
+
+    await api_application(scope, receive, send)
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+@transactional
+async def test_a_burst_of_one_good_key_is_answered_beside_a_flood_of_bad_ones(
+    monkeypatch,
+):
+    """64 requests at once with one valid key whose cache entry is cold (as
+    after a minute idle), from one address (every client behind a reverse
+    proxy), while 64 bad keys come from the same address: every good request
+    is answered (200) with one database read between them, and the bad keys
+    are throttled (429 after AUTH_FAILURES.limit refusals). Control: counting
+    each lookup as a failure before it looks (the old order) answered the
+    21st concurrent good request 429."""
+    key = await sync_to_async(ApiKeyFactory)()
+    limit = services.AUTH_FAILURES.limit
+    lookups = count_lookups(monkeypatch)
+    requests = [models_asgi(key.plaintext) for _ in range(64)]
+    requests += [models_asgi(f"rh-guess-{n}") for n in range(64)]
+    statuses = await asyncio.gather(*requests)
+    good, bad = statuses[:64], statuses[64:]
+    assert good == [200] * 64
+    assert sorted(set(bad)) == [401, 429] and bad.count(401) <= limit
+    assert sum(1 for x in lookups if x["key_hash"] == key.key_hash) == 1
+    assert len(lookups) <= limit + 1
+
+
 @transactional
 def test_a_good_key_works_during_a_flood(throttle_clock):
     """While one client is throttled, another client's key works; from the

@@ -1,84 +1,29 @@
-"""Per-key limits: requests per minute and concurrent requests, in the cache."""
+"""Per-key limits: requests per minute and concurrent requests, counted in
+this process or in Redis (tests/platform/api/test_limits_redis.py: Redis
+unavailable, leases, one clock)."""
 
 import asyncio
 import contextlib
-import threading
 
 import pytest
-import redis
-from django.core.cache import cache
-from django.test import override_settings
 
-from api import limits
+from api import counters, limits
 from api.limits import LimitExceeded, key_admission
-from api.models import ApiKey
 from tests.conftest import run_python
-
-REDIS_URL = "redis://127.0.0.1:6379/3"
-REDIS_CACHES = {
-    "default": {
-        "BACKEND": "django.core.cache.backends.redis.RedisCache",
-        "LOCATION": REDIS_URL,
-    }
-}
-
-
-def key_with(*, pk: int = 1, rpm_limit: int = 0, max_concurrent: int = 0) -> ApiKey:
-    """A key as the views hold it; the limits read only its id and limits."""
-    return ApiKey(pk=pk, rpm_limit=rpm_limit, max_concurrent=max_concurrent)
+from tests.platform.api.limit_checks import (
+    REDIS_URL,
+    GatedRedis,
+    admit,
+    concurrency_is_enforced,
+    key_with,
+    rpm_is_enforced,
+)
 
 
 async def settled() -> None:
     """Wait until every other task (a give-back left running) has finished."""
     while others := asyncio.all_tasks() - {asyncio.current_task()}:
         await asyncio.gather(*others, return_exceptions=True)
-
-
-async def admit(key: ApiKey) -> None:
-    """One request that is admitted and leaves at once."""
-    async with key_admission(key):
-        pass
-
-
-async def rpm_is_enforced(clock) -> None:
-    clock.now = 1_800_000_015.0  # 15 s into a minute (1_800_000_000 % 60 == 0)
-    key = key_with(rpm_limit=3)
-    for _ in range(3):
-        await admit(key)
-    with pytest.raises(LimitExceeded, match="3 requests per minute") as over:
-        await admit(key)
-    assert over.value.retry_after_s == 45
-    assert over.value.code == "rate_limit_exceeded"
-
-    clock.now = 1_800_000_059.9
-    with pytest.raises(LimitExceeded) as over:
-        await admit(key)
-    assert over.value.retry_after_s == 1
-
-    clock.now = 1_800_000_060.0  # the next minute
-    for _ in range(3):
-        await admit(key)
-    with pytest.raises(LimitExceeded) as over:
-        await admit(key)
-    assert 1 <= over.value.retry_after_s <= 60
-    await admit(key_with(pk=2, rpm_limit=3))  # another key has its own count
-
-
-async def concurrency_is_enforced() -> None:
-    key = key_with(max_concurrent=2)
-    async with contextlib.AsyncExitStack() as held:
-        await held.enter_async_context(key_admission(key))
-        await held.enter_async_context(key_admission(key))
-        for _ in range(3):
-            with pytest.raises(LimitExceeded, match="at most 2 at once") as over:
-                await admit(key)
-            assert over.value.retry_after_s == 1
-            assert over.value.code == "concurrency_limit_exceeded"
-        await admit(key_with(pk=2, max_concurrent=1))  # another key is free
-    # Refused requests took nothing: both slots are free again.
-    async with contextlib.AsyncExitStack() as held:
-        await held.enter_async_context(key_admission(key))
-        await held.enter_async_context(key_admission(key))
 
 
 async def test_rpm_limit(clock):
@@ -129,44 +74,26 @@ async def test_slot_is_released_when_the_request_is_cancelled():
     await admit(key)
 
 
-class GatedCache:
-    """The real cache, whose first incr waits until the test lets it go on."""
+async def test_counting_in_this_process_takes_no_thread_hop(monkeypatch):
+    """Without Redis, admission counts on the event loop."""
 
-    def __init__(self, real) -> None:
-        self.real = real
-        self.entered, self.proceed = threading.Event(), threading.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self.real, name)
-
-    def incr(self, *args, **kwargs):
-        if not self.entered.is_set():
-            self.entered.set()
-            self.proceed.wait(timeout=30)
-        return self.real.incr(*args, **kwargs)
-
-
-async def test_in_process_cache_is_counted_on_the_event_loop(monkeypatch):
-    """With the in-process cache, admission takes no thread hop."""
-
-    def no_thread(**kwargs):
-        raise AssertionError("the in-process cache was counted in a thread")
+    def no_thread(*args, **kwargs):
+        raise AssertionError("counting in this process went to a thread")
 
     monkeypatch.setattr(limits, "_admit_async", no_thread)
-    monkeypatch.setattr(limits, "_slot_give_back_async", no_thread)
+    monkeypatch.setattr(limits, "_give_back_async", no_thread)
     key = key_with(rpm_limit=5, max_concurrent=1)
     await admit(key)
     await admit(key)
 
 
-async def test_slot_is_released_when_cancelled_while_being_taken(monkeypatch):
-    """A request cancelled while its slot is being counted (the increment runs on
-    in its thread, as it does for a cache in another process) does not leak the
-    slot."""
+async def test_slot_is_released_when_cancelled_while_being_taken(
+    redis_limits, monkeypatch
+):
+    """A request cancelled while its lease is being taken in Redis (the taking
+    runs on in its thread) does not leak the lease."""
     key = key_with(max_concurrent=1)
-    gated = GatedCache(cache)
-    monkeypatch.setattr(limits, "cache", gated)
-    monkeypatch.setattr(limits, "_in_process", lambda: False)
+    gated = GatedRedis(monkeypatch)
 
     async def request() -> None:
         async with key_admission(key):
@@ -186,58 +113,39 @@ async def test_slot_is_released_when_cancelled_while_being_taken(monkeypatch):
 
 
 async def test_slot_is_released_once():
-    """Leaving gives back one slot: the counter returns to zero, never below."""
+    """Leaving gives back one slot: the count returns to zero, never below."""
     key = key_with(max_concurrent=3)
     for _ in range(5):
         await admit(key)
-    epoch = int(limits.time.time()) // limits.CONCURRENCY_EPOCH_S
-    assert cache.get(f"cc:{key.pk}:{epoch}") == 0
+    assert counters.counters().local.held(str(key.pk)) == 0
 
 
-async def test_requests_from_the_previous_epoch_still_count(clock):
-    """A request admitted just before a new epoch keeps its slot after it."""
-    key = key_with(max_concurrent=1)
-    clock.now = 1_800_000_000.0 + limits.CONCURRENCY_EPOCH_S - 1
-    async with key_admission(key):
-        clock.now += 2
-        with pytest.raises(LimitExceeded):
-            await admit(key)
-    await admit(key)
-
-
-async def test_leaked_slot_is_forgotten_after_two_epochs(clock):
-    """A slot never given back (its process died) stops counting two epochs on."""
-    key = key_with(max_concurrent=1)
-    admission = key_admission(key)
-    await admission.__aenter__()  # and never leaves, as in a killed process
-    clock.now += limits.CONCURRENCY_EPOCH_S
-    with pytest.raises(LimitExceeded):
+async def rpm_is_enforced_by_redis() -> None:
+    """The rate limit, by Redis's clock (which the test cannot set)."""
+    key = key_with(rpm_limit=3)
+    for _ in range(3):
         await admit(key)
-    clock.now += limits.CONCURRENCY_EPOCH_S
-    await admit(key)
+    with pytest.raises(LimitExceeded, match="3 requests per minute") as over:
+        await admit(key)
+    assert 1 <= over.value.retry_after_s <= 60
 
 
-@pytest.fixture
-def redis_cache():
-    """Django's cache on the real Redis (db 3), emptied before and after."""
-    with override_settings(CACHES=REDIS_CACHES):
-        cache.clear()
-        yield cache
-        cache.clear()
-
-
-async def test_limits_on_redis(redis_cache, clock):
-    """On Redis the same limits hold, and their counters live in Redis."""
-    await rpm_is_enforced(clock)
+async def test_limits_on_redis(redis_limits):
+    """On Redis the same limits hold, and their counts live in Redis, each
+    with a TTL: a window's for two windows, a lease's for its term."""
+    await rpm_is_enforced_by_redis()
     await concurrency_is_enforced()
-    client = redis.Redis.from_url(REDIS_URL)
-    stored = {name.decode() for name in client.keys("*")}
-    assert any(":rl:1:" in name for name in stored)
-    assert any(":cc:1:" in name for name in stored)
-    assert all(0 < client.ttl(name) <= limits.CONCURRENCY_TTL_S for name in stored)
+    assert counters.counters().mode() == "shared"
+    async with key_admission(key_with(max_concurrent=1)):
+        stored = {name.decode() for name in redis_limits.keys("*")}
+        assert stored == {"roundhouse:limits:rl:1", "roundhouse:limits:cc:1"}
+        assert 0 < redis_limits.ttl("roundhouse:limits:rl:1") <= 120
+        assert 0 < redis_limits.ttl("roundhouse:limits:cc:1") <= counters.LEASE_S + 1
+        assert redis_limits.zcard("roundhouse:limits:cc:1") == 1
+    assert redis_limits.zcard("roundhouse:limits:cc:1") == 0
 
 
-async def test_front_processes_share_the_concurrency_limit(redis_cache):
+async def test_front_processes_share_the_concurrency_limit(redis_limits):
     """A slot held here is seen by another front process using the same Redis."""
     other_front = """
 import asyncio, django
@@ -321,15 +229,38 @@ def test_throttle_memory_is_bounded():
             gate.check(client)
 
 
-def test_a_lookup_that_succeeds_is_taken_back():
-    """Lookups count as failures while in flight; one that succeeded does not."""
-    gate = throttle()
+async def _until_waiting(gate: limits.FailureThrottle, client: str) -> None:
+    """Until a lookup of `client` waits for a slot (a state, not a time)."""
+    for _ in range(1000):
+        if gate._waiting.get(client):
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"no lookup of {client} is waiting")
+
+
+async def test_lookups_in_flight_wait_for_the_failures_left():
+    """A client has at most as many lookups in flight as failures left in its
+    window: the next waits (it is not refused); a lookup that ends without
+    failing lets it go on; once failures use up the window, the waiting ones
+    are refused. Other clients are not held up."""
+    gate = throttle()  # 3 failures a minute
     for _ in range(3):
+        await gate.lookup_slot("a")
+    waiting = asyncio.ensure_future(gate.lookup_slot("a"))
+    await _until_waiting(gate, "a")
+    await gate.lookup_slot("b")
+    gate.lookup_done("a")  # found its key: no failure
+    await waiting
+    assert not gate._waiting
+
+    refused = asyncio.ensure_future(gate.lookup_slot("a"))
+    await _until_waiting(gate, "a")
+    for _ in range(3):  # the three in flight fail
         gate.failed("a")
+        gate.lookup_done("a")
     with pytest.raises(LimitExceeded):
-        gate.check("a")
-    gate.take_back("a")
-    gate.check("a")
+        await refused
+    assert not gate._waiting
 
 
 async def test_weight_counts_against_concurrency():

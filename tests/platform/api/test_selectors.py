@@ -11,12 +11,8 @@ from django.contrib.auth import get_user_model
 from api import selectors
 from api.models import UserLimitOverride, UserLimits
 from api.selectors import USER_LIMITS_FRESH_S, user_allowance, user_allowances_forget
-from tests.platform.api import test_database_outage
 
 pytestmark = pytest.mark.django_db
-
-# A real outage of the database, which the test starts.
-outage = test_database_outage.outage
 
 
 @pytest.fixture

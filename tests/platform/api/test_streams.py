@@ -17,43 +17,29 @@ import threading
 import pytest
 from asgiref.sync import sync_to_async
 
-from api.gateway import GATEWAY
-from api.limits import LimitExceeded, key_admission
 from api.models import Usage
 from engines.wire import client as engine_client
-from engines.wire.client import write_connection_file
 from engines.wire.requests import GenerateRequest
-from routing.select import EngineStatus, ModelRoute, Snapshot, SnapshotCache
-from tests.engines.conftest import start_engine
-from tests.engines.test_generation import gguf_spec
 from tests.factories import ApiKeyFactory
-from tests.platform.api.test_limits import GatedCache, redis_cache  # noqa: F401
+from tests.platform.api.chat_front import (
+    CHAT,
+    DEADLINE_S,
+    ENGINE,
+    ESSAY,
+    chat_engine,
+    chat_scope,
+    engine_idle,
+    routed_to,
+    slot_free,
+    within,
+)
+from tests.platform.api.limit_checks import GatedRedis
 from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-CHAT = "smollm2-135m-instruct"
-ENGINE = "streams0"
-DEADLINE_S = 30
-ESSAY = "Write a very long essay."
 # About 330 tokens: the engine takes a while over it before the first token.
 LONG_PROMPT = " ".join(["The harbour is quiet tonight."] * 50)
-
-
-def chat_engine(log_dir, **limits):
-    return start_engine(
-        log_dir,
-        models=[
-            gguf_spec(
-                CHAT,
-                "SmolLM2-135M-Instruct.Q4_1.gguf",
-                slots=1,
-                context_overflow="drop_oldest",
-            )
-        ],
-        preload=[CHAT],
-        limits=limits,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -64,69 +50,9 @@ def engine(tmp_path_factory):
     engine.stop()
 
 
-def routed_to(engine, run_dir, settings, monkeypatch):
-    """The front's API handler, its requests routed to this engine: the
-    engine's connection file in a run dir of the test's, and a snapshot in
-    which it is up and serves the chat model."""
-    write_connection_file(run_dir, name=ENGINE, port=engine.port, token=engine.token)
-    settings.RUN_DIR = run_dir
-    snapshot = Snapshot(
-        engines={
-            ENGINE: EngineStatus(
-                ENGINE, "cpu", frozenset({"gguf"}), up=True, resident=frozenset({CHAT})
-            )
-        },
-        models={CHAT: ModelRoute(CHAT, "gguf", task="chat")},
-    )
-    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(lambda: snapshot))
-    from roundhouse.asgi import api_application
-
-    return api_application
-
-
 @pytest.fixture
 def front(engine, tmp_path, settings, monkeypatch):
     return routed_to(engine, tmp_path, settings, monkeypatch)
-
-
-def chat_scope(key: str, payload: bytes) -> dict:
-    """The ASGI scope of a POST /v1/chat/completions with this key and body, as
-    uvicorn hands it to the app."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"content-type", b"application/json"),
-            (b"authorization", f"Bearer {key}".encode()),
-            (b"content-length", str(len(payload)).encode()),
-        ],
-        "client": ("10.0.0.9", 40000),
-        "server": ("127.0.0.1", 8000),
-    }
-
-
-def long_chat() -> list[dict]:
-    """Sixteen question/answer turns and a last question: more than the
-    engine's 512-token context."""
-    messages = []
-    for n in range(16):
-        messages.append({"role": "user", "content": f"Tell me fact {n} about tides."})
-        messages.append(
-            {
-                "role": "assistant",
-                "content": f"Fact {n}: " + "tides rise and fall. " * 4,
-            }
-        )
-    messages.append({"role": "user", "content": "And the last fact?"})
-    return messages
 
 
 class Caller:
@@ -184,42 +110,12 @@ class Caller:
         return [e.removeprefix("data: ") for e in text.split("\n\n") if e]
 
 
-async def within(awaitable):
-    return await asyncio.wait_for(awaitable, DEADLINE_S)
-
-
-async def slot_free(key) -> None:
-    """Wait until the key (max_concurrent 1) is admitted again."""
-
-    async def admitted() -> bool:
-        try:
-            async with key_admission(key):
-                return True
-        except LimitExceeded:
-            return False
-
-    await await_for(admitted, timeout=DEADLINE_S, what="the key's slot back")
-
-
 async def usage_row(key) -> Usage:
     """The key's usage row, once the writer has stored it."""
     return await await_for(
         lambda: Usage.objects.filter(key_id=key.pk).afirst(),
         timeout=DEADLINE_S,
         what="the key's usage row",
-    )
-
-
-async def engine_idle(engine) -> None:
-    """Wait until the engine has no request of the model, running or queued."""
-
-    def idle() -> bool:
-        models = engine.client().state().models
-        model = next(m for m in models if m.name == CHAT)
-        return model.busy == 0 and model.queued == 0
-
-    await await_for(
-        lambda: asyncio.to_thread(idle), timeout=DEADLINE_S, what="the engine idle"
     )
 
 
@@ -367,15 +263,12 @@ async def test_hang_up_mid_stream_records_the_tokens_sent(front, engine):
 
 async def test_hang_up_while_waiting_for_admission(
     front,
-    redis_cache,  # noqa: F811
+    redis_limits,
     monkeypatch,
 ):
     """With the limits in Redis, the caller goes away while its slot is being
     counted (in a thread): the count runs on, and is given back."""
-    from api import limits
-
-    gated = GatedCache(redis_cache)
-    monkeypatch.setattr(limits, "cache", gated)
+    gated = GatedRedis(monkeypatch)
     key = await stream_key()
     caller = Caller(key.plaintext)
     answering = asyncio.create_task(front(caller.scope, caller.receive, caller.send))

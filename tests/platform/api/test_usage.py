@@ -1,16 +1,15 @@
 """Usage rows: one per request, queued by the views and written in batches by
 the background writer, which loses none to a database that fails for a moment."""
 
-import contextlib
-
 import pytest
 from django.core.exceptions import ValidationError
-from django.db import connection, transaction
+from django.db import connection
 
 from api import metrics
 from api.models import ApiKey, Usage
 from api.usage import USAGE_WRITER, UsageWriter, usage_build, usage_enqueue
 from tests.factories import ApiKeyFactory
+from tests.platform.api.usage_lock import usage_table_locked
 from tests.waiting import wait_for
 
 transactional = pytest.mark.django_db(transaction=True)
@@ -133,23 +132,6 @@ def impatient_writer(monkeypatch):
     writer.RETRY_DELAYS_S = (0.02,) * 5000  # until the test lets it write
     yield writer
     writer.close()
-
-
-@contextlib.contextmanager
-def usage_table_locked():
-    """Hold the write lock on the usage table: a real lock in the real
-    database, which other connections' INSERTs wait for, then fail on."""
-    with transaction.atomic():
-        if connection.vendor == "sqlite":
-            # The first write of a transaction takes the database's write lock.
-            Usage.objects.filter(pk=-1).update(status=0)
-            Usage.objects.create(model="lock", endpoint="embeddings", status=0)
-        else:
-            with connection.cursor() as cursor:
-                table = Usage._meta.db_table
-                cursor.execute(f"LOCK TABLE {table} IN EXCLUSIVE MODE")
-        yield
-        transaction.set_rollback(True)
 
 
 def row(model: str) -> Usage:

@@ -5,25 +5,8 @@ from django.urls import reverse
 
 from batches import services
 from batches.models import Batch
-from tests.factories import ApiKeyFactory
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def batch(settings, tmp_path):
-    settings.ROUNDHOUSE_FILES_DIR = tmp_path
-    key = ApiKeyFactory()
-    stored = services.file_store(
-        key=key, chunks=[b"{}\n" * 1000], filename="in.jsonl", purpose="batch"
-    )
-    return services.batch_create(
-        key=key,
-        input_file_id=stored.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata=None,
-    )
 
 
 def test_the_list_shows_progress(admin_client, batch):

@@ -19,9 +19,9 @@ from catalog.models import ModelConfig
 from engines.wire.client import write_connection_file
 from fleet.models import EngineSpec, EngineState
 from tests.engines.conftest import start_engine
+from tests.engines.generating import SMOL, gguf_spec
 from tests.factories import ApiKeyFactory
 from tests.platform.api.conftest import close_background_connections
-from tests.platform.api.test_engine_retry import CHAT, smol_spec
 from tests.platform.batches.jobs import chat_line, jsonl
 from tests.waiting import wait_for
 
@@ -44,12 +44,18 @@ def replicas(settings, tmp_path):
     killed), recorded up and fresh as their supervisor would."""
     settings.RUN_DIR = tmp_path
     settings.ROUNDHOUSE_FILES_DIR = tmp_path
-    spec = smol_spec() | {"sampling": {"ignore_eos": True}}
-    engines = [start_engine(tmp_path, models=[spec], preload=[CHAT]) for _ in "ab"]
+    spec = gguf_spec(
+        SMOL,
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        context_length=2048,
+        slots=1,
+        sampling={"ignore_eos": True},
+    )
+    engines = [start_engine(tmp_path, models=[spec], preload=[SMOL]) for _ in "ab"]
     ModelConfig.objects.all().delete()  # the seeded catalog and engines
     EngineSpec.objects.all().delete()
     ModelConfig.objects.create(
-        name=CHAT,
+        name=SMOL,
         format="gguf",
         task="chat",
         path="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -66,7 +72,7 @@ def replicas(settings, tmp_path):
             port=engine.port,
             started_at=now,
             heartbeat_at=now,
-            resident_models=[{"name": CHAT}],
+            resident_models=[{"name": SMOL}],
         )
         write_connection_file(tmp_path, name=name, port=engine.port, token=engine.token)
     yield engines
@@ -80,7 +86,7 @@ def test_a_line_whose_engine_died_serving_it_fails_and_is_not_retried(replicas):
     line was tried again, reached rb and was answered)."""
     a, b = replicas
     key = ApiKeyFactory()
-    line = chat_line("poison", "Tell a long tale.", model=CHAT, max_tokens=2000)
+    line = chat_line("poison", "Tell a long tale.", model=SMOL, max_tokens=2000)
     stored = services.file_store(
         key=key, chunks=[jsonl([line])], filename="in.jsonl", purpose="batch"
     )

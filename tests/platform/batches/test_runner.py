@@ -3,14 +3,16 @@ before it starts (batches.runner, in this process, on the test database;
 the runs that answer lines are in test_batch_api and test_batch_limits)."""
 
 import asyncio
+import socket
 
 import pytest
 from django import db
 
 from api.selectors import in_db_thread
+from api.usage import USAGE_WRITER
 from batches import runner, services
 from batches.models import BatchLine
-from tests.factories import ApiKeyFactory
+from tests.factories import ApiKeyFactory, ModelConfigFactory
 from tests.platform.batches.jobs import chat_line, jsonl
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -68,3 +70,35 @@ def test_a_deleted_keys_batch_fails_at_its_run(batch):
     assert batch.status == "failed"
     assert batch.errors[0]["code"] == "key_deleted"
     assert not BatchLine.objects.exists()
+
+
+def test_a_limited_keys_lines_are_not_500s_when_redis_is_down(settings, tmp_path):
+    """With Redis stopped, a limited key's lines are admitted on the limits
+    counted in this process and go on as usual: here to `no_engine` (no
+    engine runs), never to a 500 `internal` error line (control: before, the
+    ConnectionError of admission failed every line as a 500)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    settings.REDIS_URL = f"redis://127.0.0.1:{port}/0"
+    settings.ROUNDHOUSE_FILES_DIR = tmp_path
+    settings.ROUNDHOUSE_BATCH_RETRY_S = 0.0
+    model = ModelConfigFactory()
+    key = ApiKeyFactory(rpm_limit=100, max_concurrent=2)
+    lines = [chat_line(f"q{n}", "Hi", model=model.name) for n in range(3)]
+    stored = services.file_store(
+        key=key, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch"
+    )
+    batch = services.batch_create(
+        key=key,
+        input_file_id=stored.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=None,
+    )
+    runner.run_batch(batch.id)
+    USAGE_WRITER.close()  # the lines' usage rows, written before the key goes
+    answers = [line.record["response"] for line in BatchLine.objects.all()]
+    assert len(answers) == 3
+    assert {answer["status_code"] for answer in answers} == {503}
+    assert {answer["body"]["error"]["code"] for answer in answers} == {"no_engine"}

@@ -8,7 +8,7 @@ from pathlib import Path
 from django.urls import reverse
 
 from catalog.models import ModelConfig
-from tests.platform.catalog.test_admin import model_post
+from tests.platform.catalog.model_form import model_post
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -8,11 +8,11 @@ import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from django.db import connections
 
+from tests.platform.api.chat_front import chat_engine, routed_to
 from tests.platform.api.conftest import (  # noqa: F401 - an autouse fixture
     close_background_connections,
     empty_cache,
 )
-from tests.platform.api.test_streams import chat_engine, routed_to
 
 
 @pytest.fixture(autouse=True)

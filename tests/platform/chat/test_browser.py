@@ -5,34 +5,21 @@ a real engine serving SmolLM2), as a person uses them.
 Without /usr/bin/chromium these tests are skipped, unless
 ROUNDHOUSE_REQUIRE_BROWSER is set (CI sets it, and installs chromium)."""
 
-import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
-from django.db import connections
+from playwright.sync_api import expect
 
 from api.models import Usage
 from chat.models import Conversation, Message
 from fleet.models import EngineState
-from tests.conftest import ROOT
 from tests.platform import live_platform
+from tests.platform.chat import browser as chromium
+from tests.platform.chat.browser import TIMEOUT_MS, answer, restart_front, sampling
 from tests.platform.live_platform import CHAT, ENGINE
 from tests.waiting import wait_for
-
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    if os.environ.get("ROUNDHOUSE_REQUIRE_BROWSER"):
-        raise RuntimeError("ROUNDHOUSE_REQUIRE_BROWSER is set but chromium is missing")
-    pytest.skip("no /usr/bin/chromium (apt install chromium)", allow_module_level=True)
-
-from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 # The live platform of the API tests (one engine serving SmolLM2 and MiniLM),
 # started once for this module too.
@@ -40,67 +27,8 @@ database = live_platform.database
 models_dir_path = live_platform.models_dir_path
 live = live_platform.live
 orm = live_platform.orm
-
-PASSWORD = "browser-test-password"
-TIMEOUT_MS = 60_000
-
-
-@pytest.fixture(scope="module")
-def browser(live):
-    """Chromium, once the platform runs. Playwright's sync API runs an event
-    loop in this thread, under which Django refuses ORM calls unless told
-    that this thread's calls are safe (they are: the loop is Playwright's
-    and never runs Django code)."""
-    allowed = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-        )
-        yield chromium
-        chromium.close()
-    if allowed is None:
-        del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
-    else:
-        os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = allowed
-
-
-@pytest.fixture
-def page(browser, live, orm):
-    """A browser page logged in as a new staff user."""
-    user = get_user_model().objects.create_user(
-        f"person{get_user_model().objects.count()}",
-        password=PASSWORD,
-        is_staff=True,
-    )
-    context = browser.new_context()
-    context.set_default_timeout(TIMEOUT_MS)
-    page = context.new_page()
-    page.goto(f"{live.base_url}/chat/")
-    expect(page).to_have_url(re.compile(r"/accounts/login/"))
-    page.fill("input[name=username]", user.username)
-    page.fill("input[name=password]", PASSWORD)
-    page.click("button[type=submit]")
-    expect(page).to_have_url(re.compile(r"/chat/$"))
-    page.user = user
-    yield page
-    context.close()
-    get_user_model().objects.filter(username__startswith="person").delete()
-    get_user_model().objects.filter(username="someone-else").delete()
-    # Under Playwright's running loop the ORM keeps this test's connection in
-    # a context of its own, which the test database's teardown cannot see:
-    # closed here, or PostgreSQL refuses to drop the database.
-    connections.close_all()
-
-
-def sampling(page, **fields) -> None:
-    """Set sampling fields, opening their section as a person would."""
-    if not page.locator("#settings details").evaluate("details => details.open"):
-        page.click("#settings summary")
-    for name, value in fields.items():
-        page.fill(f"#{name}", str(value))
+browser = chromium.browser
+page = chromium.page
 
 
 def usage_written(page, count: int) -> None:
@@ -112,10 +40,6 @@ def usage_written(page, count: int) -> None:
         timeout=30,
         what=f"{count} usage rows written",
     )
-
-
-def answer(page, index: int):
-    return page.locator(".message.assistant").nth(index)
 
 
 def test_chat_streams_stops_regenerates_and_comes_back(page, live):
@@ -202,7 +126,7 @@ def test_chat_reconnects_after_the_socket_drops(page, live):
     """The front restarts under the page: the page says it is disconnected,
     reconnects by itself, and the next message is answered."""
     expect(page.locator("#connection")).to_have_text("connected")
-    front = _restart_front(live)
+    front = restart_front(live)
     try:
         expect(page.locator("#connection")).to_contain_text("reconnecting")
         expect(page.locator("#connection")).to_have_text("connected")
@@ -217,28 +141,6 @@ def test_chat_reconnects_after_the_socket_drops(page, live):
         usage_written(page, 1)
     finally:
         live.front_pid = front.pid
-
-
-def _restart_front(live) -> subprocess.Popen:
-    """Stop the live front and start another on its port, as before."""
-    os.kill(live.front_pid, signal.SIGTERM)
-    wait_for(lambda: not _listening(live), timeout=30, what="the front stopped")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "roundhouse.serve", "--port", str(live.port)],
-        cwd=ROOT,
-        env={**os.environ, **live.env},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    live.processes.append(process)
-    return process
-
-
-def _listening(live) -> bool:
-    import socket
-
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", live.port)) == 0
 
 
 def test_dashboard_shows_the_engine_and_restarts_it(page, live):

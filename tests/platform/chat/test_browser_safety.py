@@ -20,8 +20,8 @@ from playwright.sync_api import expect
 from api.models import Usage
 from chat.models import Conversation, Message
 from tests.platform import live_platform
-from tests.platform.chat import test_browser
-from tests.platform.chat.test_browser import _restart_front, answer, sampling
+from tests.platform.chat import browser as chromium
+from tests.platform.chat.browser import answer, restart_front, sampling
 from tests.platform.live_platform import CHAT, ENGINE
 from tests.waiting import wait_for
 
@@ -31,8 +31,8 @@ database = live_platform.database
 models_dir_path = live_platform.models_dir_path
 live = live_platform.live
 orm = live_platform.orm
-browser = test_browser.browser
-page = test_browser.page
+browser = chromium.browser
+page = chromium.page
 
 # A 1x1 transparent GIF, as a data: URL (the one kind of image kept).
 PIXEL = "data:image/gif;base64,R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7"
@@ -260,7 +260,7 @@ def test_a_turn_interrupted_by_a_dropped_socket_is_stored_once(page, live):
     expect(first.locator(".body")).not_to_be_empty()
     sampling(page, max_tokens=8)  # the resend is short
     old = next(p for p in live.processes if p.pid == live.front_pid)
-    front = _restart_front(live)
+    front = restart_front(live)
     try:
         # The old front has closed the socket and exited: the interrupted
         # stream ended there (its usage row says the client went away), and

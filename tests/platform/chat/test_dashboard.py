@@ -11,61 +11,24 @@ from channels.layers import channel_layers
 from django.contrib.admin.models import LogEntry
 from django.test import AsyncClient
 
-from catalog.models import ModelConfig
-from fleet.models import EngineSpec, EngineState
-from tests.factories import EngineSpecFactory
-from tests.platform.api.test_streams import CHAT
-from tests.platform.chat.test_websocket import Socket, session_cookie
-from tests.platform.test_staff_permissions import CHANGE, staff_member
+from fleet.models import EngineState
+from tests.platform.api.chat_front import CHAT
+from tests.platform.chat.dashboard import (
+    fleet_message,
+    fleet_rows,
+    next_notice,
+    staff_socket,
+)
+from tests.platform.chat.sockets import Socket, session_cookie
+from tests.platform.staff import CHANGE, staff_member
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _fleet_rows() -> EngineSpec:
-    spec = EngineSpecFactory(name="streams0")
-    EngineState.objects.create(
-        spec=spec,
-        status="ready",
-        pid=4242,
-        resident_models=[{"name": CHAT, "memory_mib": 180.0}],
-        temperatures=[{"device": "CPU", "celsius": 48.0}],
-        memory_mib=512.0,
-        tokens_generated=10,
-    )
-    ModelConfig.objects.update_or_create(
-        name=CHAT,
-        defaults={
-            "format": "gguf",
-            "task": "chat",
-            "path": "SmolLM2-135M-Instruct.Q4_1.gguf",
-        },
-    )
-    return spec
-
-
-async def staff_socket(app, username="ops") -> Socket:
-    _, session = await sync_to_async(session_cookie)(username, staff=True)
-    socket = Socket(
-        app,
-        path="/ws/dashboard/",
-        headers=[(b"cookie", f"sessionid={session}".encode())],
-    )
-    assert await socket.open()
-    return socket
-
-
-async def fleet_message(socket: Socket, check=lambda fleet: True) -> dict:
-    """The next `fleet` message whose fleet passes `check`."""
-    while True:
-        message = await socket.receive()
-        if message["type"] == "fleet" and check(message["fleet"]):
-            return message
 
 
 async def test_page_is_for_staff_only(engine):
     """Anonymous and non-staff visitors are sent to log in; staff get the
     page with the fleet in it."""
-    await sync_to_async(_fleet_rows)()
+    await sync_to_async(fleet_rows)()
     client = AsyncClient()
     assert (await client.get("/dashboard/")).status_code == 302
     user, _ = await sync_to_async(session_cookie)("visitor")
@@ -93,7 +56,7 @@ async def test_live_updates_reach_the_dashboard(socket_app, settings, layer):
             }
         }
         await sync_to_async(channel_layers.backends.clear)()
-    spec = await sync_to_async(_fleet_rows)()
+    spec = await sync_to_async(fleet_rows)()
     socket = await staff_socket(socket_app)
     first = await fleet_message(socket)
     (engine,) = first["fleet"]["engines"]
@@ -132,7 +95,7 @@ async def test_orders_need_csrf_and_are_recorded_and_carried_out(socket_app, eng
     models: refused without the CSRF token; with it, recorded in the admin's
     history, the restart asked of the supervisor, and the unload and load
     carried out by the engine, every dashboard told how it went."""
-    spec = await sync_to_async(_fleet_rows)()
+    spec = await sync_to_async(fleet_rows)()
     staff = await sync_to_async(staff_member)("chief", CHANGE)
     client = AsyncClient(enforce_csrf_checks=True)
     await client.aforce_login(staff)
@@ -150,7 +113,7 @@ async def test_orders_need_csrf_and_are_recorded_and_carried_out(socket_app, eng
     await fleet_message(socket)
     unloaded = await client.post(url + "unload/", {"model": CHAT}, headers=csrf)
     assert unloaded.status_code == 202
-    notice = await _notice(socket)
+    notice = await next_notice(socket)
     assert notice == {
         "type": "notice",
         "text": f"Unloaded {CHAT} from streams0.",
@@ -161,7 +124,7 @@ async def test_orders_need_csrf_and_are_recorded_and_carried_out(socket_app, eng
 
     loaded = await client.post(url + "load/", {"model": CHAT}, headers=csrf)
     assert loaded.status_code == 202
-    notice = await _notice(socket)
+    notice = await next_notice(socket)
     assert notice["text"].startswith(f"Loaded {CHAT} on streams0 (")
     models = (await asyncio.to_thread(engine.client().state)).models
     assert CHAT in [m.name for m in models]
@@ -175,10 +138,3 @@ async def test_orders_need_csrf_and_are_recorded_and_carried_out(socket_app, eng
         "Load on engine streams0 ordered from the dashboard.",
     ]
     await socket.close()
-
-
-async def _notice(socket: Socket) -> dict:
-    while True:
-        message = await socket.receive()
-        if message["type"] == "notice":
-            return message

@@ -9,14 +9,14 @@ from django.contrib.admin.models import LogEntry
 from django.test import AsyncClient
 
 from catalog.models import ModelConfig
-from tests.platform.api.test_streams import CHAT
-from tests.platform.chat.test_dashboard import (
-    _fleet_rows,
-    _notice,
+from tests.platform.api.chat_front import CHAT
+from tests.platform.chat.dashboard import (
     fleet_message,
+    fleet_rows,
+    next_notice,
     staff_socket,
 )
-from tests.platform.test_staff_permissions import CHANGE, VIEW, staff_member
+from tests.platform.staff import CHANGE, VIEW, staff_member
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,7 +35,7 @@ async def test_orders_need_their_permissions(socket_app, engine):
     each needs, and change and record nothing; the page tells its script to
     show none of those buttons. An operator's restart and load are taken
     (the control), and the page shows the buttons."""
-    spec = await sync_to_async(_fleet_rows)()
+    spec = await sync_to_async(fleet_rows)()
     viewer = await logged_in("viewer", VIEW)
     for order, needed in [
         ("restart/", "fleet.change_enginespec"),
@@ -61,7 +61,7 @@ async def test_orders_need_their_permissions(socket_app, engine):
     await fleet_message(socket)
     loaded = await operator.post(URL + "load/", {"model": CHAT})
     assert loaded.status_code == 202
-    assert (await _notice(socket))["text"].startswith(f"Loaded {CHAT} on streams0")
+    assert (await next_notice(socket))["text"].startswith(f"Loaded {CHAT} on streams0")
     await socket.close()
 
 
@@ -69,7 +69,7 @@ async def test_a_disabled_model_is_never_loaded(socket_app, engine):
     """Even a load of a disabled model by one who may load is refused (400, saying it
     is disabled) and nothing is recorded; enabled again, the same order is
     taken (the control)."""
-    await sync_to_async(_fleet_rows)()
+    await sync_to_async(fleet_rows)()
     await ModelConfig.objects.filter(name=CHAT).aupdate(enabled=False)
     chief = await logged_in("chief", [*VIEW, *CHANGE])
     refused = await chief.post(URL + "load/", {"model": CHAT})
@@ -83,5 +83,5 @@ async def test_a_disabled_model_is_never_loaded(socket_app, engine):
     socket = await staff_socket(socket_app, "watcher")
     await fleet_message(socket)
     assert (await chief.post(URL + "load/", {"model": CHAT})).status_code == 202
-    assert (await _notice(socket))["text"].startswith(f"Loaded {CHAT}")
+    assert (await next_notice(socket))["text"].startswith(f"Loaded {CHAT}")
     await socket.close()

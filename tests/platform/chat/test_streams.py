@@ -7,8 +7,8 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from chat.models import Conversation, Message
-from tests.platform.api.test_streams import DEADLINE_S, ESSAY
-from tests.platform.chat.test_websocket import Socket, chat, session_cookie
+from tests.platform.api.chat_front import DEADLINE_S, ESSAY
+from tests.platform.chat.sockets import Socket, chat, session_cookie
 from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)

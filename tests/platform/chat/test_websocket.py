@@ -3,15 +3,11 @@ session auth, URL routes: roundhouse.asgi's websocket application), driven by
 Channels' WebsocketCommunicator, answered by a real engine serving SmolLM2
 with one slot: a second stream waits in its queue."""
 
-import asyncio
 import dataclasses
 import json
 
 import pytest
 from asgiref.sync import sync_to_async
-from channels.testing import WebsocketCommunicator
-from django.contrib.auth import get_user_model
-from django.test import Client
 
 from api.gateway import GATEWAY
 from api.models import ApiKey, Usage
@@ -20,73 +16,18 @@ from chat.consumers import ChatConsumer
 from chat.models import Conversation, Message
 from routing.select import SnapshotCache
 from tests.factories import ApiKeyFactory, ModelConfigFactory
-from tests.platform.api.test_streams import (
+from tests.platform.api.chat_front import (
     CHAT,
     DEADLINE_S,
     ESSAY,
     engine_idle,
     long_chat,
     slot_free,
-    within,
 )
+from tests.platform.chat.sockets import Socket, chat, keyed_socket, session_cookie
 from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class Socket:
-    """A client's end of one chat socket."""
-
-    def __init__(self, app, *, path="/ws/chat/", headers=()) -> None:
-        self.communicator = WebsocketCommunicator(app, path, headers=headers)
-
-    async def open(self) -> bool:
-        connected, _ = await self.communicator.connect(timeout=10)
-        return connected
-
-    async def send(self, message: dict | str) -> None:
-        text = message if isinstance(message, str) else json.dumps(message)
-        await self.communicator.send_to(text_data=text)
-
-    async def receive(self) -> dict:
-        output = await within(self.communicator.receive_output(timeout=30))
-        if output["type"] == "websocket.close":
-            return {**output, "type": "closed"}
-        return json.loads(output["text"])
-
-    async def until(self, kind: str, stream_id: str | None = None) -> list[dict]:
-        """Messages up to and including the first of this type (and id)."""
-        seen = []
-        while True:
-            message = await self.receive()
-            seen.append(message)
-            if message["type"] == kind and (
-                stream_id is None or message.get("id") == stream_id
-            ):
-                return seen
-
-    async def close(self) -> None:
-        await self.communicator.disconnect()
-
-
-async def keyed_socket(app, key: ApiKey) -> Socket:
-    socket = Socket(app)
-    assert await socket.open()
-    await socket.send({"type": "auth", "key": key.plaintext})
-    assert (await socket.receive()) == {"type": "ready", "key": key.name}
-    return socket
-
-
-def chat(stream_id: str, content: str = "Name a colour.", **extra) -> dict:
-    params = extra.pop("params", {"max_tokens": 8, "temperature": 0})
-    return {
-        "type": "chat",
-        "id": stream_id,
-        "model": CHAT,
-        "messages": [{"role": "user", "content": content}],
-        "params": params,
-        **extra,
-    }
 
 
 async def usage_of(**filters) -> Usage:
@@ -255,16 +196,6 @@ async def test_closed_socket_cancels_its_streams_in_the_engine(socket_app, engin
     assert row.completion_tokens >= 1
 
 
-def session_cookie(username: str, *, staff: bool = False) -> tuple[object, str]:
-    """A new user (staff if asked) and the id of a session logged in as it."""
-    user = get_user_model().objects.create_user(
-        username, password="pw-not-real", is_staff=staff
-    )
-    client = Client()
-    client.force_login(user)
-    return user, client.cookies["sessionid"].value
-
-
 async def test_session_user_chats_and_owns_the_conversation(socket_app, engine):
     """A logged-in browser (session cookie, its own origin): ready at once;
     the usage row and the conversation are the user's; a later turn continues
@@ -334,7 +265,8 @@ async def test_a_refused_stream_refreshes_the_fleet_snapshot(socket_app, monkeyp
     monkeypatch.setattr(GATEWAY, "cache", cache)
     cache.get()
     current["snapshot"] = up  # the engine is back; the front has not looked
-    await asyncio.sleep(0.1)  # the snapshot in memory is stale, not too old
+    # The snapshot in memory stale (older than max_age_s), not too old.
+    await await_for(lambda: cache.fresh() is None, what="the snapshot stale")
     key = await sync_to_async(ApiKeyFactory)()
     socket = await keyed_socket(socket_app, key)
     await socket.send(chat("while-down"))

@@ -18,8 +18,8 @@ from api.models import UserLimitOverride, UserLimits
 from api.selectors import user_allowance
 from tests.factories import ApiKeyFactory
 from tests.platform.api import conftest as api_conftest
-from tests.platform.api.test_streams import DEADLINE_S, ESSAY, engine_idle
-from tests.platform.chat.test_websocket import Socket, chat, keyed_socket
+from tests.platform.api.chat_front import DEADLINE_S, ESSAY, engine_idle
+from tests.platform.chat.sockets import Socket, chat, keyed_socket
 from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)

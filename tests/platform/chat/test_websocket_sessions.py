@@ -13,8 +13,8 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from chat.consumers import ChatConsumer
-from tests.platform.api.test_streams import ESSAY, engine_idle, within
-from tests.platform.chat.test_websocket import Socket, chat
+from tests.platform.api.chat_front import ESSAY, engine_idle, within
+from tests.platform.chat.sockets import Socket, chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

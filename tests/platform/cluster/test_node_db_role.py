@@ -7,6 +7,7 @@ supervisor joins, beats, runs an engine and records a measurement with the
 role alone. PostgreSQL only: roles and row-level security are PostgreSQL's
 (cluster mode needs it). Each role is named for its test run and dropped."""
 
+import importlib
 import io
 import json
 import os
@@ -18,6 +19,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+from django.apps import apps as django_apps
 from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 from django.utils import timezone
@@ -198,6 +200,10 @@ def test_a_node_role_writes_its_own_rows_and_nothing_else(two_nodes, drop_roles)
             "WHERE name = 'served'",
             [],
         ),
+        "a catalog model's file digests (to pass planted files)": (
+            "UPDATE catalog_modelconfig SET file_digests = %s WHERE name = 'served'",
+            [json.dumps({"": "a" * 64})],
+        ),
         "a catalog model's replicas": (
             "UPDATE catalog_modelconfig SET replicas = 9 WHERE name = 'served'",
             [],
@@ -217,7 +223,8 @@ def test_a_node_role_writes_its_own_rows_and_nothing_else(two_nodes, drop_roles)
             outcome(
                 cursor,
                 "UPDATE cluster_node SET last_heartbeat = now(), hardware = %s, "
-                "copies = '{}' WHERE name = 'a' AND revoked_at IS NULL",
+                "copies = '{}', loop_errors = '{}' WHERE name = 'a' "
+                "AND revoked_at IS NULL",
                 [json.dumps({"cores": 2})],
             )
             == "1 rows"
@@ -466,3 +473,24 @@ def test_a_supervisor_runs_on_its_node_role_alone(
     assert "row-level security" not in text
     assert "database unavailable" not in text, text
     assert node.last_heartbeat > timezone.now() - timedelta(minutes=10)
+
+
+def test_the_reaches_migration_grants_the_column_to_existing_node_roles(
+    two_nodes, drop_roles
+):
+    """A node role made before the heartbeat wrote `reaches` may write it once
+    the migration that added it ran (no `--grant-all` needed for the
+    upgrade). Control: the role without that grant is refused the write."""
+    role = role_name()
+    drop_roles.append(role)
+    url = make_role("a", role)
+    write = "UPDATE cluster_node SET reaches = '{\"b\": 0}' WHERE name = 'a'"
+    with connection.cursor() as cursor:  # the role as an older version made it
+        cursor.execute(f'REVOKE UPDATE (reaches) ON cluster_node FROM "{role}"')
+    with psycopg.connect(url, autocommit=True) as node_db:
+        assert outcome(node_db.cursor(), write) == "refused"
+    migration = importlib.import_module("cluster.migrations.0005_node_reaches")
+    with connection.schema_editor() as editor:
+        migration.grant_to_node_roles(django_apps, editor)
+    with psycopg.connect(url, autocommit=True) as node_db:
+        assert outcome(node_db.cursor(), write) == "1 rows"

@@ -282,3 +282,30 @@ def test_a_nodes_model_copies_show_on_its_page(admin_client):
     node_heartbeat(identity=identity, copies={})
     page = admin_client.get(reverse("admin:cluster_node_change", args=[node.pk]))
     assert "45 of 100 MiB" not in page.content.decode()  # control: gone when done
+
+
+@postgres_only
+def test_link_proofs_name_only_the_nodes_that_opened_the_links():
+    """What a relay rechecks its links against each heartbeat
+    (node_link_proofs): a joined node's proof is what its link was opened
+    with; revoked, deleted and joined-again nodes no longer match (control:
+    the proof before each change matched)."""
+    from cluster.selectors import node_link_proofs
+    from engines.wire.link_relay import link_proof
+
+    identities = {}
+    for name, address in (("p1", "10.0.1.1"), ("p2", "10.0.1.2"), ("p3", "10.0.1.3")):
+        node, token = node_create(name=name, address=address)
+        identities[name] = (node, node_join(name=name, join_token=token))
+    opened = {
+        name: link_proof(identity.secret) for name, (_, identity) in identities.items()
+    }
+    assert node_link_proofs(set(opened)) == opened
+    node_revoke(node=identities["p1"][0])
+    identities["p2"][0].delete()
+    Node.objects.filter(name="p3").delete()
+    node, token = node_create(name="p3", address="10.0.1.3")
+    node_join(name="p3", join_token=token)
+    now = node_link_proofs(set(opened))
+    assert "p1" not in now and "p2" not in now
+    assert now["p3"] != opened["p3"]

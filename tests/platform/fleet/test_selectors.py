@@ -56,7 +56,7 @@ def test_heartbeats_are_aged_by_the_database_clock_not_a_hosts(monkeypatch):
 
 
 def test_the_configuration_the_supervisor_writes_is_what_the_engine_reads():
-    """Built through engines/launch/config.py's dataclasses from the rows (catalog
+    """Built through engines/launch/config.py's schemas from the rows (catalog
     models with their measured memory, sampling and template, limits, thermal
     overrides, devices, cores), it reads back unchanged with the engine's
     strict reader."""

@@ -263,6 +263,10 @@ def test_host_ram_cap_evicts_the_least_recently_used_idle_model(fleet):
     fleet.start()
     fleet.ready("cpu0"), fleet.ready("cpu1")
     fleet.client("cpu0").call("load", model=EMBEDDER)  # used first: evicted first
+    # Time is the condition: the supervisor ranks idle models by the idle_s
+    # each engine reported at its last state poll (once a second per engine,
+    # not at the same moment), so the embedder must have been idle longer than
+    # SmolLM by more than the poll interval for the order to show in the polls.
     time.sleep(1.5)
     fleet.client("cpu1").generate(
         GenerateRequest(model="smollm2-135m-instruct", prompt="Hello", max_tokens=2)

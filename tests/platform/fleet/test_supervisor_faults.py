@@ -13,7 +13,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from catalog.models import ModelConfig
-from engines.launch.config import CONFIG_FILE_ENV
+from engines.launch.environment import CONFIG_FILE_ENV
 from engines.wire.client import EngineError, connection_file, write_connection_file
 from engines.wire.requests import GenerateRequest
 from fleet.models import EngineSpec, ServerSettings

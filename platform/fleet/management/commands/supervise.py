@@ -91,3 +91,5 @@ class Command(BaseCommand):
             supervisor.run()
         finally:
             supervisor.shutdown()
+        if supervisor.exit_code is not None:  # a loop thread stopped
+            raise SystemExit(supervisor.exit_code)

@@ -1,0 +1,137 @@
+"""A node's own links to the other nodes' relays, made again each heartbeat
+by its supervisor (membership.py), to learn which peers it reaches: what it
+writes with its heartbeat (`reaches`: how long each link has failed; the
+cluster takes a node every other node fails to link to for unreachable,
+cluster/selectors.py), and, through a database outage, whether the outage is
+everyone's (cluster/peers_reached.py).
+
+The links are kept open between heartbeats (their keepalive notices a silent
+peer within LINK_DEAD_S), so a heartbeat costs a connection only for a peer
+whose link was lost. The rounds run on the relay's event loop, every
+heartbeat period whether the database answers or not; the heartbeat thread
+hands in the peers of its last view and reads `reckoning`, each replaced
+whole.
+"""
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from cluster.peers_reached import PeersReached
+from engines.wire.link import LinkRefused
+from engines.wire.link_client import LinkPool, Peer
+
+from .loop_errors import LoopErrors
+
+# A round waits this long at most for a peer's link (connect, TLS, hello):
+# under a heartbeat, so one round's peers are all tried before the next.
+TRY_S = 1.5
+
+
+@dataclass(frozen=True)
+class Reckoning:
+    """One round's outcome: for each peer tried, how long its link has
+    failed (0: linked now), and of those linked, the ones whose relay said it
+    reaches the database."""
+
+    failing_s: dict[str, float] = field(default_factory=dict)
+    database: frozenset[str] = frozenset()
+    counted: frozenset[str] = frozenset()  # the peers that count (serving)
+
+    def peers_reached(self) -> PeersReached:
+        linked = {
+            name
+            for name in self.counted
+            if name in self.failing_s and self.failing_s[name] == 0
+        }
+        return PeersReached(
+            at=time.monotonic(),
+            peers=len(self.counted),
+            reached=len(linked),
+            database=len(linked & self.database),
+        )
+
+
+class PeerLinks:
+    """want() each heartbeat (from its thread); run() on the relay's loop
+    makes a round every `every_s`, database or not, and hands each
+    reckoning to `reckoned` (also in `reckoning`)."""
+
+    def __init__(self, pool: LinkPool) -> None:
+        self._pool = pool
+        # Peer -> when (time.monotonic()) it was first tried, and last linked.
+        self._first_tried: dict[str, float] = {}
+        self._linked_at: dict[str, float] = {}
+        # The peers of the last view (replaced whole by want()).
+        self._wanted: tuple[tuple[Peer, ...], frozenset[str]] = ((), frozenset())
+        self.reckoning = Reckoning()
+
+    def want(self, peers: list[Peer], counted: set[str]) -> None:
+        """The peers to link to from now on (`counted`: those of them that
+        were serving); kept through a database outage."""
+        self._wanted = (tuple(peers), frozenset(counted))
+
+    async def run(
+        self,
+        every_s: float,
+        reckoned: Callable[[Reckoning], Awaitable[None]],
+        errors: LoopErrors,
+    ) -> None:
+        """Rounds for ever, each starting `every_s` after the last; any
+        error of one round is recorded in `errors` and the next comes."""
+        while True:
+            started = time.monotonic()
+            try:
+                self.reckoning = await self.round(*self._wanted)
+                await reckoned(self.reckoning)
+            except Exception as error:  # noqa: BLE001 - that round alone
+                errors.failed("peer links", error)
+            else:
+                errors.cleared("peer links")
+            await asyncio.sleep(max(every_s - (time.monotonic() - started), 0.1))
+
+    async def round(
+        self, peers: tuple[Peer, ...], counted: frozenset[str]
+    ) -> Reckoning:
+        """Try every peer at once (each for TRY_S at most)."""
+        names = {peer.node for peer in peers}
+        for gone in set(self._first_tried) - names:
+            self._first_tried.pop(gone, None)
+            self._linked_at.pop(gone, None)
+        outcomes = await asyncio.gather(*(self._try(peer) for peer in peers))
+        now = time.monotonic()
+        failing, database = {}, set()
+        for peer, outcome in zip(peers, outcomes, strict=True):
+            if outcome is None:
+                since = max(
+                    self._linked_at.get(peer.node, -float("inf")),
+                    self._first_tried[peer.node],
+                )
+                failing[peer.node] = round(max(now - since, 0.001), 3)
+            else:
+                failing[peer.node] = 0
+                if outcome:
+                    database.add(peer.node)
+        return Reckoning(
+            failing_s=failing, database=frozenset(database), counted=counted
+        )
+
+    async def _try(self, peer: Peer) -> bool | None:
+        """Whether the peer, linked now, reaches the database (None: no link)."""
+        self._first_tried.setdefault(peer.node, time.monotonic())
+        try:
+            link = await asyncio.wait_for(self._pool.link(peer), TRY_S)
+        except (OSError, TimeoutError, LinkRefused):
+            return None
+        except Exception:  # noqa: BLE001 - anything else: not linked, this round
+            return None
+        if not link.alive:
+            return None
+        self._linked_at[peer.node] = time.monotonic()
+        return link.peer_database is not False
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self._pool.close()

@@ -1,0 +1,25 @@
+"""The catalog admin's model form, as the admin posts it."""
+
+
+def model_post(**fields) -> dict:
+    data = {
+        "name": "qwen-test",
+        "format": "gguf",
+        "task": "chat",
+        "path": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "enabled": "on",
+        "engine_pin": "",
+        "replicas": "1",
+        "node_labels": "[]",
+        "avoid_labels": "[]",
+        "context_length": "",
+        "slots": "",
+        "batch_window_ms": "5",
+        "max_batch_size": "64",
+        "keep_alive_s": "300",
+        "sampling": "{}",
+        "chat_template": "",
+        "context_overflow": "refuse",
+    }
+    data.update(fields)
+    return data
