@@ -149,15 +149,26 @@ class Gateway:
     def _load(self) -> Snapshot:
         """Read the fleet (in the loader thread). Heartbeats the supervisor could
         not write during an outage this thread saw end lately are not taken for
-        a dead supervisor: staleness is counted without the outage."""
-        try:
-            snapshot = routing_snapshot(heartbeat_grace_s=self.outages.grace_s())
-        except db.DatabaseError:
-            db.connection.close()  # a broken connection: the next load reconnects
-            self.outages.failed()
-            raise
-        self.outages.worked()
-        return snapshot
+        a dead supervisor: staleness is counted without the outage. A kept
+        connection the server closed is replaced at once, not taken for an
+        outage."""
+        # A connection this thread kept from an earlier load may have been
+        # closed by the server meanwhile (a restart, an idle timeout, a
+        # terminated session): that is tried once more on a new connection
+        # before it counts as the database failing.
+        reused = db.connection.connection is not None
+        while True:
+            try:
+                snapshot = routing_snapshot(heartbeat_grace_s=self.outages.grace_s())
+            except db.DatabaseError:
+                db.connection.close()  # a broken connection: the next try reconnects
+                if reused:
+                    reused = False
+                    continue
+                self.outages.failed()
+                raise
+            self.outages.worked()
+            return snapshot
 
     def _reload(self) -> Snapshot:
         """A load (in the loader thread) whose outcome counts wherever it was

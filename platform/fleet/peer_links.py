@@ -64,6 +64,8 @@ class PeerLinks:
         # Peer -> when (time.monotonic()) it was first tried, and last linked.
         self._first_tried: dict[str, float] = {}
         self._linked_at: dict[str, float] = {}
+        # Peer -> the node it was when those were taken.
+        self._peers: dict[str, Peer] = {}
         # The peers of the last view (replaced whole by want()).
         self._wanted: tuple[tuple[Peer, ...], frozenset[str]] = ((), frozenset())
         self.reckoning = Reckoning()
@@ -96,10 +98,14 @@ class PeerLinks:
         self, peers: tuple[Peer, ...], counted: frozenset[str]
     ) -> Reckoning:
         """Try every peer at once (each for TRY_S at most)."""
-        names = {peer.node for peer in peers}
-        for gone in set(self._first_tried) - names:
-            self._first_tried.pop(gone, None)
-            self._linked_at.pop(gone, None)
+        # A peer gone from the view, or back under its name as another node
+        # (a new address or certificate: it joined again), starts anew.
+        current = {peer.node: peer for peer in peers}
+        for name in set(self._first_tried):
+            if self._peers.get(name) != current.get(name):
+                self._first_tried.pop(name, None)
+                self._linked_at.pop(name, None)
+        self._peers = current
         outcomes = await asyncio.gather(*(self._try(peer) for peer in peers))
         now = time.monotonic()
         failing, database = {}, set()

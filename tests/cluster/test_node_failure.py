@@ -22,6 +22,7 @@ from tests.cluster.conftest import (
     http,
     model_row,
     node_status,
+    routed,
     wait_resident,
 )
 from tests.cluster.netns import start_worker
@@ -37,11 +38,23 @@ orm = conftest.orm
 LONG = "Write the numbers from 1 to 500, separated by commas."
 
 
-def ask(node, model: str, key: str, content: str = "Say hi."):
+def ask(node, model: str, key: str, content: str = "Say hi.", timeout: float = 120):
     status, headers, body = http(
-        f"{node.url}/v1/chat/completions", body=chat(model, content), key=key
+        f"{node.url}/v1/chat/completions",
+        body=chat(model, content),
+        key=key,
+        timeout=timeout,
     )
     return status, headers.get("X-Roundhouse-Node"), body
+
+
+def refused_within(node, model: str, key: str, timeout: float) -> tuple | None:
+    """The answer to one request if it is a refusal; None if it is served, or
+    not answered within `timeout` (for a wait that asks again)."""
+    try:
+        return _refused(ask(node, model, key, timeout=timeout))
+    except OSError:  # timed out (urllib wraps a connect's timeout in URLError)
+        return None
 
 
 INSIDE = """
@@ -381,7 +394,7 @@ def test_a_node_whose_relay_no_one_reaches_loses_its_replica(cluster, orm):
     try:
         wait_resident("smol-c", {"ec"})
         assert _placed("smol-c") == ("ec",)
-        assert ask(a, "smol-c", cluster.key)[:2] == (200, "c")
+        assert routed(a, "smol-c", cluster.key)[1]["X-Roundhouse-Node"] == "c"
         _drop(c, "INPUT", "--dport", _relay_port("c"))
         blocked_at = time.monotonic()
         wait_for(
@@ -399,12 +412,17 @@ def test_a_node_whose_relay_no_one_reaches_loses_its_replica(cluster, orm):
             for name, row in Node.objects.in_bulk(field_name="name").items()
         }
         assert reaches["a"]["c"] > 6 and reaches["a"]["b"] == 0, reaches
-        assert reaches["c"]["a"] == 0, reaches  # c's own links work
+        # c's own links work (one may be made again now and then: a loaded
+        # host's relay can miss a hello).
+        wait_for(
+            lambda: Node.objects.get(name="c").reaches.get("a") == 0,
+            timeout=15,
+            what="c's report that it links to a",
+        )
         moved = set(_placed("smol-c"))
         assert moved and "ec" not in moved, moved
         wait_resident("smol-c", moved)
-        status, node, body = ask(a, "smol-c", cluster.key)
-        assert status == 200 and node in ("a", "b"), body
+        assert routed(a, "smol-c", cluster.key)[1]["X-Roundhouse-Node"] in ("a", "b")
     finally:
         c.host.reconnect()
         ModelConfig.objects.filter(name="smol-c").delete()
@@ -420,8 +438,11 @@ def test_a_database_outage_for_every_node_is_served_through(cluster, orm):
     peer and refuses (cluster_unconfirmed), while b, which still reaches a,
     serves on. The database back, both are ready and serve."""
     a, b = cluster.nodes["a"], cluster.nodes["b"]
-    for node in (a, b):  # both fronts know the key (they cannot look it up)
-        assert ask(node, "smol", cluster.key)[0] == 200
+    # smol on a and b (an earlier test may have moved a replica), and both
+    # fronts know the key (in the outage they cannot look it up).
+    wait_resident("smol", {"ea", "eb"})
+    for node in (a, b):
+        routed(node, "smol", cluster.key)
     assert ask_inside(b, "smol", cluster.key)[0] == 200
     try:
         for node in (a, b):
@@ -440,9 +461,11 @@ def test_a_database_outage_for_every_node_is_served_through(cluster, orm):
         refused = [answer for answer in answers if answer[1] != 200]
         assert not refused, refused
         _drop(b, "INPUT", "--dport", _relay_port("b"))
+        # A request sent to b as its port closed waits for the link's
+        # keepalive to give up on b; the wait asks again meanwhile.
         status, _, body = wait_for(
-            lambda: _refused(ask(a, "smol", cluster.key)),
-            timeout=30,
+            lambda: refused_within(a, "smol", cluster.key, timeout=15),
+            timeout=60,
             what="a to refuse once it reaches no peer",
         )
         assert body["error"]["code"] == "cluster_unconfirmed", body

@@ -214,6 +214,37 @@ def test_heartbeats_missed_in_an_outage_are_not_a_dead_supervisor(outage):
     assert not load().engines["e1"].up
 
 
+def test_a_kept_connection_the_server_closed_is_not_an_outage():
+    """The loader thread keeps its connection between loads; the server may
+    close it meanwhile (a restart, an idle timeout, a terminated session). The
+    next load reconnects at once: no error, no outage counted (a node of a
+    cluster idle past UNREACHABLE_AFTER_S refused its next request as
+    unconfirmed). Control: the query on the closed connection itself fails."""
+    if db.connection.vendor != "postgresql":
+        pytest.skip("the server closes a session on PostgreSQL only")
+
+    def in_loader(work):
+        return GATEWAY._loader.submit(work).result()
+
+    GATEWAY.close()
+    EngineSpecFactory(name="e1")
+    assert "e1" in in_loader(GATEWAY._load).engines
+    pid = in_loader(lambda: db.connection.connection.info.backend_pid)
+    with db.connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+    def query_the_kept_connection():
+        with db.connection.connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+
+    closed = GATEWAY._loader.submit(query_the_kept_connection)
+    with pytest.raises(Exception, match="terminat|closed"):
+        closed.result()
+    assert "e1" in in_loader(GATEWAY._load).engines
+    assert GATEWAY.outages.began is None
+    assert in_loader(lambda: db.connection.connection.info.backend_pid) != pid
+
+
 async def test_revalidation_waits_for_the_database(outage, monkeypatch):
     """A stale remembered key is read again after the request; while the
     database is down that read fails quietly: the key stays remembered and

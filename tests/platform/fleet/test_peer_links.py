@@ -133,6 +133,29 @@ async def test_a_relay_that_is_not_the_peer_is_not_a_link():
             links.close()
 
 
+async def test_a_node_back_under_its_name_is_failing_from_its_return():
+    """Node c failed for a while, then left; a new node c (another address)
+    joins: its failing time counts from its own first try, not from the old
+    c's. Control: the old c, still wanted, keeps counting."""
+    closed, other = free_port(), free_port()
+    old = [Peer(node="c", host="127.0.0.1", port=closed)]
+    links = PeerLinks(LinkPool(node="a", secret=SECRET, plain_tcp=True))
+    try:
+        first = (await a_round(links, old, {"c"})).failing_s["c"]
+        later = await rounds_until(
+            links,
+            old,
+            {"c"},
+            lambda r: r.failing_s["c"] > first + 0.2,
+            what="the old c failing longer",
+        )
+        new = [Peer(node="c", host="127.0.0.2", port=other)]
+        again = (await a_round(links, new, {"c"})).failing_s["c"]
+        assert 0 < again < later.failing_s["c"], (again, later.failing_s)
+    finally:
+        links.close()
+
+
 def test_only_the_counted_peers_linked_now_make_the_reckoning():
     """peers_reached counts the peers that were serving (`counted`), those
     of them linked now, and those of these whose relay reaches the database:
