@@ -61,6 +61,9 @@ NODE_AVOID_S = 5.0
 # from the new view, not refused from the old); one that still hangs costs that
 # one request no more, and the others do not wait for it at all.
 RETRY_WAIT_S = 0.5
+# A kept connection the server closed fails a query within this (the network
+# timing out takes seconds: settings' tcp_user_timeout).
+CLOSED_FAILS_WITHIN_S = 1.0
 
 
 async def finished(work: Future, timeout: float | None = None) -> bool:
@@ -154,15 +157,18 @@ class Gateway:
         outage."""
         # A connection this thread kept from an earlier load may have been
         # closed by the server meanwhile (a restart, an idle timeout, a
-        # terminated session): that is tried once more on a new connection
-        # before it counts as the database failing.
+        # terminated session): that fails at once, and is tried once more on
+        # a new connection before it counts as the database failing. One that
+        # failed only after a while (the network's timeouts) is not: a retry
+        # would wait as long again.
         reused = db.connection.connection is not None
         while True:
+            started = time.monotonic()
             try:
                 snapshot = routing_snapshot(heartbeat_grace_s=self.outages.grace_s())
             except db.DatabaseError:
                 db.connection.close()  # a broken connection: the next try reconnects
-                if reused:
+                if reused and time.monotonic() - started < CLOSED_FAILS_WITHIN_S:
                     reused = False
                     continue
                 self.outages.failed()

@@ -158,12 +158,15 @@ def api_key_revoke(*, key: ApiKey) -> None:
 
 def _recent_key(digest: str) -> ApiKey | None:
     """A key this process authenticated recently, if any (marked for
-    revalidation once older than KEY_CACHE_S)."""
+    revalidation once older than KEY_CACHE_S). While the database is down
+    (the last lookup, write or revalidation failed) a remembered key is used
+    however old, with no query on the request's path: each would wait out
+    the database's connect timeout, one after another."""
     found = _recent_keys.get(digest)
     if found is None:
         return None
     age = time.monotonic() - found[1]
-    if age > KEY_STALE_S:
+    if age > KEY_STALE_S and not DATABASE_OUTAGE.down:
         return None
     if age > KEY_CACHE_S:
         _stale_keys.add(digest)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-# The supervisor writes the file every heartbeat (2 s): one older than this
+# The supervisor writes the file every round of its links (1 s): one older than this
 # is not the supervisor's word now (it stopped, or its beat is stuck).
 MAX_AGE_S = 6.0
 # The file is a few numbers; anything longer is not this file.

@@ -74,6 +74,15 @@ from .selectors import routing_snapshot
 log = logging.getLogger("roundhouse.cluster")
 
 BEAT_S = 2.0
+# The relay tells its peers (in each PONG) that this node reaches the
+# database while its last heartbeat succeeded this recently: a beat stuck on
+# a database gone silent is not waited out (its timeouts take seconds), so a
+# peer in the same outage learns it is everyone's before its own front gives
+# up on its view (UNREACHABLE_AFTER_S).
+DATABASE_FRESH_S = BEAT_S + 1.5
+# The links to the peers are reckoned this often (peer_links.py): a change
+# reaches this host's fronts (the peers file) within it.
+PEER_ROUND_S = 1.0
 UNAVAILABLE = (DatabaseError, InterfaceError)
 
 
@@ -172,8 +181,8 @@ class Membership:
 
     def join(self) -> None:
         """Prove this host is the node (joining first with the one-time token
-        when it has no identity yet) and beat once; NodeRefused or
-        ClusterUnavailable when it cannot."""
+        when it has no identity yet); NodeRefused or ClusterUnavailable when
+        it cannot. start() beats first once the relay listens."""
         cluster_database_check()
         identity = identity_read(self.run_dir)
         if identity is None or identity.name != self.name:
@@ -208,13 +217,6 @@ class Membership:
             self._tls_fingerprint = certificate_file_fingerprint(self._ca.cert)
         elif settings.ROUNDHOUSE_CLUSTER_TLS:
             *_, self._tls_fingerprint = relay_certificate(self.run_dir, self.name)
-        node_heartbeat(
-            identity=identity,
-            hardware=hardware_now(),
-            version=software_version(),
-            tls_fingerprint=self._tls_fingerprint,
-        )
-        self._beat_ok = time.monotonic()
         self._bind = (settings.ROUNDHOUSE_RELAY_BIND or node.address, node.relay_port)
         self._records_digests = model_file_digests_writable()
 
@@ -227,6 +229,20 @@ class Membership:
         self._relay_ready.wait(30)
         if self._relay_error is not None:
             raise self._relay_error
+        # The first heartbeat only now: from it on the others link to this
+        # node's relay, and a link failing counts against the node (a beat
+        # before the relay listened made a slow start look unreachable).
+        try:
+            node_heartbeat(
+                identity=self.identity,
+                hardware=hardware_now(),
+                version=software_version(),
+                tls_fingerprint=self._tls_fingerprint,
+            )
+        except BaseException:
+            self.stop()  # the relay's thread with it
+            raise
+        self._beat_ok = time.monotonic()
         beat_thread = threading.Thread(target=self._beat_main, name="heartbeat")
         beat_thread.start()
         self._threads.append(beat_thread)
@@ -478,6 +494,14 @@ class Membership:
             # Not hashed again by this process: the error stays shown.
             self.errors.failed(f"digests of {model}", error)
 
+    def _reaches_database(self) -> bool:
+        """What the relay's PONGs say: this node's last heartbeat succeeded
+        under DATABASE_FRESH_S ago."""
+        return (
+            not self._unavailable
+            and time.monotonic() - self._beat_ok < DATABASE_FRESH_S
+        )
+
     def serving(self) -> str | None:
         """Why the relay takes no streams now, or None."""
         if self.revoked.is_set():
@@ -511,7 +535,7 @@ class Membership:
             authenticate=self._authenticate,
             engine_address=self._engine_address,
             serving=self.serving,
-            database=lambda: not self._unavailable,
+            database=self._reaches_database,
             files=FileServer(self._model_path),
         )
         tls = None
@@ -540,7 +564,7 @@ class Membership:
         self._relay_ready.set()
         if self.peers is not None:
             self._peer_rounds = loop.create_task(
-                self.peers.run(BEAT_S, self._reckoned, self.errors)
+                self.peers.run(PEER_ROUND_S, self._reckoned, self.errors)
             )
         try:
             loop.run_forever()

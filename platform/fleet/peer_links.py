@@ -1,4 +1,4 @@
-"""A node's own links to the other nodes' relays, made again each heartbeat
+"""A node's own links to the other nodes' relays, reckoned every second
 by its supervisor (membership.py), to learn which peers it reaches: what it
 writes with its heartbeat (`reaches`: how long each link has failed; the
 cluster takes a node every other node fails to link to for unreachable,
@@ -6,11 +6,11 @@ cluster/selectors.py), and, through a database outage, whether the outage is
 everyone's (cluster/peers_reached.py).
 
 The links are kept open between heartbeats (their keepalive notices a silent
-peer within LINK_DEAD_S), so a heartbeat costs a connection only for a peer
-whose link was lost. The rounds run on the relay's event loop, every
-heartbeat period whether the database answers or not; the heartbeat thread
-hands in the peers of its last view and reads `reckoning`, each replaced
-whole.
+peer within LINK_DEAD_S), so a round costs a connection only for a peer
+whose link was lost. The rounds run on the relay's event loop, every second
+(membership.PEER_ROUND_S) whether the database answers or not; the
+heartbeat thread hands in the peers of its last view and reads `reckoning`,
+each replaced whole.
 """
 
 import asyncio
@@ -25,8 +25,8 @@ from engines.wire.link_client import LinkPool, Peer
 
 from .loop_errors import LoopErrors
 
-# A round waits this long at most for a peer's link (connect, TLS, hello):
-# under a heartbeat, so one round's peers are all tried before the next.
+# A round waits this long at most for a peer's link (connect, TLS, hello);
+# the peers are tried at once, so a round lasts no longer than that.
 TRY_S = 1.5
 
 

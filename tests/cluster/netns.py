@@ -132,6 +132,11 @@ class Network:
     def open(self, *, forward_ports: tuple[int, ...] = (5432, 6379)) -> "Network":
         self._remove_leftovers()
         ip("link", "add", self.bridge, "type", "bridge")
+        # An address of its own: a bridge left to take its ports' lowest one
+        # changes it when a host is removed, and the other hosts, whose ARP
+        # entries still name the old one, lose the database and Redis for
+        # several seconds (an "outage" no test made).
+        ip("link", "set", self.bridge, "address", f"02:52:48:00:{self.number:02x}:01")
         ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
         self._forwarder = subprocess.Popen(

@@ -48,13 +48,22 @@ def ask(node, model: str, key: str, content: str = "Say hi.", timeout: float = 1
     return status, headers.get("X-Roundhouse-Node"), body
 
 
-def refused_within(node, model: str, key: str, timeout: float) -> tuple | None:
+def refused_within(
+    node, model: str, key: str, timeout: float, seen: list
+) -> tuple | None:
     """The answer to one request if it is a refusal; None if it is served, or
-    not answered within `timeout` (for a wait that asks again)."""
+    not answered within `timeout` (for a wait that asks again). Each outcome
+    is added to `seen` (status, node, error; or how long it went unanswered),
+    for the message of a wait that times out."""
+    started = time.monotonic()
     try:
-        return _refused(ask(node, model, key, timeout=timeout))
-    except OSError:  # timed out (urllib wraps a connect's timeout in URLError)
+        outcome = ask(node, model, key, timeout=timeout)
+    except OSError as error:  # timed out (urllib wraps a connect's in URLError)
+        seen.append(f"unanswered after {time.monotonic() - started:.1f} s: {error}")
         return None
+    error = outcome[2].get("error") if isinstance(outcome[2], dict) else None
+    seen.append((outcome[0], outcome[1], error, f"{time.monotonic() - started:.1f} s"))
+    return _refused(outcome)
 
 
 INSIDE = """
@@ -170,7 +179,8 @@ def test_a_drained_node_finishes_its_streams_and_takes_no_new_requests(cluster, 
         )
         assert body["error"]["code"] == "no_engine", body
         for n in range(4):
-            assert ask(a, "smol", cluster.key, f"Say {n}.")[:2] == (200, "a")
+            status, node, body = ask(a, "smol", cluster.key, f"Say {n}.")
+            assert (status, node) == (200, "a"), body
     finally:
         node_drain(node=Node.objects.get(name="b"), draining=False)
     outcomes = []
@@ -463,11 +473,17 @@ def test_a_database_outage_for_every_node_is_served_through(cluster, orm):
         _drop(b, "INPUT", "--dport", _relay_port("b"))
         # A request sent to b as its port closed waits for the link's
         # keepalive to give up on b; the wait asks again meanwhile.
-        status, _, body = wait_for(
-            lambda: refused_within(a, "smol", cluster.key, timeout=15),
-            timeout=60,
-            what="a to refuse once it reaches no peer",
-        )
+        seen = []
+        try:
+            status, _, body = wait_for(
+                lambda: refused_within(a, "smol", cluster.key, 15, seen),
+                timeout=60,
+                what="a to refuse once it reaches no peer",
+            )
+        except AssertionError as error:
+            raise AssertionError(
+                f"{error}; answers: {seen}\n{a.log('front')[-3000:]}"
+            ) from None
         assert body["error"]["code"] == "cluster_unconfirmed", body
         status, body = ask_inside(b, "smol", cluster.key)
         assert status == 200, body

@@ -11,8 +11,9 @@ from django.db import connections
 
 from cluster.models import UNREACHABLE_AFTER_S
 from cluster.peers_reached import MAX_AGE_S, PeersReached
+from engines.wire.link import LINK_PING_S
 from engines.wire.link_relay import link_proof
-from fleet.membership import Membership
+from fleet.membership import DATABASE_FRESH_S, PEER_ROUND_S, Membership
 from tests.engines.conftest import free_port
 
 
@@ -52,6 +53,21 @@ def test_a_stale_heartbeat_is_served_through_only_when_the_outage_is_everyones(
     membership._reached = cut_off(database=0)
     membership.revoked.set()
     assert membership.serving() == "node n1 is revoked"
+
+
+def test_peers_are_told_the_database_is_unreached_once_a_beat_is_overdue(
+    membership,
+):
+    """A heartbeat stuck on a silent database (its timeouts take seconds) is
+    not waited for: once the last successful beat is DATABASE_FRESH_S old the
+    relay's PONGs say the database is not reached, so a peer in the same
+    outage learns it is everyone's before its own front gives up on its view.
+    Control: a beat that succeeded just now says it is reached."""
+    membership._beat_ok = time.monotonic()
+    assert membership._reaches_database()
+    membership._beat_ok = time.monotonic() - (DATABASE_FRESH_S + 0.1)
+    assert not membership._reaches_database()
+    assert DATABASE_FRESH_S + PEER_ROUND_S + LINK_PING_S < UNREACHABLE_AFTER_S
 
 
 def database_unreachable() -> None:
