@@ -11,7 +11,6 @@ import numpy as np
 
 from engines.wire.frames import GenerateAnswer
 from engines.wire.requests import GenerateRequest
-from routing.select import ModelRoute, Snapshot
 
 from . import errors
 from .calls import Call
@@ -33,8 +32,6 @@ __all__ = ["embedding_answer", "generation_answer"]
 async def generation_answer(
     call: Call,
     payload: ChatCompletionRequest | CompletionRequest,
-    route: ModelRoute,
-    snapshot: Snapshot,
     *,
     chat: bool,
     priority: Priority = "interactive",
@@ -46,9 +43,7 @@ async def generation_answer(
     created = int(time.time())
 
     async def one(request: GenerateRequest) -> GenerateAnswer:
-        return await with_engine(
-            call, route, snapshot, lambda client: client.generate(request)
-        )
+        return await with_engine(call, lambda client: client.generate(request))
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -90,7 +85,7 @@ async def generation_answer(
         "id": ("chatcmpl-" if chat else "cmpl-") + replies[0].request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
-        "model": route.name,
+        "model": call.model,
         "system_fingerprint": None,
         "choices": choices,
         "usage": call.usage(),
@@ -107,17 +102,12 @@ def _echoed(request: GenerateRequest, reply: GenerateAnswer) -> str:
     return reply.prompt_text or ""
 
 
-async def embedding_answer(
-    call: Call, payload: EmbeddingRequest, route: ModelRoute, snapshot: Snapshot
-) -> dict[str, Any]:
+async def embedding_answer(call: Call, payload: EmbeddingRequest) -> dict[str, Any]:
     """Embed on the routed engine; the answer's body (ApiError when it fails,
     or when the model's dimensions are not the ones asked for)."""
-    texts = payload.texts()
+    texts, route = payload.texts(), call.route
     rows, prompt_tokens = await with_engine(
-        call,
-        route,
-        snapshot,
-        lambda client: client.embed_counted(route.name, texts),
+        call, lambda client: client.embed_counted(route.name, texts)
     )
     if payload.dimensions is not None and payload.dimensions != rows.shape[1]:
         raise errors.invalid_request(

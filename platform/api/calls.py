@@ -18,6 +18,7 @@ from typing import Any
 from django.http import HttpResponse
 
 from engines.wire.frames import Ending, Usage
+from routing.select import ModelRoute, Snapshot
 
 from . import errors, metrics, services, usage
 from .gateway import GATEWAY
@@ -46,6 +47,10 @@ class Call:
     # their slots fairly between callers.
     caller: str = ""
     model: str = ""
+    # The model's route and the fleet its engine is chosen from, as the
+    # pipeline found them (api.pipeline.model_route).
+    route: ModelRoute | None = None
+    snapshot: Snapshot | None = None
     engine: str = ""
     node: str = ""  # the engine's node ("" on a one-host platform)
     # A chat's message prefixes (routing.affinity.prefix_keys): the engine

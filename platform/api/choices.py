@@ -23,7 +23,6 @@ from engines.wire.frames import (
 )
 from engines.wire.requests import GenerateRequest
 from routing.affinity import prefix_keys
-from routing.select import ModelRoute, Snapshot
 
 from .calls import Call
 from .pipeline import generation_open
@@ -184,8 +183,6 @@ def chat_message(reply: GenerateAnswer) -> dict[str, Any]:
 
 async def choices_open(
     call: Call,
-    route: ModelRoute,
-    snapshot: Snapshot,
     requests: list[GenerateRequest],
     *,
     per_prompt: int,
@@ -195,8 +192,7 @@ async def choices_open(
     their usage (the call counts their prompts' tokens from here). A refusal
     closes the ones already open and is raised."""
     tasks = [
-        asyncio.ensure_future(generation_open(call, route, snapshot, fields))
-        for fields in requests
+        asyncio.ensure_future(generation_open(call, fields)) for fields in requests
     ]
     try:
         opened = list(await asyncio.gather(*tasks))

@@ -2,12 +2,15 @@
 (chat.consumers) share, free of either transport.
 
 A request goes: caller (an API key from `authenticate`, or a logged-in user)
-→ typed body (api.schemas) → `model_route` (exists, the key may use it, right
-task) → `admit` (the key's rate and concurrency limits, held until the call
-ends) → `with_engine` / `generation_open` (routing, failover to the next
-engine when one cannot be reached) → its `Call` ends in one usage row and its
-metrics. Every refusal is an `ApiError` from the one table in api.errors; the
-transports only turn it into an HTTP answer or a WebSocket error message.
+→ typed body (api.schemas) → `call_admitted`, the one way in for every
+transport (REST, the WebSocket chat, batch lines): `model_route` (exists, the
+key may use it, right task; the route and the fleet go on the call) and
+`admit` (the caller's rate and concurrency limits, held until the call ends)
+→ `with_engine` / `generation_open` (routing, failover to the next engine
+when one cannot be reached) → its `Call` ends in one usage row and its
+metrics. Any failure becomes the API's error in one place (`api_error`); the
+transports only frame it: an HTTP answer, a WebSocket error message, a batch
+line's error record.
 """
 
 import contextlib
@@ -24,10 +27,11 @@ from engines.wire.client import (
     EngineTimeout,
     EngineUnreachable,
 )
+from engines.wire.errors import ErrorCode
 from engines.wire.frames import StartFrame, StreamEvent
 from engines.wire.link_client import NodeUnreachable
 from engines.wire.requests import GenerateRequest
-from routing.select import ModelRoute, NoEngine, Snapshot
+from routing.select import NoEngine
 
 from . import errors
 from .calls import Call
@@ -42,7 +46,9 @@ __all__ = [
     "ENDPOINT_TASKS",
     "admission_hold",
     "admit",
+    "api_error",
     "authenticate",
+    "call_admitted",
     "database_failed",
     "engine_failure",
     "generation_open",
@@ -92,10 +98,32 @@ def database_failed(error: db.Error) -> errors.ApiError:
     )
 
 
-async def model_route(call: Call, model: str) -> tuple[ModelRoute, Snapshot]:
-    """The model's route and the fleet snapshot to choose its engine from;
-    ApiError for a model that does not exist, that the call's key may not use,
-    or whose task the call's endpoint does not serve."""
+def api_error(error: Exception, *, what: str) -> errors.ApiError:
+    """Any failure of a request as the API's error, for every transport: a
+    refusal as it is, the database failing as a 503, an engine's failure as
+    its error, anything else logged (`what` failed) and answered as an
+    internal error."""
+    if isinstance(error, errors.ApiError):
+        return error
+    if isinstance(error, db.Error):
+        return database_failed(error)
+    if isinstance(error, EngineError):
+        return engine_failure(error)
+    log.error("%s failed", what, exc_info=error)
+    return errors.engine_error(ErrorCode.INTERNAL, "Internal error.")
+
+
+async def call_admitted(call: Call, model: str, *, weight: int = 1) -> None:
+    """The one way in: the call's model routed (`model_route`) and the call
+    admitted (`admit`); ApiError when either refuses."""
+    await model_route(call, model)
+    await admit(call, weight=weight)
+
+
+async def model_route(call: Call, model: str) -> None:
+    """Put on the call the model's route and the fleet snapshot to choose its
+    engine from; ApiError for a model that does not exist, that the call's key
+    may not use, or whose task the call's endpoint does not serve."""
     call.model = model
     snapshot = await GATEWAY.snapshot()
     if model not in snapshot.models:  # maybe added since: look again
@@ -117,7 +145,7 @@ async def model_route(call: Call, model: str) -> tuple[ModelRoute, Snapshot]:
             param="model",
             code=errors.ApiCode.MODEL_TASK_MISMATCH,
         )
-    return route, snapshot
+    call.route, call.snapshot = route, snapshot
 
 
 async def admit(call: Call, *, weight: int = 1) -> None:
@@ -160,13 +188,8 @@ async def admission_hold(
         ) from None
 
 
-async def with_engine(
-    call: Call,
-    route: ModelRoute,
-    snapshot: Snapshot,
-    attempt: Callable[[Any], Awaitable[Any]],
-) -> Any:
-    """Run `attempt(client)` on the routed engine, of this host or another
+async def with_engine(call: Call, attempt: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Run `attempt(client)` on the call's engine, of this host or another
     node. Only a request that never reached an engine is sent to another: an
     engine that cannot be reached (nothing listens on its port, its node's
     relay could not reach it, no link to its node) is skipped for the next
@@ -175,6 +198,8 @@ async def with_engine(
     may be what killed it, and one poison input must not take down every
     replica in turn; the caller gets `engine_died`. Engine failures become
     ApiErrors."""
+    route, snapshot = call.route, call.snapshot
+    assert route is not None and snapshot is not None, "model_route first"
     tried: set[str] = set()
     unreachable: EngineUnreachable | None = None
     # The engine whose prompt cache holds the longest of the request's
@@ -262,7 +287,7 @@ def engine_failure(error: EngineError) -> errors.ApiError:
 
 
 async def generation_open(
-    call: Call, route: ModelRoute, snapshot: Snapshot, request: GenerateRequest
+    call: Call, request: GenerateRequest
 ) -> tuple[AsyncIterator[StreamEvent], StartFrame]:
     """Start a streamed generation on the routed engine: its frames and its
     start frame, which comes once a slot took the request (admission errors
@@ -280,7 +305,7 @@ async def generation_open(
             raise
         return frames, start
 
-    frames, start = await with_engine(call, route, snapshot, open_stream)
+    frames, start = await with_engine(call, open_stream)
     call.prompt_tokens = start.prompt_tokens
     call.held.push_async_callback(frames.aclose)
     return frames, start

@@ -13,7 +13,6 @@ from django.http import HttpResponse, StreamingHttpResponse
 
 from engines.wire.client import EngineError
 from engines.wire.frames import Ending, Logprob, StartFrame, TokenFrame
-from routing.select import ModelRoute, Snapshot
 
 from .calls import Call
 from .choices import (
@@ -47,8 +46,6 @@ def dropped_header(response: HttpResponse, frame: StartFrame | Ending) -> None:
 async def generation_stream(
     call: Call,
     payload: Payload,
-    route: ModelRoute,
-    snapshot: Snapshot,
     *,
     chat: bool,
 ) -> StreamingHttpResponse:
@@ -57,14 +54,14 @@ async def generation_stream(
     requests = engine_requests(payload, "interactive", call=call)
     created = int(time.time())
     opened, tally = await choices_open(
-        call, route, snapshot, requests, per_prompt=payload.choices_per_prompt
+        call, requests, per_prompt=payload.choices_per_prompt
     )
     first_start = opened[0][1]
     base = {
         "id": ("chatcmpl-" if chat else "cmpl-") + first_start.request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
-        "model": route.name,
+        "model": call.model,
         "system_fingerprint": None,
     }
     if payload.include_usage:

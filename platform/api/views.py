@@ -21,13 +21,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from django import db
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
-
-from engines.wire.errors import ErrorCode
-from routing.select import ModelRoute, Snapshot
 
 from . import errors
 from .answers import embedding_answer, generation_answer
@@ -35,12 +31,7 @@ from .calls import Call, Relay, after_answer
 from .gateway import GATEWAY
 from .models import ApiKey
 from .openapi import openapi_document
-from .pipeline import (
-    admit,
-    authenticate,
-    database_failed,
-    model_route,
-)
+from .pipeline import api_error, authenticate, call_admitted
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,9 +68,10 @@ async def _serve(
     request: HttpRequest,
     endpoint: str,
     schema: type[BaseModel],
-    handler: Callable[[Call, Any, ModelRoute, Snapshot], Awaitable[HttpResponse]],
+    handler: Callable[[Call, Any], Awaitable[HttpResponse]],
 ) -> HttpResponse:
-    """The common pipeline; the handler talks to the engine and answers."""
+    """The pipeline's way in, then the handler, which talks to the engine and
+    answers; any failure answered as the API's error."""
     refused = _method_not_allowed(request, "POST")
     if refused is not None:
         return refused
@@ -88,21 +80,14 @@ async def _serve(
         call.key = await _authenticated(request)
         # Its size was checked before it was read (roundhouse.asgi).
         payload = parse(schema, request.body)
-        route, snapshot = await model_route(call, payload.model)
-        await admit(call, weight=payload.weight)
-        response = await handler(call, payload, route, snapshot)
-    except errors.ApiError as error:
-        response = call.failed(error)
-    except db.Error as error:  # the database failed (reading the fleet)
-        response = call.failed(database_failed(error))
+        await call_admitted(call, payload.model, weight=payload.weight)
+        response = await handler(call, payload)
     except asyncio.CancelledError:  # the caller hung up before the answer
         call.hung_up()
         await asyncio.shield(call.end())
         raise
-    except Exception:
-        log.exception("%s failed", endpoint)
-        internal = errors.engine_error(ErrorCode.INTERNAL, "Internal error.")
-        response = call.failed(internal)
+    except Exception as error:
+        response = call.failed(api_error(error, what=endpoint))
     if call.engine:  # who served it (on a cluster, from any node's front)
         response[ENGINE_HEADER] = call.engine
         if call.node:
@@ -120,16 +105,11 @@ async def _serve(
 
 
 async def _generate(
-    call: Call,
-    payload: ChatCompletionRequest | CompletionRequest,
-    route: ModelRoute,
-    snapshot: Snapshot,
-    *,
-    chat: bool,
+    call: Call, payload: ChatCompletionRequest | CompletionRequest, *, chat: bool
 ) -> HttpResponse:
     if payload.stream:
-        return await generation_stream(call, payload, route, snapshot, chat=chat)
-    body, reply = await generation_answer(call, payload, route, snapshot, chat=chat)
+        return await generation_stream(call, payload, chat=chat)
+    body, reply = await generation_answer(call, payload, chat=chat)
     response = JsonResponse(body)
     dropped_header(response, reply)
     return response
@@ -139,8 +119,8 @@ async def _generate(
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     """POST /v1/chat/completions."""
 
-    async def handle(call, payload, route, snapshot):
-        return await _generate(call, payload, route, snapshot, chat=True)
+    async def handle(call, payload):
+        return await _generate(call, payload, chat=True)
 
     return await _serve(request, "chat.completions", ChatCompletionRequest, handle)
 
@@ -149,8 +129,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 async def completions(request: HttpRequest) -> HttpResponse:
     """POST /v1/completions."""
 
-    async def handle(call, payload, route, snapshot):
-        return await _generate(call, payload, route, snapshot, chat=False)
+    async def handle(call, payload):
+        return await _generate(call, payload, chat=False)
 
     return await _serve(request, "completions", CompletionRequest, handle)
 
@@ -158,10 +138,8 @@ async def completions(request: HttpRequest) -> HttpResponse:
 # -- embeddings -----------------------------------------------------------------
 
 
-async def _embed(
-    call: Call, payload: EmbeddingRequest, route: ModelRoute, snapshot: Snapshot
-) -> HttpResponse:
-    return JsonResponse(await embedding_answer(call, payload, route, snapshot))
+async def _embed(call: Call, payload: EmbeddingRequest) -> HttpResponse:
+    return JsonResponse(await embedding_answer(call, payload))
 
 
 @csrf_exempt
@@ -181,10 +159,8 @@ async def models(request: HttpRequest) -> HttpResponse:
     try:
         key = await _authenticated(request)
         snapshot = await GATEWAY.snapshot()
-    except errors.ApiError as error:
-        return error.response()
-    except db.Error as error:
-        return database_failed(error).response()
+    except Exception as error:
+        return api_error(error, what="/v1/models").response()
     data = [
         {
             "id": name,

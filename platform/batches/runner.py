@@ -39,7 +39,7 @@ from api import errors
 from api.answers import embedding_answer, generation_answer
 from api.calls import Call
 from api.models import ApiKey
-from api.pipeline import admit, database_failed, model_route
+from api.pipeline import api_error, call_admitted
 from api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,8 +47,6 @@ from api.schemas import (
     parse_object,
 )
 from api.selectors import in_db_thread
-from engines.wire.errors import ErrorCode
-from routing.select import ModelRoute, Snapshot
 
 from . import selectors, services
 from .flow import Capacity, LineFeed
@@ -372,22 +370,18 @@ class BatchRun:
                         raise errors.invalid_request(
                             "A batch line cannot be streamed.", param="stream"
                         )
-                    route, snapshot = await model_route(call, payload.model)
                     async with self.capacity.hold(payload.weight):
                         try:
-                            wait_s = await self._admit(call, payload.weight)
+                            wait_s = await self._admitted(call, payload)
                             if wait_s is None:
                                 admitted = call
-                                body = await self._ask(call, payload, route, snapshot)
+                                body = await self._ask(call, payload)
                         finally:
                             await call.held.aclose()  # the key's slot, in this hold
-                except errors.ApiError as error:
-                    failure = error
-                except db.Error as error:
-                    failure = database_failed(error)
-                except Exception:
-                    log.exception("batch %s: line %d failed", self.batch.id, index)
-                    failure = errors.engine_error(ErrorCode.INTERNAL, "Internal error.")
+                except Exception as error:
+                    failure = api_error(
+                        error, what=f"batch {self.batch.id}: line {index}"
+                    )
                 else:
                     if wait_s is not None:  # the batch budget is spent for now
                         await asyncio.sleep(wait_s)
@@ -424,25 +418,22 @@ class BatchRun:
                 await asyncio.shield(admitted.end())
             raise
 
-    async def _admit(self, call: Call, weight: int) -> float | None:
-        """Admit the line in its key's batch budget: None once admitted, or
-        the seconds to wait when the budget is spent for now (a 429: nothing
-        was counted against the line, nothing sent)."""
+    async def _admitted(self, call: Call, payload: Any) -> float | None:
+        """The line's call routed and admitted in its key's batch budget (the
+        pipeline's way in): None once admitted, or the seconds to wait when
+        the budget is spent for now (a 429: nothing was counted against the
+        line, nothing sent)."""
         try:
-            await admit(call, weight=weight)
+            await call_admitted(call, payload.model, weight=payload.weight)
         except errors.ApiError as refused:
             if refused.status != 429:
                 raise  # too heavy for the key's whole concurrency: a 400
             return float(refused.retry_after_s or 1)
         return None
 
-    async def _ask(
-        self, call: Call, payload: Any, route: ModelRoute, snapshot: Snapshot
-    ) -> dict[str, Any]:
+    async def _ask(self, call: Call, payload: Any) -> dict[str, Any]:
         if isinstance(payload, EmbeddingRequest):
-            return await embedding_answer(call, payload, route, snapshot)
+            return await embedding_answer(call, payload)
         chat = isinstance(payload, ChatCompletionRequest)
-        body, _ = await generation_answer(
-            call, payload, route, snapshot, chat=chat, priority="batch"
-        )
+        body, _ = await generation_answer(call, payload, chat=chat, priority="batch")
         return body

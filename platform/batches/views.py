@@ -11,7 +11,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
 
-from django import db
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import Field, StringConstraints
@@ -19,11 +18,10 @@ from pydantic import Field, StringConstraints
 from api import errors
 from api.limits import Allowance
 from api.models import ApiKey
-from api.pipeline import admission_hold, authenticate, database_failed
+from api.pipeline import admission_hold, api_error, authenticate
 from api.schema_base import Strict
 from api.schemas import parse
 from api.selectors import in_db_thread
-from engines.wire.errors import ErrorCode
 
 from . import quotas, selectors, services
 from .models import Batch, StoredFile
@@ -76,13 +74,8 @@ async def _api(request: HttpRequest, handlers: dict[str, Handler]) -> HttpRespon
             if request.method != "GET":
                 await admission_hold(held, Allowance.of_key(key))
             return await handler(request, key)
-    except errors.ApiError as error:
-        return _refused(error)
-    except db.Error as error:
-        return database_failed(error).response()
-    except Exception:
-        log.exception("%s %s failed", request.method, request.path)
-        return errors.engine_error(ErrorCode.INTERNAL, "Internal error.").response()
+    except Exception as error:
+        return _refused(api_error(error, what=f"{request.method} {request.path}"))
 
 
 def _refused(error: errors.ApiError) -> HttpResponse:
@@ -105,10 +98,8 @@ async def upload_refusal(
         await in_db_thread(quotas.room_check)(
             services.owner_filter(key), size=max(0, declared - UPLOAD_FORM_BYTES)
         )
-    except errors.ApiError as error:
-        return _refused(error)
-    except db.Error as error:
-        return database_failed(error).response()
+    except Exception as error:
+        return _refused(api_error(error, what="an upload's check"))
     return None
 
 

@@ -26,10 +26,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from channels.db import database_sync_to_async
-from django import db
 
 from api import errors
-from api.calls import Call, after_answer
+from api.calls import AFTER_FIRST_TOKEN_S, Call, after_answer
 from api.choices import (
     choices_open,
     engine_messages,
@@ -38,15 +37,8 @@ from api.choices import (
     tool_calls,
 )
 from api.models import ApiKey
-from api.pipeline import (
-    admit,
-    authenticate,
-    database_failed,
-    engine_failure,
-    model_route,
-)
+from api.pipeline import api_error, authenticate, call_admitted
 from api.relay import Ended, Token, tokens_relayed
-from engines.wire.client import EngineError
 from engines.wire.errors import ErrorCode
 
 from .schemas import Chat, chat_request
@@ -121,12 +113,6 @@ class ChatStream:
         failure: errors.ApiError | None = None
         try:
             await self._stream()
-        except errors.ApiError as error:
-            failure = error
-        except db.Error as error:
-            failure = database_failed(error)
-        except EngineError as error:  # the engine failed mid-stream
-            failure = engine_failure(error)
         except asyncio.CancelledError:
             if not self.cancel_asked:  # the socket closed: nobody to tell
                 call.hung_up()
@@ -139,9 +125,8 @@ class ChatStream:
             await asyncio.shield(self._end())
             await self._send(self._done("cancelled"))
             return
-        except Exception:
-            log.exception("chat stream failed")
-            failure = errors.engine_error(ErrorCode.INTERNAL, "Internal error.")
+        except Exception as error:  # the engine failing mid-stream too
+            failure = api_error(error, what="chat stream")
         if failure is not None:
             call.status, call.error_code = failure.status, failure.code or "error"
             self.answer.error_code = call.error_code
@@ -157,15 +142,14 @@ class ChatStream:
         request = chat_request(chat)
         if chat.conversation is not None:
             await self._check_conversation(chat.conversation)
-        route, snapshot = await model_route(call, request.model)
-        await admit(call, weight=request.weight)
+        await call_admitted(call, request.model, weight=request.weight)
         requests = engine_requests(request, "interactive", call=call)
         opened, tally = await choices_open(
-            call, route, snapshot, requests, per_prompt=request.choices_per_prompt
+            call, requests, per_prompt=request.choices_per_prompt
         )
         start = opened[0][1]
         self._messages = engine_messages(requests[0])
-        self.answer.model, self.answer.engine = route.name, call.engine
+        self.answer.model, self.answer.engine = call.model, call.engine
         self._started = True
         # The oldest messages the model did not see: the conversation was
         # longer than its context and its context overflow setting drops them.
@@ -173,7 +157,7 @@ class ChatStream:
             {
                 "type": "start",
                 "id": chat.id,
-                "model": route.name,
+                "model": call.model,
                 "engine": call.engine,
                 "node": call.node,
                 "dropped_messages": start.dropped_messages,
@@ -187,7 +171,10 @@ class ChatStream:
         # way, as REST does.
         loop = asyncio.get_running_loop()
         relay = tokens_relayed(
-            call, opened, tally, first_token=lambda: loop.call_later(0.1, after_answer)
+            call,
+            opened,
+            tally,
+            first_token=lambda: loop.call_later(AFTER_FIRST_TOKEN_S, after_answer),
         )
         # The call's end closes the engine streams: the relay must have
         # stopped reading them by then.

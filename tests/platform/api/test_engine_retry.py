@@ -94,7 +94,9 @@ async def test_a_request_whose_engine_died_serving_it_is_not_sent_to_another(
     tried: list[str] = []
     killer = asyncio.ensure_future(kill_once_decoding(a))
     with pytest.raises(ApiError) as failed:
-        await with_engine(Call("completions"), ROUTE, snapshot, asked(tried))
+        await with_engine(
+            Call("completions", route=ROUTE, snapshot=snapshot), asked(tried)
+        )
     await killer
     assert (failed.value.status, failed.value.code) == (502, "engine_died")
     assert "failed while serving" in failed.value.message
@@ -114,7 +116,9 @@ async def test_a_request_no_engine_took_is_sent_to_the_next_replica(replicas, tm
         tried.append(client.name)
         return await client.generate(short)
 
-    answer = await with_engine(Call("completions"), ROUTE, snapshot, attempt)
+    answer = await with_engine(
+        Call("completions", route=ROUTE, snapshot=snapshot), attempt
+    )
     assert tried == ["ra", "rb"]
     assert answer.usage.completion_tokens == 4
 

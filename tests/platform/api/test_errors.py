@@ -97,3 +97,29 @@ def test_stop_strings_and_max_tokens_reach_the_engine_fields():
         "messages": [{"role": "system", "content": "be brief"}],
         "max_tokens": 9,
     }
+
+
+def test_any_failure_becomes_the_apis_error_in_one_place(caplog):
+    """api.pipeline.api_error, which every transport's failures go through
+    (REST, the WebSocket chat, batch lines, the Batch API's views): a refusal
+    as it is, the database failing as 503 database_unavailable, an engine's
+    failure as its error, anything else as a logged 500 that says no more
+    than "Internal error." (control: the unexpected one is the only one
+    logged)."""
+    from django import db
+
+    from api.pipeline import api_error
+    from engines.wire.client import EngineDied, EngineRequestError
+
+    refusal = errors.model_not_found("nope")
+    assert api_error(refusal, what="t") is refusal
+    outage = api_error(db.OperationalError("gone"), what="t")
+    assert (outage.status, outage.code) == (503, "database_unavailable")
+    died = api_error(EngineDied("dropped"), what="t")
+    assert (died.status, died.code) == (502, "engine_died")
+    busy = api_error(EngineRequestError(ErrorCode.OVERLOADED, "full"), what="t")
+    assert (busy.status, busy.code) == (429, "overloaded")
+    assert "went wrong" not in caplog.text
+    internal = api_error(RuntimeError("went wrong"), what="the test's call")
+    assert (internal.status, internal.message) == (500, "Internal error.")
+    assert "the test's call failed" in caplog.text and "went wrong" in caplog.text

@@ -122,17 +122,19 @@ async def test_a_node_no_link_reaches_is_passed_over_at_once(
             return "answered by b"  # b's relay is not what this test is about
         return await client.ping()  # c: no relay listens there
 
-    assert await pipeline.with_engine(Call("chat"), route, snapshot, attempt) == (
-        "answered by b"
-    )
+    assert await pipeline.with_engine(
+        Call("chat", route=route, snapshot=snapshot), attempt
+    ) == ("answered by b")
     assert tried == ["e-c", "e-b"]
     tried.clear()
-    assert await pipeline.with_engine(Call("chat"), route, snapshot, attempt) == (
-        "answered by b"
-    )
+    assert await pipeline.with_engine(
+        Call("chat", route=route, snapshot=snapshot), attempt
+    ) == ("answered by b")
     assert tried == ["e-b"]  # c passed over at once
     tried.clear()
     with pytest.raises(ApiError) as failed:
-        await pipeline.with_engine(Call("chat"), lonely, snapshot, attempt)
+        await pipeline.with_engine(
+            Call("chat", route=lonely, snapshot=snapshot), attempt
+        )
     assert tried == ["e-c"]
     assert "node c" in str(failed.value.message)
