@@ -109,8 +109,7 @@ class ChatStream:
                 await asyncio.shield(self._record())
 
     async def _answer(self) -> None:
-        call, stream_id = self.call, self.chat.id
-        failure: errors.ApiError | None = None
+        call = self.call
         try:
             await self._stream()
         except asyncio.CancelledError:
@@ -127,11 +126,10 @@ class ChatStream:
             return
         except Exception as error:  # the engine failing mid-stream too
             failure = api_error(error, what="chat stream")
-        if failure is not None:
             call.status, call.error_code = failure.status, failure.code or "error"
             self.answer.error_code = call.error_code
             await asyncio.shield(self._end())
-            await self._send(failure.websocket_message(stream_id))
+            await self._send(failure.websocket_message(self.chat.id))
 
     async def _stream(self) -> None:
         call, chat = self.call, self.chat

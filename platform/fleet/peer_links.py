@@ -5,7 +5,7 @@ cluster takes a node every other node fails to link to for unreachable,
 cluster/selectors.py), and, through a database outage, whether the outage is
 everyone's (cluster/peers_reached.py).
 
-The links are kept open between heartbeats (their keepalive notices a silent
+The links are kept open between rounds (their keepalive notices a silent
 peer within LINK_DEAD_S), so a round costs a connection only for a peer
 whose link was lost. The rounds run on the relay's event loop, every second
 (membership.PEER_ROUND_S) whether the database answers or not; the
