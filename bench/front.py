@@ -63,7 +63,7 @@ from bench.generation import (  # noqa: E402
     sse_events,
 )
 from engines.wire.client import AsyncEngineClient, connect_and_send  # noqa: E402
-from engines.wire.frames import DoneFrame, StartFrame, TokenFrame  # noqa: E402
+from engines.wire.replies import DoneFrame, StartFrame, TokenFrame  # noqa: E402
 from engines.wire.requests import GenerateRequest  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"  # its name in the seed migration

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from engines.launch.process import spawn_engine  # noqa: E402
 from engines.wire.client import AsyncEngineClient, EngineClient, EngineError  # noqa: E402
-from engines.wire.frames import TokenFrame  # noqa: E402
+from engines.wire.replies import TokenFrame  # noqa: E402
 from engines.wire.requests import GenerateRequest  # noqa: E402
 
 MODELS_DIR = Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models"))

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from engines.launch.process import spawn_engine  # noqa: E402
 from engines.wire.client import AsyncEngineClient, EngineClient, EngineError  # noqa: E402
-from engines.wire.frames import DoneFrame, TokenFrame  # noqa: E402
+from engines.wire.replies import DoneFrame, TokenFrame  # noqa: E402
 from engines.wire.requests import GenerateRequest  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")

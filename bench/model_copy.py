@@ -1,5 +1,5 @@
 """Model files between nodes: how fast a node copies a model it lacks over
-the node link (engines/wire/link_files.py), against one raw TLS stream of the
+the node link (platform/node_link/files.py), against one raw TLS stream of the
 same bytes from the same serving process (the anchor: what the link's ranges,
 framing and SHA-256 checks cost over the bytes alone).
 
@@ -31,15 +31,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
 
-from cluster.tls import relay_certificate, server_tls_context  # noqa: E402
-from engines.wire.link_client import LinkPool, Peer, client_tls_context  # noqa: E402
-from engines.wire.link_files import (  # noqa: E402
+from node_link.client import LinkPool, Peer, client_tls_context  # noqa: E402
+from node_link.files import (  # noqa: E402
     FILES_STREAM,
     FileServer,
     copy_model,
     model_digests,
 )
-from engines.wire.link_relay import Relay  # noqa: E402
+from node_link.relay import NodeRelay  # noqa: E402
+
+from cluster.tls import relay_certificate, server_tls_context  # noqa: E402
 
 MODEL = ROOT / "var" / "models" / "gemma-3-270m-q4_k_m.gguf"
 SHARED_VARIABLE = "BENCH_LINK_SECRET"
@@ -59,7 +60,7 @@ async def serve(model: Path, run_dir: Path, relay_port: int, raw_port: int) -> N
 
     key, cert, _ = relay_certificate(run_dir, "b")
     tls = server_tls_context(key, cert)
-    relay = Relay(
+    relay = NodeRelay(
         node="b",
         authenticate=authenticate,
         engine_address=lambda name: None,

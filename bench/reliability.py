@@ -86,7 +86,7 @@ from bench.load import (  # noqa: E402
 )
 from bench.reliability_report import dump, log_summary, report  # noqa: E402
 from engines.wire.client import EngineClient, EngineError  # noqa: E402
-from engines.wire.frames import StateReply  # noqa: E402
+from engines.wire.replies import StateReply  # noqa: E402
 
 BURST_TIMEOUT_S = 120.0  # the burst's requests wait in the engine's queue
 DB_DOWN_S = 10.0

@@ -83,9 +83,3 @@ class AffinityMap:
                 self._engines.move_to_end(key)
             while len(self._engines) > self.capacity:
                 self._engines.popitem(last=False)
-
-    def forget_engine(self, engine: str) -> None:
-        """Forget an engine (gone, or its caches lost when it restarted)."""
-        with self._lock:
-            for key in [k for k, v in self._engines.items() if v == engine]:
-                del self._engines[key]

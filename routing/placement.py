@@ -18,11 +18,18 @@ label the model requires and none it avoids):
      memory) before one that has not, more room first;
   6. the engine given the fewest replicas so far, then order, then name.
 A model with fewer eligible engines than replicas gets what there is.
+
+A node whose placed model's files are missing copies them from another node
+(`copy_sources`: which, in what order).
 """
 
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from routing.select import Snapshot  # which imports this module
 
 LABEL = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
@@ -188,3 +195,19 @@ def _room(
         return None
     needed = 0.0 if model.name in engine.resident else model.memory_mib
     return node.ram_mib - used_mib.get(engine.node, 0.0) - needed
+
+
+def copy_sources(snapshot: "Snapshot", model: str, here: str) -> list[NodeRoute]:
+    """The nodes to copy `model`'s files from to node `here`, best first: the
+    other serving nodes that can be reached (they have an address), those
+    holding the model resident first (its files are there for sure), then by
+    name."""
+    holders = {
+        engine.node for engine in snapshot.engines.values() if model in engine.resident
+    }
+    others = [
+        node
+        for node in snapshot.nodes.values()
+        if node.serving and node.name != here and node.host
+    ]
+    return sorted(others, key=lambda node: (node.name not in holders, node.name))

@@ -9,8 +9,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-
-from engines.wire.link import PrivateCa
+from node_link.protocol import PrivateCa
 
 
 class Authority:

@@ -24,7 +24,7 @@ from llguidance.llamacpp import lltokenizer_from_vocab
 from engines.backends.llama import init_llama_cpp
 from engines.generation.sampling import SamplingParams
 from engines.generation.slot import Slot
-from engines.generation.slots import SlotBackend
+from engines.generation.slot_pool import SlotBackend
 from engines.launch.config import usable_cores
 from engines.wire.errors import ErrorCode, ProtocolError
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from engines.generation.sampling import SamplingParams
 from engines.generation.slot import Slot
-from engines.generation.slots import SlotBackend
+from engines.generation.slot_pool import SlotBackend
 
 # Prompt tokens prefilled per step: bounds how long running streams wait.
 PREFILL_CHUNK = 128

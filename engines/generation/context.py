@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.generation.sampling import SamplingParams
-from engines.generation.slots import SlotBackend
+from engines.generation.slot_pool import SlotBackend
 from engines.launch.config import CONTEXT_OVERFLOW
 from engines.wire.errors import ErrorCode, ProtocolError
 

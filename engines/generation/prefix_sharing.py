@@ -1,5 +1,5 @@
 """Prompt caching: a PrefixSharing object, which each slot backend
-(engines/generation/slots.py SlotBackend) holds and calls.
+(engines/generation/slot_pool.py SlotBackend) holds and calls.
 
 A slot keeps the KV of the tokens it last evaluated (`tokens`) when its
 request ends. A new request goes to the free slot whose tokens share the

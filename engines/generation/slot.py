@@ -1,6 +1,6 @@
 """A slot: one session of a generation model, the request in it and its state
 (what it has read, its cache of evaluated tokens, its grammar and tool calls).
-The bookkeeping over a model's slots is engines/generation/slots.py."""
+The bookkeeping over a model's slots is engines/generation/slot_pool.py."""
 
 from dataclasses import dataclass, field
 from typing import Any

@@ -98,7 +98,7 @@ class ModelSpec(Schema):
     sampling: dict[str, Any] = Field(default_factory=dict)
     chat_template: str = ""
     # Keep each slot's KV between requests, reused for a prompt that starts
-    # the same way (engines/generation/slots.py).
+    # the same way (engines/generation/slot_pool.py).
     prompt_cache: bool = True
     # A chat longer than the context: "refuse" or "drop_oldest" turns
     # (engines/generation/context.py).

@@ -22,7 +22,15 @@ from engines.runtime.thermal import ThermalGate, default_probes
 from engines.runtime.watcher import watch
 from engines.wire.bounds import AUTH_TIMEOUT_S, MAX_AUTH_FRAME_BYTES, MAX_FRAME_BYTES
 from engines.wire.errors import ErrorCode, FrameTooLarge, ProtocolError
-from engines.wire.frames import (
+from engines.wire.framing import (
+    UNAUTHORIZED_MESSAGE,
+    check_auth,
+    decode_message,
+    encode_array,
+    frame_bytes,
+    read_frame,
+)
+from engines.wire.replies import (
     CancelReply,
     EmbedReply,
     EmbedUsage,
@@ -35,14 +43,6 @@ from engines.wire.frames import (
     StateReply,
     Temperature,
     UnloadReply,
-)
-from engines.wire.framing import (
-    UNAUTHORIZED_MESSAGE,
-    check_auth,
-    decode_message,
-    encode_array,
-    frame_bytes,
-    read_frame,
 )
 from engines.wire.requests import (
     CancelRequest,

@@ -16,7 +16,7 @@ from engines.generation.runner import GenerationRequest, GenerationRunner
 from engines.generation.sampling import SamplingParams
 from engines.runtime.residency import ResidentModel
 from engines.wire.errors import ErrorCode, ProtocolError
-from engines.wire.frames import (
+from engines.wire.replies import (
     DoneFrame,
     ErrorReply,
     GenerateAnswer,

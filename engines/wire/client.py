@@ -1,6 +1,6 @@
 """Clients of an engine: asyncio for the web process, blocking for Celery, the
 supervisor and scripts. Both speak engines/wire/framing.py, send typed requests
-(engines/wire/requests.py), read typed replies (engines/wire/frames.py) and
+(engines/wire/requests.py), read typed replies (engines/wire/replies.py) and
 raise one error type per failure: a reply that does not match its schema is an
 error (EngineReplyInvalid), never read in part."""
 
@@ -19,7 +19,8 @@ from pydantic import ValidationError
 from engines.launch.config import LOOPBACK, LiveConfig
 from engines.wire.bounds import CONTROL_TIMEOUT_S, MAX_FRAME_BYTES
 from engines.wire.errors import ErrorCode, ProtocolError
-from engines.wire.frames import (
+from engines.wire.framing import auth_frame, decode_array, read_frame, recv_frame
+from engines.wire.replies import (
     CancelReply,
     DoneFrame,
     EmbedReply,
@@ -35,7 +36,6 @@ from engines.wire.frames import (
     UnloadReply,
     parse_reply,
 )
-from engines.wire.framing import auth_frame, decode_array, read_frame, recv_frame
 from engines.wire.requests import (
     CancelRequest,
     ConfigureRequest,

@@ -1,5 +1,5 @@
 """Stable error codes and the one exception an engine answers with (as an
-engines.wire.frames.ErrorReply). Each code is mapped to one HTTP status and
+engines.wire.replies.ErrorReply). Each code is mapped to one HTTP status and
 one WebSocket error frame by the front (platform/api/errors.py)."""
 
 import enum
@@ -18,7 +18,7 @@ class ErrorCode(enum.StrEnum):
     COOLING = "cooling"
     CANCELLED = "cancelled"
     INTERNAL = "internal"
-    # A node's relay could not reach the engine named (engines/wire/link_relay.py): the
+    # A node's relay could not reach the engine named (platform/node_link/relay.py): the
     # request never started there, and the caller tries another replica.
     UNREACHABLE = "unreachable"
 

@@ -5,7 +5,7 @@ engine parses each request once, with `parse_request`, into its model
 (engines/runtime/server.py); its clients send built models
 (engines/wire/client.py), the front's generate requests built from its REST
 schemas (api.schemas), so both sides read one schema. The replies:
-engines/wire/frames.py.
+engines/wire/replies.py.
 
 Sampling values (temperature, max_tokens, stop, ...) are bounded by
 engines.wire.bounds.check_sampling, the bounds the admin and the REST schemas
@@ -36,7 +36,7 @@ from engines.wire.framing import frame_bytes
 # A generation's priority: interactive (a person or an app waiting on it) or
 # batch (a Batch API line). Batch requests are admitted after interactive ones,
 # leave slots free for them, and sit out a pass while an interactive prompt is
-# being read (engines/generation/runner.py, engines/generation/slots.py).
+# being read (engines/generation/runner.py, engines/generation/slot_pool.py).
 PRIORITIES = ("interactive", "batch")
 
 # Tools a request may offer, and the serialized size of a JSON schema (a

@@ -9,18 +9,18 @@ from typing import Any
 
 import numpy as np
 
-from engines.wire.frames import GenerateAnswer
+from engines.wire.replies import GenerateAnswer
 from engines.wire.requests import GenerateRequest
 
-from . import errors
+from . import bodies, errors
 from .calls import Call
 from .choices import (
+    ChoicesUsage,
     Priority,
-    Tally,
+    call_requests,
     chat_logprobs,
     chat_message,
     completion_logprobs,
-    engine_requests,
     finish_reason,
 )
 from .pipeline import with_engine
@@ -39,7 +39,7 @@ async def generation_answer(
     """Generate every choice on the routed engine (each in a slot of its
     batch); the answer's body and the first choice's engine reply (ApiError
     when any fails: the others are cancelled)."""
-    requests = engine_requests(payload, priority, call=call)
+    requests = call_requests(payload, priority, call=call)
     created = int(time.time())
 
     async def one(request: GenerateRequest) -> GenerateAnswer:
@@ -51,21 +51,21 @@ async def generation_answer(
     except ExceptionGroup as failed:  # the first failure is the answer's
         raise failed.exceptions[0] from None
     replies = [task.result() for task in tasks]
-    tally = Tally(per_prompt=payload.choices_per_prompt)
+    usage_count = ChoicesUsage(per_prompt=payload.choices_per_prompt)
     for index, reply in enumerate(replies):
-        tally.ended(index, reply.usage)
-    call.counted(tally.usage())
-    choices = []
+        usage_count.ended(index, reply.usage)
+    call.counted(usage_count.usage())
+    choices: list[bodies.ChatCompletionChoice | bodies.CompletionChoice] = []
     for index, (request, reply) in enumerate(zip(requests, replies, strict=True)):
         reason = finish_reason(reply.finish_reason)
         entries = reply.logprobs
         if chat:
-            choice = {
-                "index": index,
-                "message": chat_message(reply),
-                "logprobs": chat_logprobs(entries) if entries is not None else None,
-                "finish_reason": reason,
-            }
+            choice = bodies.ChatCompletionChoice(
+                index=index,
+                message=chat_message(reply),
+                logprobs=chat_logprobs(entries) if entries is not None else None,
+                finish_reason=reason,
+            )
         else:
             echoed = _echoed(request, reply) if payload.echo else ""
             logprobs = None
@@ -74,24 +74,23 @@ async def generation_answer(
                 scored = (reply.prompt_logprobs or []) + entries
                 offset = 0 if payload.echo else len(echoed)
                 logprobs, _ = completion_logprobs(scored, offset)
-            choice = {
-                "index": index,
-                "text": echoed + reply.text,
-                "logprobs": logprobs,
-                "finish_reason": reason,
-            }
+            choice = bodies.CompletionChoice(
+                index=index,
+                text=echoed + reply.text,
+                logprobs=logprobs,
+                finish_reason=reason,
+            )
         choices.append(choice)
-    body = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + replies[0].request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": call.model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": call.usage(),
-        "timings": call.timings(replies[0]),
-    }
-    return body, replies[0]
+    answer = bodies.ChatCompletion if chat else bodies.Completion
+    body = answer(
+        id=("chatcmpl-" if chat else "cmpl-") + replies[0].request_id,
+        created=created,
+        model=call.model,
+        choices=choices,
+        usage=call.usage(),
+        timings=call.timings(replies[0]),
+    )
+    return body.model_dump(mode="json"), replies[0]
 
 
 def _echoed(request: GenerateRequest, reply: GenerateAnswer) -> str:
@@ -123,12 +122,14 @@ async def embedding_answer(call: Call, payload: EmbeddingRequest) -> dict[str, A
         ]
     else:
         vectors = rows.astype(float).tolist()
-    return {
-        "object": "list",
-        "data": [
-            {"object": "embedding", "index": index, "embedding": vector}
+    body = bodies.CreateEmbeddingResponse(
+        data=[
+            bodies.Embedding(index=index, embedding=vector)
             for index, vector in enumerate(vectors)
         ],
-        "model": route.name,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    }
+        model=route.name,
+        usage=bodies.EmbeddingUsage(
+            prompt_tokens=prompt_tokens, total_tokens=prompt_tokens
+        ),
+    )
+    return body.model_dump(mode="json")

@@ -2,7 +2,7 @@
 
 A `Call` becomes the request's usage row and metrics, and holds what the request
 holds until it ends (its key's concurrency slot, its engine stream). A stream's
-body is a `Relay`, which ends its call however the stream ends. Work for later
+body is a `StreamBody`, which ends its call however the stream ends. Work for later
 (refreshing the fleet snapshot and stale keys) starts once an answer is under
 way, in tasks whose failures are logged, never left unretrieved.
 """
@@ -17,11 +17,11 @@ from typing import Any
 
 from django.http import HttpResponse
 
-from engines.wire.frames import Ending, Usage
+from engines.wire.replies import Ending, Usage
 from routing.select import ModelRoute, Snapshot
 
 from . import errors, metrics, services, usage
-from .gateway import GATEWAY
+from .gateway import front_gateway
 from .models import ApiKey
 
 log = logging.getLogger("roundhouse.api")
@@ -193,12 +193,12 @@ def after_answer() -> None:
     """Refresh what requests read from memory (the fleet snapshot, stale keys)
     in the background, once this request's answer has started: that work then
     does not delay it."""
-    GATEWAY.refresh_later()
+    front_gateway().refresh_later()
     if services.stale_keys_waiting():
         spawn(services.api_keys_revalidate(), "reading API keys again")
 
 
-class Relay:
+class StreamBody:
     """A stream's body: relays its chunks, and ends its call (gives back the
     key's slot, hangs up on the engine, records usage) however the stream ends:
     its last chunk, an engine failure, the caller hanging up mid-stream, or the

@@ -7,12 +7,11 @@ every choice (a prompt once, however many choices it has)."""
 import asyncio
 import contextlib
 import hashlib
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engines.wire.frames import (
+from engines.wire.replies import (
     CalledTool,
     GenerateAnswer,
     Logprob,
@@ -24,6 +23,7 @@ from engines.wire.frames import (
 from engines.wire.requests import GenerateRequest
 from routing.affinity import prefix_keys
 
+from . import bodies
 from .calls import Call
 from .pipeline import generation_open
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -37,17 +37,18 @@ def finish_reason(reason: str) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
 
 
-def engine_requests(
+def call_requests(
     payload: Payload, priority: Priority, *, call: Call
 ) -> list[GenerateRequest]:
-    """The engine requests of the call's choices, in choice order: the
-    body's fields, our own request id (unique across engines and their
-    restarts, which engine ids are not), the priority (a batch line yields
-    to interactive requests in the engine) and the caller (whose limits
-    admitted it: the engine shares its slots fairly between callers) and
-    the cache salt of the call's cache scope (the engine reuses a cached
-    prefix only for the same salt, as vLLM's `cache_salt`). A chat's message
-    prefixes, in the same scope, go on the call, for cache-aware routing."""
+    """The engine requests of the call's choices, in choice order
+    (Sampling.engine_requests), with the pipeline's envelope: the priority
+    (a batch line yields to interactive requests in the engine), the caller
+    (whose limits admitted it: the engine shares its slots fairly between
+    callers) and the cache salt of the call's cache scope (the engine reuses
+    a cached prefix only for the same salt, as vLLM's `cache_salt`). Each
+    request's own id is unique across engines and their restarts, which
+    engine ids are not. A chat's message prefixes, in the same scope, go on
+    the call, for cache-aware routing."""
     envelope: dict[str, Any] = {}
     if priority != "interactive":
         envelope["priority"] = priority
@@ -56,10 +57,7 @@ def engine_requests(
     scope = call.cache_scope
     if scope:
         envelope["cache_salt"] = cache_salt(scope)
-    requests = [
-        request.model_copy(update={**envelope, "request_id": uuid.uuid4().hex})
-        for request in payload.engine_requests()
-    ]
+    requests = payload.engine_requests(**envelope)
     if requests and requests[0].messages:
         call.prefixes = prefix_keys(
             payload.model, engine_messages(requests[0]), scope=scope
@@ -80,7 +78,7 @@ def engine_messages(request: GenerateRequest) -> list[dict[str, Any]]:
 
 
 @dataclass
-class Tally:
+class ChoicesUsage:
     """Usage over an answer's choices: each prompt's tokens once (its first
     choice's count), every choice's completion tokens."""
 
@@ -111,71 +109,90 @@ class Tally:
 # -- shapes --------------------------------------------------------------------
 
 
-def chat_logprobs(entries: list[Logprob]) -> dict[str, Any]:
+def chat_logprobs(entries: list[Logprob]) -> bodies.ChoiceLogprobs:
     """Chat's `logprobs` (the engine's entries are in its shape already)."""
-    return {"content": [entry.model_dump() for entry in entries], "refusal": None}
+    return bodies.ChoiceLogprobs(content=entries)
 
 
 def completion_logprobs(
     entries: list[Logprob], offset: int
-) -> tuple[dict[str, Any], int]:
+) -> tuple[bodies.CompletionLogprobs, int]:
     """Completions' `logprobs` for these tokens, the first at character
     `offset` of the choice's text; and the offset after them."""
-    out: dict[str, list] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     for entry in entries:
-        out["tokens"].append(entry.token)
-        out["token_logprobs"].append(entry.logprob)
+        tokens.append(entry.token)
+        token_logprobs.append(entry.logprob)
         # An echoed prompt's first token has no log-probability, nor top.
-        out["top_logprobs"].append(
+        top_logprobs.append(
             None
             if entry.logprob is None
             else {top.token: top.logprob for top in entry.top_logprobs}
         )
-        out["text_offset"].append(offset)
+        text_offset.append(offset)
         offset += len(entry.token)
-    return out, offset
+    logprobs = bodies.CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=token_logprobs,
+        top_logprobs=top_logprobs,
+        text_offset=text_offset,
+    )
+    return logprobs, offset
 
 
-def tool_calls(calls: list[CalledTool]) -> list[dict[str, Any]]:
+def message_tool_calls(calls: list[CalledTool]) -> list[bodies.ToolCall]:
     """A message's `tool_calls` from the engine's complete calls."""
     return [
-        {
-            "id": call.id,
-            "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
-        }
+        bodies.ToolCall(
+            id=call.id,
+            function=bodies.CalledFunction(name=call.name, arguments=call.arguments),
+        )
         for call in calls
     ]
 
 
-def tool_call_deltas(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+def delta_tool_calls(deltas: list[ToolCallDelta]) -> list[bodies.ToolCallDelta]:
     """A chunk's `delta.tool_calls` from the engine's deltas: a call's id,
     type and name come with its first delta, its arguments in pieces."""
     out = []
     for delta in deltas:
-        item: dict[str, Any] = {"index": delta.index}
-        function: dict[str, str] = {"arguments": delta.arguments}
-        if delta.id is not None:
-            item["id"] = delta.id
-            item["type"] = "function"
-            function = {"name": delta.name or "", **function}
-        item["function"] = function
-        out.append(item)
+        if delta.id is None:
+            function = bodies.FunctionDelta(arguments=delta.arguments)
+            out.append(bodies.ToolCallDelta(index=delta.index, function=function))
+            continue
+        function = bodies.FunctionDelta(
+            name=delta.name or "", arguments=delta.arguments
+        )
+        out.append(
+            bodies.ToolCallDelta(
+                index=delta.index, id=delta.id, type="function", function=function
+            )
+        )
     return out
 
 
-def chat_message(reply: GenerateAnswer) -> dict[str, Any]:
-    """The assistant message of a whole (non-streamed) answer."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.text}
-    if reply.tool_calls:
-        message["content"] = reply.text if reply.text.strip() else None
-        message["tool_calls"] = tool_calls(reply.tool_calls)
-    return message
+def tool_calls(calls: list[CalledTool]) -> list[dict[str, Any]]:
+    """message_tool_calls as JSON (the WebSocket chat's messages)."""
+    return [call.model_dump(mode="json") for call in message_tool_calls(calls)]
+
+
+def tool_call_deltas(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """delta_tool_calls as JSON (the WebSocket chat's messages)."""
+    return [delta.model_dump(mode="json") for delta in delta_tool_calls(deltas)]
+
+
+def chat_message(reply: GenerateAnswer) -> bodies.ChatCompletionMessage:
+    """The assistant message of a whole (non-streamed) answer: with tool
+    calls, its text only if there is more than blanks."""
+    if not reply.tool_calls:
+        return bodies.ChatCompletionMessage(content=reply.text)
+    return bodies.ChatCompletionMessage(
+        content=reply.text if reply.text.strip() else None,
+        tool_calls=message_tool_calls(reply.tool_calls),
+    )
 
 
 # -- streams -------------------------------------------------------------------------
@@ -186,9 +203,9 @@ async def choices_open(
     requests: list[GenerateRequest],
     *,
     per_prompt: int,
-) -> tuple[list[tuple[AsyncIterator[StreamEvent], StartFrame]], Tally]:
+) -> tuple[list[tuple[AsyncIterator[StreamEvent], StartFrame]], ChoicesUsage]:
     """Open every choice's engine stream at once (each waits for its slot);
-    the streams and their start frames, in choice order, and the tally of
+    the streams and their start frames, in choice order, and the usage of
     their usage (the call counts their prompts' tokens from here). A refusal
     closes the ones already open and is raised."""
     tasks = [
@@ -204,11 +221,11 @@ async def choices_open(
                 frames, _ = await task
                 await frames.aclose()
         raise
-    tally = Tally(per_prompt=per_prompt)
+    usage_count = ChoicesUsage(per_prompt=per_prompt)
     for index, (_, start) in enumerate(opened):
-        tally.started(index, start)
-    call.prompt_tokens = tally.usage().prompt_tokens
-    return opened, tally
+        usage_count.started(index, start)
+    call.prompt_tokens = usage_count.usage().prompt_tokens
+    return opened, usage_count
 
 
 async def merged(

@@ -119,7 +119,7 @@ ENGINE_ERRORS: dict[str, Mapping] = {
     # The engine refused the front's own token: a fault of ours, not the caller's.
     ErrorCode.UNAUTHORIZED: Mapping(502, "server_error"),
     ErrorCode.INTERNAL: Mapping(500, "server_error"),
-    # A node's relay could not reach the engine (engines/wire/link_relay.py); the front
+    # A node's relay could not reach the engine (platform/node_link/relay.py); the front
     # tries another replica first, and answers this when none is left.
     ErrorCode.UNREACHABLE: Mapping(503, "server_error", retry_after_s=5),
 }

@@ -1,7 +1,7 @@
 """How the front reaches engines: a routing snapshot at most a second old, the
 router's choice, and a client: for an engine of this host, built from the
 engine's connection file; for one of another node, over the link to that
-node's relay (engines/wire/link_client.py), authenticated by this host's node
+node's relay (platform/node_link/client.py), authenticated by this host's node
 secret."""
 
 import asyncio
@@ -13,10 +13,12 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from django import db
 from django.conf import settings
+from node_link.client import LinkPool, RemoteEngineClient
 
 from cluster.identity import NodeIdentity, identity_read, identity_stamp
 from cluster.models import UNREACHABLE_AFTER_S
@@ -24,7 +26,6 @@ from cluster.peers_reached import serving_through_outage
 from cluster.selectors import node_peer
 from cluster.tls import private_ca
 from engines.wire.client import AsyncEngineClient, EngineUnreachable, connection_file
-from engines.wire.link_client import LinkPool, RemoteEngineClient
 from fleet.outages import OutageClock
 from fleet.selectors import routing_snapshot
 from routing.select import (
@@ -38,6 +39,7 @@ from routing.select import (
 
 from . import errors
 from .affinity import SharedAffinity
+from .parts import Part
 from .services import DATABASE_OUTAGE
 
 log = logging.getLogger("roundhouse.api")
@@ -102,11 +104,21 @@ def unconfirmed(snapshot: Snapshot, age_s: float) -> bool:
 
 
 class Gateway:
-    """The front's one router and snapshot cache (shared by every request)."""
+    """The front's one router and snapshot cache (shared by every request).
 
-    def __init__(self) -> None:
+    `load` reads the routing snapshot (by default the fleet's, from the
+    database, in the loader thread) and `clock` times its age: a test's own
+    gateway gives its own (api.parts: `gateway.installed`)."""
+
+    def __init__(
+        self,
+        load: Callable[[], Snapshot] | None = None,
+        *,
+        max_age_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.router = Router()
-        self.cache = SnapshotCache(self._load, max_age_s=1.0)
+        self.cache = SnapshotCache(load or self._load, max_age_s, clock)
         # Loads run in one thread of their own, which keeps its database
         # connection: asgiref's threads reconnect for every request.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
@@ -139,6 +151,22 @@ class Gateway:
         """Close the loader thread's database connection (it reconnects when
         needed)."""
         self._loader.submit(db.connections.close_all).result()
+
+    def request_sent(self, engine: str) -> None:
+        """This front sent `engine` a request: one more in flight there (the
+        router's count of this front's load on it)."""
+        self.in_flight[engine] += 1
+
+    def request_ended(self, engine: str) -> None:
+        """A request this front sent `engine` ended: one fewer in flight."""
+        self.in_flight[engine] -= 1
+        if self.in_flight[engine] <= 0:
+            del self.in_flight[engine]
+
+    def shutdown(self) -> None:
+        """Stop the loader thread, once its loads are over (a gateway that
+        is done with: a test's own)."""
+        self._loader.shutdown(wait=True)
 
     def forget(self) -> None:
         """Forget what this front knows of the fleet (the snapshot, a failed
@@ -447,4 +475,5 @@ class Gateway:
         return cached[1]
 
 
-GATEWAY = Gateway()
+# The front's gateway (api.parts): built when the front starts, never at import.
+front_gateway: Part[Gateway] = Part(Gateway)

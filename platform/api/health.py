@@ -9,7 +9,7 @@ from fleet.selectors import engine_counters
 from routing.select import Snapshot
 
 from . import errors, limits, metrics
-from .gateway import GATEWAY, unconfirmed
+from .gateway import front_gateway, unconfirmed
 from .selectors import in_db_thread
 from .services import DATABASE_OUTAGE
 
@@ -23,7 +23,7 @@ async def _fleet_or_last() -> Snapshot | None:
     """The fleet snapshot; while the database fails, the last one read (the
     gateway's), or None if this process never read one."""
     try:
-        return await GATEWAY.snapshot()
+        return await front_gateway().snapshot()
     except db.Error as error:
         DATABASE_OUTAGE.failed("reading the fleet", error)
         return None
@@ -36,7 +36,7 @@ async def healthz(request: HttpRequest) -> HttpResponse:
     the fleet under a second old (waiting up to HEALTH_WAIT_S for it); while
     the database does not answer, from the last view read. `view_age_s` says
     how old the view is. No secrets."""
-    view = await GATEWAY.view(wait_s=HEALTH_WAIT_S)
+    view = await front_gateway().view(wait_s=HEALTH_WAIT_S)
     snapshot, age_s = view if view is not None else (None, None)
     if snapshot is not None and unconfirmed(snapshot, age_s):
         snapshot = None  # a node cut off from its cluster: it shows nothing
@@ -59,7 +59,7 @@ async def healthz(request: HttpRequest) -> HttpResponse:
         "limits": limits.mode(),  # "shared" (Redis), or "local (why)"
     }
     if snapshot is not None and snapshot.nodes:
-        identity = GATEWAY.identity
+        identity = front_gateway().identity
         body["node"] = identity.name if identity else ""
         body["nodes"] = {name: node.status for name, node in snapshot.nodes.items()}
     return JsonResponse(body, status=200)

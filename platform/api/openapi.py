@@ -1,6 +1,7 @@
 """The OpenAPI 3.1 document of the OpenAI-compatible API (`GET /v1/openapi.json`).
 
-Request bodies come from the schemas that validate them (api.schemas). The
+Request bodies come from the schemas that validate them (api.schemas), response
+bodies from the models the answers are built with (api.bodies). The
 statuses an endpoint answers come from the error tables (api.errors.STEP_ERRORS)
 and the steps the endpoint runs, so a row added to a table is documented with
 no change here.
@@ -10,8 +11,13 @@ import functools
 from http import HTTPStatus
 from typing import Any
 
-from . import errors
-from .schemas import ENDPOINT_SCHEMAS, MAX_CHOICES
+from pydantic import BaseModel
+
+from . import bodies, errors
+from .schemas import ENDPOINT_SCHEMAS
+
+# Where a schema's references point: the document's components.
+REF_TEMPLATE = "#/components/schemas/{model}"
 
 # The steps of errors.STEP_ERRORS each endpoint runs, by path and method.
 GENERATION_STEPS = ("read", "method", "key", "body", "model", "limits", "engine")
@@ -41,187 +47,12 @@ STATUS_DESCRIPTIONS = {
     504: "The engine stopped answering.",
 }
 
-# Response bodies (not in api.schemas: the views build them).
-USAGE = {
-    "type": "object",
-    "properties": {
-        "prompt_tokens": {"type": "integer", "minimum": 0},
-        "completion_tokens": {"type": "integer", "minimum": 0},
-        "total_tokens": {"type": "integer", "minimum": 0},
-        "prompt_tokens_details": {
-            "type": "object",
-            "description": "cached_tokens: prompt tokens taken from a slot's "
-            "prompt cache instead of evaluated again.",
-            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
-            "required": ["cached_tokens"],
-        },
-    },
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-}
-TIMINGS = {
-    "type": "object",
-    "description": "Roundhouse's addition: the engine that answered (and its "
-    "node, on a cluster) and its own times from the request's arrival.",
-    "properties": {
-        "engine": {"type": "string"},
-        "node": {"type": "string"},
-        "engine_first_token_ms": {"type": ["number", "null"]},
-        "engine_total_ms": {"type": ["number", "null"]},
-    },
-    "required": ["engine"],
-}
-FINISH_REASON = {"enum": ["stop", "length", "tool_calls"]}
-_TOKEN = {
-    "token": {"type": "string"},
-    "logprob": {"type": "number", "maximum": 0},
-    "bytes": {"type": "array", "items": {"type": "integer"}},
-}
-# Log-probabilities: chat's shape, and completions' (legacy) one.
-CHAT_LOGPROBS = {
-    "type": ["object", "null"],
-    "properties": {
-        "content": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    **_TOKEN,
-                    "top_logprobs": {
-                        "type": "array",
-                        "items": {"type": "object", "properties": _TOKEN},
-                    },
-                },
-                "required": ["token", "logprob", "bytes", "top_logprobs"],
-            },
-        },
-        "refusal": {"type": "null"},
-    },
-}
-COMPLETION_LOGPROBS = {
-    "type": ["object", "null"],
-    "properties": {
-        "tokens": {"type": "array", "items": {"type": "string"}},
-        # An echoed prompt's first token has neither (null).
-        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
-        "top_logprobs": {
-            "type": "array",
-            "items": {
-                "type": ["object", "null"],
-                "additionalProperties": {"type": "number"},
-            },
-        },
-        "text_offset": {"type": "array", "items": {"type": "integer"}},
-    },
-}
-_FUNCTION = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
-}
-TOOL_CALLS = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "type": {"const": "function"},
-            "function": {**_FUNCTION, "required": ["name", "arguments"]},
-        },
-        "required": ["id", "type", "function"],
-    },
-}
-TOOL_CALL_DELTAS = {
-    "type": "array",
-    "description": "A call's id, type and name in its first delta; its "
-    "arguments in pieces.",
-    "items": {
-        "type": "object",
-        "properties": {
-            "index": {"type": "integer", "minimum": 0},
-            "id": {"type": "string"},
-            "type": {"const": "function"},
-            "function": _FUNCTION,
-        },
-        "required": ["index", "function"],
-    },
-}
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF_TEMPLATE.format(model=model.__name__)}
 
 
-def _completion(
-    object_name: str,
-    choice: dict[str, Any],
-    required: list[str],
-    logprobs: dict[str, Any],
-) -> dict[str, Any]:
-    """A completion's body: its choices (`n` per prompt), with the usage of
-    them all and timings."""
-    return {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": object_name},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "system_fingerprint": {"type": "null"},
-            "choices": {
-                "type": "array",
-                "minItems": 1,
-                "maxItems": MAX_CHOICES,
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer", "minimum": 0},
-                        **choice,
-                        "logprobs": logprobs,
-                        "finish_reason": FINISH_REASON,
-                    },
-                    "required": ["index", *required, "finish_reason"],
-                },
-            },
-            "usage": {"$ref": "#/components/schemas/Usage"},
-            "timings": {"$ref": "#/components/schemas/Timings"},
-        },
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-    }
-
-
-def _chunk(
-    object_name: str, choice: dict[str, Any], logprobs: dict[str, Any]
-) -> dict[str, Any]:
-    """A streamed chunk: one choice's delta (its finish reason and timings in
-    its last), or with `include_usage` a last chunk with no choice and the
-    usage of them all."""
-    return {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": object_name},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "system_fingerprint": {"type": "null"},
-            "choices": {
-                "type": "array",
-                "maxItems": 1,
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer", "minimum": 0},
-                        **choice,
-                        "logprobs": logprobs,
-                        "finish_reason": {"enum": [None, *FINISH_REASON["enum"]]},
-                    },
-                    "required": ["index", *choice, "finish_reason"],
-                },
-            },
-            "usage": {
-                "oneOf": [{"$ref": "#/components/schemas/Usage"}, {"type": "null"}]
-            },
-            "timings": {"$ref": "#/components/schemas/Timings"},
-        },
-        "required": ["id", "object", "created", "model", "choices"],
-    }
-
-
-def _stream(chunk: str) -> dict[str, Any]:
+def _stream(chunk: type[bodies.Body]) -> dict[str, Any]:
     """Server-Sent Events: each event's data is a chunk, an error object (the
     engine failed once the stream had started), or `[DONE]`. Before OpenAPI
     3.2, `schema` under text/event-stream describes one event."""
@@ -236,10 +67,7 @@ def _stream(chunk: str) -> dict[str, Any]:
                         "else": {
                             "contentMediaType": "application/json",
                             "contentSchema": {
-                                "anyOf": [
-                                    {"$ref": f"#/components/schemas/{chunk}"},
-                                    {"$ref": "#/components/schemas/Error"},
-                                ]
+                                "anyOf": [_ref(chunk), _ref(bodies.ErrorResponse)]
                             },
                         },
                     }
@@ -250,160 +78,55 @@ def _stream(chunk: str) -> dict[str, Any]:
     }
 
 
-RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
-    "Usage": USAGE,
-    "Timings": TIMINGS,
-    "ChatCompletion": _completion(
-        "chat.completion",
-        {
-            "message": {
-                "type": "object",
-                "properties": {
-                    "role": {"const": "assistant"},
-                    "content": {"type": ["string", "null"]},
-                    "tool_calls": TOOL_CALLS,
-                },
-                "required": ["role", "content"],
-            }
-        },
-        ["message"],
-        CHAT_LOGPROBS,
-    ),
-    "TextCompletion": _completion(
-        "text_completion",
-        {"text": {"type": "string"}},
-        ["text"],
-        COMPLETION_LOGPROBS,
-    ),
-    "ChatCompletionChunk": _chunk(
-        "chat.completion.chunk",
-        {
-            "delta": {
-                "type": "object",
-                "properties": {
-                    "role": {"const": "assistant"},
-                    "content": {"type": "string"},
-                    "tool_calls": TOOL_CALL_DELTAS,
-                },
-            }
-        },
-        CHAT_LOGPROBS,
-    ),
-    "TextCompletionChunk": _chunk(
-        "text_completion", {"text": {"type": "string"}}, COMPLETION_LOGPROBS
-    ),
-    "EmbeddingList": {
-        "type": "object",
-        "properties": {
-            "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "object": {"const": "embedding"},
-                        "index": {"type": "integer", "minimum": 0},
-                        "embedding": {
-                            "description": "Floats, or with encoding_format "
-                            "base64 little-endian float32 in base64.",
-                            "oneOf": [
-                                {"type": "array", "items": {"type": "number"}},
-                                {"type": "string"},
-                            ],
-                        },
-                    },
-                    "required": ["object", "index", "embedding"],
-                },
-            },
-            "model": {"type": "string"},
-            "usage": {
-                "type": "object",
-                "properties": {
-                    "prompt_tokens": {"type": "integer", "minimum": 0},
-                    "total_tokens": {"type": "integer", "minimum": 0},
-                },
-                "required": ["prompt_tokens", "total_tokens"],
-            },
-        },
-        "required": ["object", "data", "model", "usage"],
-    },
-    "ModelList": {
-        "type": "object",
-        "properties": {
-            "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"const": "model"},
-                        "created": {"type": "integer"},
-                        "owned_by": {"type": "string"},
-                    },
-                    "required": ["id", "object", "created", "owned_by"],
-                },
-            },
-        },
-        "required": ["object", "data"],
-    },
-    "Error": {
-        "type": "object",
-        "description": "OpenAI's error object.",
-        "properties": {
-            "error": {
-                "type": "object",
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "param": {"type": ["string", "null"]},
-                    "code": {"type": ["string", "null"]},
-                },
-                "required": ["message", "type", "param", "code"],
-            }
-        },
-        "required": ["error"],
-    },
-}
-
 RESULTS: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {
         "description": "The completion (JSON), or with `stream` its chunks (SSE).",
         "content": {
-            "application/json": {
-                "schema": {"$ref": "#/components/schemas/ChatCompletion"}
-            },
-            **_stream("ChatCompletionChunk"),
+            "application/json": {"schema": _ref(bodies.ChatCompletion)},
+            **_stream(bodies.ChatCompletionChunk),
         },
     },
     "/v1/completions": {
         "description": "The completion (JSON), or with `stream` its chunks (SSE).",
         "content": {
-            "application/json": {
-                "schema": {"$ref": "#/components/schemas/TextCompletion"}
-            },
-            **_stream("TextCompletionChunk"),
+            "application/json": {"schema": _ref(bodies.Completion)},
+            **_stream(bodies.CompletionChunk),
         },
     },
     "/v1/embeddings": {
         "description": "One embedding per input, in order.",
         "content": {
-            "application/json": {
-                "schema": {"$ref": "#/components/schemas/EmbeddingList"}
-            }
+            "application/json": {"schema": _ref(bodies.CreateEmbeddingResponse)}
         },
     },
     "/v1/models": {
         "description": "The enabled models this key may use, each once.",
-        "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/ModelList"}}
-        },
+        "content": {"application/json": {"schema": _ref(bodies.ModelList)}},
     },
     "/v1/openapi.json": {
         "description": "This document.",
         "content": {"application/json": {"schema": {"type": "object"}}},
     },
 }
+
+
+def body_schemas(body: type[bodies.Body]) -> dict[str, Any]:
+    """A response body's JSON Schema and its parts', by name: the keys it
+    sends (api.bodies.BodySchema)."""
+    document = body.model_json_schema(
+        ref_template=REF_TEMPLATE,
+        schema_generator=bodies.BodySchema,
+        mode="serialization",
+    )
+    return {**document.pop("$defs", {}), body.__name__: document}
+
+
+def _add_components(components: dict[str, Any], schemas: dict[str, Any]) -> None:
+    """Add schemas to the components; two different schemas of one name are
+    a mistake (a response part named as a request's), not one to overwrite."""
+    for name, schema in schemas.items():
+        if components.setdefault(name, schema) != schema:
+            raise ValueError(f"Two different schemas are named {name}.")
 
 
 def endpoint_errors(path: str, method: str) -> dict[int, list[errors.Mapping]]:
@@ -418,9 +141,7 @@ def endpoint_errors(path: str, method: str) -> dict[int, list[errors.Mapping]]:
 def _error_response(status: int, mappings: list[errors.Mapping]) -> dict[str, Any]:
     response: dict[str, Any] = {
         "description": STATUS_DESCRIPTIONS.get(status, HTTPStatus(status).phrase),
-        "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
-        },
+        "content": {"application/json": {"schema": _ref(bodies.ErrorResponse)}},
     }
     headers = {}
     if any(mapping.retry_after_s is not None for mapping in mappings):
@@ -451,11 +172,7 @@ def _operation(path: str, method: str) -> dict[str, Any]:
     if schema is not None:
         operation["requestBody"] = {
             "required": True,
-            "content": {
-                "application/json": {
-                    "schema": {"$ref": f"#/components/schemas/{schema.__name__}"}
-                }
-            },
+            "content": {"application/json": {"schema": _ref(schema)}},
         }
     operation["responses"] = {
         "200": RESULTS[path],
@@ -472,10 +189,11 @@ def openapi_document() -> dict[str, Any]:
     """The document (built once; callers must not change it)."""
     components: dict[str, Any] = {}
     for schema in ENDPOINT_SCHEMAS.values():
-        document = schema.model_json_schema(ref_template="#/components/schemas/{model}")
+        document = schema.model_json_schema(ref_template=REF_TEMPLATE)
         components.update(document.pop("$defs", {}))
         components[schema.__name__] = document
-    components.update(RESPONSE_SCHEMAS)
+    for body in bodies.RESPONSE_BODIES:
+        _add_components(components, body_schemas(body))
     paths: dict[str, Any] = {}
     for path, method in ENDPOINT_STEPS:
         paths.setdefault(path, {})[method] = _operation(path, method)

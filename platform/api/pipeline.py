@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from django import db
+from node_link.client import NodeUnreachable
 
 from engines.wire.client import (
     EngineDied,
@@ -28,15 +29,14 @@ from engines.wire.client import (
     EngineUnreachable,
 )
 from engines.wire.errors import ErrorCode
-from engines.wire.frames import StartFrame, StreamEvent
-from engines.wire.link_client import NodeUnreachable
+from engines.wire.replies import StartFrame, StreamEvent
 from engines.wire.requests import GenerateRequest
 from routing.select import NoEngine
 
 from . import errors
 from .calls import Call
 from .exceptions import KeyCheckUnavailable, KeyRejected, LimitExceeded
-from .gateway import GATEWAY
+from .gateway import front_gateway
 from .limits import Allowance, TooHeavy, admission
 from .models import ApiKey
 from .selectors import in_db_thread, user_allowance, user_allowance_remembered
@@ -125,9 +125,9 @@ async def model_route(call: Call, model: str) -> None:
     engine from; ApiError for a model that does not exist, that the call's key
     may not use, or whose task the call's endpoint does not serve."""
     call.model = model
-    snapshot = await GATEWAY.snapshot()
+    snapshot = await front_gateway().snapshot()
     if model not in snapshot.models:  # maybe added since: look again
-        snapshot = await GATEWAY.snapshot(fresh=True)
+        snapshot = await front_gateway().snapshot(fresh=True)
     route = snapshot.models.get(model)
     if route is None or (
         call.key is not None and not api_key_allows(key=call.key, model=model)
@@ -200,18 +200,19 @@ async def with_engine(call: Call, attempt: Callable[[Any], Awaitable[Any]]) -> A
     ApiErrors."""
     route, snapshot = call.route, call.snapshot
     assert route is not None and snapshot is not None, "model_route first"
+    gateway = front_gateway()
     tried: set[str] = set()
     unreachable: EngineUnreachable | None = None
     # The engine whose prompt cache holds the longest of the request's
     # prefixes, as any front remembers it (Redis: only where a model has
     # replicas to choose among), else as this one does.
     shared = route.replicas > 1
-    affinity = await GATEWAY.affinity.lookup(
+    affinity = await gateway.affinity.lookup(
         call.prefixes, snapshot.engines, shared=shared
     )
     while True:
         try:
-            choice = GATEWAY.choose(route, snapshot, excluding=tried, affinity=affinity)
+            choice = gateway.choose(route, snapshot, excluding=tried, affinity=affinity)
         except NoEngine as none:
             # No other engine: the failure met, else why there is none.
             if unreachable is not None:
@@ -224,17 +225,17 @@ async def with_engine(call: Call, attempt: Callable[[Any], Awaitable[Any]]) -> A
                 errors.NO_ENGINE, none.message, code=errors.ApiCode.NO_ENGINE
             ) from None
         engine = call.engine = choice.engine
-        call.node = GATEWAY.node_of(engine, snapshot)
-        GATEWAY.in_flight[engine] += 1
+        call.node = gateway.node_of(engine, snapshot)
+        gateway.request_sent(engine)
         try:
-            result = await attempt(GATEWAY.client(engine, snapshot))
+            result = await attempt(gateway.client(engine, snapshot))
         except EngineUnreachable as error:
-            _landed(engine)
+            gateway.request_ended(engine)
             log.warning("engine %s could not be reached: %s", engine, error)
             if isinstance(error, NodeUnreachable):
-                GATEWAY.node_unreachable(error.node)  # its other engines too
+                gateway.node_unreachable(error.node)  # its other engines too
             tried.add(engine)
-            GATEWAY.cache.invalidate()
+            gateway.cache.invalidate()
             unreachable = error
             if len(tried) >= MAX_ENGINE_TRIES:
                 raise errors.from_mapping(
@@ -242,32 +243,25 @@ async def with_engine(call: Call, attempt: Callable[[Any], Awaitable[Any]]) -> A
                 ) from None
             continue
         except EngineDied as error:
-            _landed(engine)
+            gateway.request_ended(engine)
             log.warning(
                 "engine %s failed while serving a request (not sent to another "
                 "engine): %s",
                 engine,
                 error,
             )
-            GATEWAY.cache.invalidate()
+            gateway.cache.invalidate()
             raise engine_failure(error) from None
         except BaseException as error:
-            _landed(engine)
+            gateway.request_ended(engine)
             if isinstance(error, EngineError):
                 raise engine_failure(error) from None
             raise
-        call.held.callback(_landed, engine)
+        call.held.callback(gateway.request_ended, engine)
         status = snapshot.engines.get(engine)
         if call.prefixes and status is not None:
-            GATEWAY.affinity.remember(call.prefixes, status, shared=shared)
+            gateway.affinity.remember(call.prefixes, status, shared=shared)
         return result
-
-
-def _landed(engine: str) -> None:
-    """A request sent to `engine` ended: one fewer in flight there."""
-    GATEWAY.in_flight[engine] -= 1
-    if GATEWAY.in_flight[engine] <= 0:
-        del GATEWAY.in_flight[engine]
 
 
 def engine_failure(error: EngineError) -> errors.ApiError:

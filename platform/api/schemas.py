@@ -9,6 +9,7 @@ api.answer_formats.
 """
 
 import json
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -169,23 +170,29 @@ class Sampling(Strict):
     def prompt_count(self) -> int:
         return 1
 
-    def engine_requests(self) -> list[GenerateRequest]:
+    def engine_requests(self, **envelope: Any) -> list[GenerateRequest]:
         """The engine requests that make the answer's choices, in choice
-        order: each prompt's `n` choices (a seed moves on by one per choice,
-        so that seeded choices differ). Built from this checked body: the
-        body is the front's one check of them, the engine's the other."""
+        order, each built once, whole: this checked body's fields (the body
+        is the front's one check of them, the engine's the other), the
+        prompt's, the choice's own (a fresh request id; a seed moved on by
+        one per choice, so that seeded choices differ) and the pipeline's
+        `envelope`, the same on every request (priority, caller, cache salt:
+        api.choices.call_requests)."""
+        shared = {"model": self.model, **self.engine_fields(), **envelope}
         out = []
-        for request in self._prompt_requests():
+        for prompt in self.engine_prompts():
             for number in range(self.choices_per_prompt):
+                own: dict[str, Any] = {"request_id": uuid.uuid4().hex}
                 if self.seed is not None and number:
-                    seed = (self.seed + number) % (MAX_SEED + 1)
-                    out.append(request.model_copy(update={"seed": seed}))
-                else:
-                    out.append(request)
+                    own["seed"] = (self.seed + number) % (MAX_SEED + 1)
+                out.append(
+                    GenerateRequest.model_construct(**{**shared, **prompt, **own})
+                )
         return out
 
     def _prompt_requests(self) -> list[GenerateRequest]:
-        """One engine request per prompt."""
+        """One engine request per prompt, without the envelope (what the
+        request cap is checked on)."""
         shared = self.engine_fields()
         return [
             GenerateRequest.model_construct(model=self.model, **shared, **prompt)
@@ -306,7 +313,12 @@ class ChatCompletionRequest(Sampling):
 def body_fields(request: GenerateRequest) -> dict[str, Any]:
     """The fields of an engine request that its body gave, as JSON: not the
     envelope (the model, and what the pipeline adds: ENVELOPE_BYTES)."""
-    return request.model_dump(mode="json", exclude_unset=True, exclude={"model"})
+    return request.model_dump(mode="json", exclude_unset=True, exclude=ENVELOPE)
+
+
+# An engine request's fields that no body gives: the model it names, and what
+# the pipeline adds (ENVELOPE_BYTES is the room they take).
+ENVELOPE = frozenset({"model", "request_id", "priority", "caller", "cache_salt"})
 
 
 TokenIds = Annotated[

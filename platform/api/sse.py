@@ -1,6 +1,6 @@
 """Streamed answers of /v1/chat/completions and /v1/completions (server-sent
 events, OpenAI's chunks): every choice's engine stream opened at once, their
-tokens relayed as they come (api.relay), each chunk naming its choice; a
+tokens relayed as they come (api.token_relay), each chunk naming its choice; a
 choice's last chunk carries its finish reason, and the stream ends with the
 usage of every choice (when asked for) and `[DONE]`."""
 
@@ -10,29 +10,37 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from django.http import HttpResponse, StreamingHttpResponse
+from pydantic import MISSING, BaseModel
 
 from engines.wire.client import EngineError
-from engines.wire.frames import Ending, Logprob, StartFrame, TokenFrame
+from engines.wire.replies import Ending, Logprob, StartFrame, TokenFrame
 
+from . import bodies
 from .calls import Call
 from .choices import (
     Payload,
+    call_requests,
     chat_logprobs,
     choices_open,
     completion_logprobs,
-    engine_requests,
-    tool_call_deltas,
+    delta_tool_calls,
 )
 from .pipeline import engine_failure
-from .relay import Echo, Ended, Token, tokens_relayed
+from .token_relay import Echo, Ended, Token, tokens_relayed
 
 # The answer's header naming how many of the oldest messages were dropped to fit
 # the model's context.
 DROPPED_HEADER = "X-Roundhouse-Dropped-Messages"
 
 
-def sse(data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+def sse(data: BaseModel | dict | str) -> bytes:
+    """One event: a body (api.bodies), a JSON object, or `[DONE]`."""
+    if isinstance(data, BaseModel):
+        text = data.model_dump_json()
+    elif isinstance(data, dict):
+        text = json.dumps(data, separators=(",", ":"))
+    else:
+        text = data
     return f"data: {text}\n\n".encode()
 
 
@@ -51,18 +59,18 @@ async def generation_stream(
 ) -> StreamingHttpResponse:
     """The streamed answer; its headers leave once every choice has a slot
     (a refusal before that is the answer's error status)."""
-    requests = engine_requests(payload, "interactive", call=call)
+    requests = call_requests(payload, "interactive", call=call)
     created = int(time.time())
-    opened, tally = await choices_open(
+    opened, usage_count = await choices_open(
         call, requests, per_prompt=payload.choices_per_prompt
     )
     first_start = opened[0][1]
-    base = {
+    # What every chunk says (its `object` is the body's own).
+    chunk_body = bodies.ChatCompletionChunk if chat else bodies.CompletionChunk
+    base: dict[str, Any] = {
         "id": ("chatcmpl-" if chat else "cmpl-") + first_start.request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": call.model,
-        "system_fingerprint": None,
     }
     if payload.include_usage:
         base["usage"] = None
@@ -82,26 +90,32 @@ async def generation_stream(
         entries: list[Logprob] | None = None,
         frame: TokenFrame | None = None,
         reason: str | None = None,
-        **extra,
+        timings: dict[str, Any] | None = None,
     ) -> bytes:
         """One choice's chunk: text, log-probabilities and a token frame's
-        tool-call deltas, or its finish `reason`."""
+        tool-call deltas, or its finish `reason` and `timings`."""
+        choice: bodies.ChatCompletionChunkChoice | bodies.CompletionChunkChoice
         if chat:
-            delta: dict[str, Any] = {"content": text} if text else {}
-            if frame and frame.tool_calls:
-                delta["tool_calls"] = tool_call_deltas(frame.tool_calls)
-            choice = {
-                "index": index,
-                "delta": delta,
-                "logprobs": chat_logprobs(entries) if entries else None,
-            }
+            tools = frame.tool_calls if frame else None
+            delta = bodies.ChoiceDelta(
+                content=text or MISSING,
+                tool_calls=delta_tool_calls(tools) if tools else MISSING,
+            )
+            choice = bodies.ChatCompletionChunkChoice(
+                index=index,
+                delta=delta,
+                logprobs=chat_logprobs(entries) if entries else None,
+                finish_reason=reason,
+            )
         else:
             logprobs = None
             if entries:
                 logprobs, offsets[index] = completion_logprobs(entries, offsets[index])
-            choice = {"index": index, "text": text, "logprobs": logprobs}
-        choice["finish_reason"] = reason
-        return sse({**base, "choices": [choice], **extra})
+            choice = bodies.CompletionChunkChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=reason
+            )
+        ending = MISSING if timings is None else timings
+        return sse(chunk_body(**base, choices=[choice], timings=ending))
 
     async def content() -> AsyncIterator[bytes]:
         # Every write to the client is a send() that wakes it, which costs the
@@ -112,23 +126,16 @@ async def generation_stream(
         pending = [b""] * len(opened)
         for index in range(len(opened)):
             if chat:
-                role = {"role": "assistant", "content": ""}
-                pending[index] = sse(
-                    {
-                        **base,
-                        "choices": [
-                            {
-                                "index": index,
-                                "delta": role,
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
+                first = bodies.ChatCompletionChunkChoice(
+                    index=index,
+                    delta=bodies.ChoiceDelta(role="assistant", content=""),
+                    logprobs=None,
+                    finish_reason=None,
                 )
+                pending[index] = sse(chunk_body(**base, choices=[first]))
             elif echoes[index] and payload.logprobs is None:
                 pending[index] = chunk(index, echoes[index])
-        relay = tokens_relayed(call, opened, tally)
+        relay = tokens_relayed(call, opened, usage_count)
         try:
             async for event in relay:
                 index = event.index
@@ -152,7 +159,8 @@ async def generation_stream(
                     # The last choice's end leaves with the usage and [DONE].
                     last = [out]
                     if payload.include_usage:
-                        last.append(sse({**base, "choices": [], "usage": call.usage()}))
+                        usage = {**base, "usage": call.usage()}
+                        last.append(sse(chunk_body(**usage, choices=[])))
                     last.append(sse("[DONE]"))
                     yield b"".join(last)
         except EngineError as failure:

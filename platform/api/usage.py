@@ -16,9 +16,10 @@ from django import db
 
 from . import metrics
 from .models import ApiKey, Usage
+from .parts import Part
 
 __all__ = [
-    "USAGE_WRITER",
+    "usage_writer",
     "UsageWriter",
     "usage_build",
     "usage_enqueue",
@@ -200,15 +201,24 @@ class UsageWriter:
         metrics.USAGE_ROWS_DROPPED.labels(reason).inc(count)
 
 
-USAGE_WRITER = UsageWriter()
-atexit.register(USAGE_WRITER.close)
+def _usage_writer_start() -> UsageWriter:
+    writer = UsageWriter()
+    atexit.register(writer.close)
+    return writer
+
+
+# The process's usage writer (api.parts): built when the front or a worker
+# starts, never at import.
+usage_writer: Part[UsageWriter] = Part(_usage_writer_start)
 
 
 def usage_enqueue(**fields) -> None:
     """Record one request's usage in the background (fields as `usage_build`)."""
-    USAGE_WRITER.put(usage_build(**fields))
+    usage_writer().put(usage_build(**fields))
 
 
 def usage_flush() -> None:
     """Write the usage rows queued so far (blocks: call it from a thread)."""
-    USAGE_WRITER.close()
+    writer = usage_writer.built()
+    if writer is not None:
+        writer.close()

@@ -25,10 +25,10 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
-from . import errors
+from . import bodies, errors
 from .answers import embedding_answer, generation_answer
-from .calls import Call, Relay, after_answer
-from .gateway import GATEWAY
+from .calls import Call, StreamBody, after_answer
+from .gateway import front_gateway
 from .models import ApiKey
 from .openapi import openapi_document
 from .pipeline import api_error, authenticate, call_admitted
@@ -94,7 +94,7 @@ async def _serve(
             response[NODE_HEADER] = call.node
     if isinstance(response, StreamingHttpResponse):
         # The stream ends the call when it ends, however it ends.
-        response.streaming_content = Relay(response.streaming_content, call)
+        response.streaming_content = StreamBody(response.streaming_content, call)
         return response
     await call.end()
     after_answer()
@@ -158,21 +158,20 @@ async def models(request: HttpRequest) -> HttpResponse:
         return refused
     try:
         key = await _authenticated(request)
-        snapshot = await GATEWAY.snapshot()
+        snapshot = await front_gateway().snapshot()
     except Exception as error:
         return api_error(error, what="/v1/models").response()
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": snapshot.models[name].created,
-            "owned_by": "roundhouse",
-        }
-        for name in sorted(snapshot.models)
-        if api_key_allows(key=key, model=name)
-    ]
+    listed = bodies.ModelList(
+        data=[
+            bodies.Model(
+                id=name, created=snapshot.models[name].created, owned_by="roundhouse"
+            )
+            for name in sorted(snapshot.models)
+            if api_key_allows(key=key, model=name)
+        ]
+    )
     after_answer()
-    return JsonResponse({"object": "list", "data": data})
+    return JsonResponse(listed.model_dump(mode="json"))
 
 
 async def openapi(request: HttpRequest) -> HttpResponse:

@@ -6,7 +6,7 @@ second, once each (services.batch_record); a worker that dies loses only the
 lines in flight, which the next worker answers (services.batches_resume
 queues the batch again), never one already recorded.
 
-The input file is read a line at a time (batches.flow.LineFeed), never held
+The input file is read a line at a time (batches.line_feed.LineFeed), never held
 whole. Each line is admitted in its key's batch budget (the key's rate and
 concurrency limits, counted apart from its live requests:
 api.limits.Allowance.of_key_batches); a run keeps no more lines in flight
@@ -49,7 +49,7 @@ from api.schemas import (
 from api.selectors import in_db_thread
 
 from . import selectors, services
-from .flow import Capacity, LineFeed
+from .line_feed import Capacity, LineFeed
 from .lines import (
     MalformedLine,
     Oversized,

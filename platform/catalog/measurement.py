@@ -6,8 +6,8 @@ residency decisions read them instead of their estimates."""
 
 from engines.inspection.messages import ProbeRequest, ProbeResult
 
-from .children import run_inspection
 from .models import ModelConfig
+from .tool_processes import run_inspection
 
 # A load that takes longer is killed and reported as timed out.
 PROBE_TIMEOUT_S = 300.0

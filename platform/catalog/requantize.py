@@ -22,7 +22,7 @@ from engines.inspection.messages import (
     QuantizeResult,
 )
 
-from .children import run_inspection
+from .tool_processes import run_inspection
 
 # Under the models directory: where variants' files are written.
 VARIANTS_DIR = "requantized"

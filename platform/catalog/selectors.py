@@ -88,7 +88,7 @@ def model_file_digests_writable() -> bool:
 
 def model_files_path(name: str) -> Path | None:
     """The path of a catalog model's files on this host, for another node to
-    copy (engines/wire/link_files.py); None for a name the catalog lacks."""
+    copy (platform/node_link/files.py); None for a name the catalog lacks."""
     return model_paths({name}).get(name)
 
 

@@ -62,7 +62,7 @@ def model_file_digests_record(*, name: str, digests: dict[str, str]) -> bool:
 def model_file_digests_compute(model: ModelConfig) -> dict[str, str]:
     """The SHA-256 of the model's files on this host ({} without files).
     Blocking: reads every byte."""
-    from engines.wire.link_files import model_digests
+    from node_link.files import model_digests
 
     try:
         return model_digests(model.resolved_path)

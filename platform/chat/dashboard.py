@@ -26,6 +26,7 @@ from channels.layers import get_channel_layer
 from django.core.cache import cache
 
 from api.calls import spawn
+from api.parts import Part
 from fleet.selectors import fleet_overview
 
 log = logging.getLogger("roundhouse.chat")
@@ -135,7 +136,9 @@ class FleetFeed:
         return {"at": round(now, 3), "engines": points}
 
 
-FEED = FleetFeed()
+# The front's fleet feed (api.parts): built when the front starts, never at
+# import.
+fleet_feed: Part[FleetFeed] = Part(FleetFeed)
 
 
 class DashboardConsumer(AsyncWebsocketConsumer):
@@ -151,14 +154,14 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         await self.channel_layer.group_add(GROUP, self.channel_name)
         await self.accept()
         self.watching = True
-        FEED.watch()
-        fleet = FEED.last or await database_sync_to_async(fleet_overview)()
+        fleet_feed().watch()
+        fleet = fleet_feed().last or await database_sync_to_async(fleet_overview)()
         await self._send(
-            {"type": "fleet", "fleet": fleet, "history": list(FEED.samples)}
+            {"type": "fleet", "fleet": fleet, "history": list(fleet_feed().samples)}
         )
 
     async def fleet_update(self, event: dict) -> None:
-        FEED.remember(event["sample"])
+        fleet_feed().remember(event["sample"])
         await self._send(
             {"type": "fleet", "fleet": event["fleet"], "sample": event["sample"]}
         )
@@ -177,7 +180,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if self.watching:
             self.watching = False
-            FEED.unwatch()
+            fleet_feed().unwatch()
             await self.channel_layer.group_discard(GROUP, self.channel_name)
 
 
@@ -186,4 +189,4 @@ async def dashboard_notice(text: str, *, level: str = "info") -> None:
     await get_channel_layer().group_send(
         GROUP, {"type": "fleet.notice", "text": text, "level": level}
     )
-    FEED.poke()
+    fleet_feed().poke()

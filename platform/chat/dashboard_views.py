@@ -21,7 +21,7 @@ from django.views.decorators.http import require_POST
 
 from api.calls import spawn
 from api.errors import ApiError
-from api.gateway import GATEWAY
+from api.gateway import front_gateway
 from catalog.models import ModelConfig
 from engines.wire.client import AsyncEngineClient, EngineError, EngineUnreachable
 from fleet.models import EngineSpec
@@ -165,10 +165,10 @@ async def model_unload(request: HttpRequest, name: str) -> HttpResponse:
 async def _client(engine: str) -> AsyncEngineClient:
     """The engine's client, of this host or over the link to its node."""
     try:
-        snapshot = await GATEWAY.snapshot()
+        snapshot = await front_gateway().snapshot()
     except (ApiError, db.Error) as error:
         raise EngineUnreachable(f"the fleet cannot be read now: {error}") from None
-    return GATEWAY.client(engine, snapshot)
+    return front_gateway().client(engine, snapshot)
 
 
 async def _load(engine: str, model: str) -> None:

@@ -5,7 +5,7 @@ goes through the REST API's own pipeline (api.pipeline): the caller's key
 checked again (a key revoked while its socket is open stops working), the
 body checked by the REST schema, the model, the key's limits, the engine; its
 `Call` ends in one usage row (endpoint `ws.chat`). Tokens come over the engine
-connection, through the relay REST's streams use too (api.relay), and leave as
+connection, through the relay REST's streams use too (api.token_relay), and leave as
 `token` messages; the channel layer never sees them.
 
 The answer's turn is stored once it has ended (`done` or `error` sent), and a
@@ -30,15 +30,15 @@ from channels.db import database_sync_to_async
 from api import errors
 from api.calls import AFTER_FIRST_TOKEN_S, Call, after_answer
 from api.choices import (
+    call_requests,
     choices_open,
     engine_messages,
-    engine_requests,
     tool_call_deltas,
     tool_calls,
 )
 from api.models import ApiKey
 from api.pipeline import api_error, authenticate, call_admitted
-from api.relay import Ended, Token, tokens_relayed
+from api.token_relay import Ended, Token, tokens_relayed
 from engines.wire.errors import ErrorCode
 
 from .schemas import Chat, chat_request
@@ -141,8 +141,8 @@ class ChatStream:
         if chat.conversation is not None:
             await self._check_conversation(chat.conversation)
         await call_admitted(call, request.model, weight=request.weight)
-        requests = engine_requests(request, "interactive", call=call)
-        opened, tally = await choices_open(
+        requests = call_requests(request, "interactive", call=call)
+        opened, usage_count = await choices_open(
             call, requests, per_prompt=request.choices_per_prompt
         )
         start = opened[0][1]
@@ -171,7 +171,7 @@ class ChatStream:
         relay = tokens_relayed(
             call,
             opened,
-            tally,
+            usage_count,
             first_token=lambda: loop.call_later(AFTER_FIRST_TOKEN_S, after_answer),
         )
         # The call's end closes the engine streams: the relay must have

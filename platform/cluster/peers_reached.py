@@ -8,7 +8,7 @@ it alone is cut off (then the others take it for unreachable and its work is
 theirs) or the database is down for everyone (then nobody takes anything, and
 refusing would stop the whole cluster). Its links tell: it reaches most of
 its peers, and none of those it reaches says it reaches the database (their
-PONGs say; engines/wire/link.py), so the outage is everyone's.
+PONGs say; platform/node_link/protocol.py), so the outage is everyone's.
 """
 
 import json

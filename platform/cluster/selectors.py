@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db.models.functions import Now
+from node_link.client import Peer
 
-from engines.wire.link_client import Peer
 from routing.placement import NodeRoute
 
 from .models import ClusterSettings, Node, NodeStatus
@@ -150,7 +150,7 @@ def node_peer(route: NodeRoute) -> Peer:
 def node_link_proofs(names: set[str]) -> dict[str, str]:
     """Of these nodes, those that may hold links now (joined, not revoked),
     each with the SHA-256 its secret is stored under (what a relay's link of
-    that node was opened with: engines.wire.link_relay.link_proof)."""
+    that node was opened with: node_link.relay.link_proof)."""
     rows = Node.objects.filter(name__in=names, revoked_at__isnull=True).exclude(
         secret_hash=""
     )

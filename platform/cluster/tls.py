@@ -1,7 +1,7 @@
 """The relay's TLS certificate: made by the node itself at its first start
 (an EC P-256 key, mode 0600, and a self-signed certificate in the run dir),
 published by its SHA-256 in the database, and pinned by every node that
-links to it (engines.wire.link_client.client_tls_context). No CA to run, nothing to
+links to it (node_link.client.client_tls_context). No CA to run, nothing to
 copy between hosts; the database is the trust anchor, as it is for the
 node secrets. Or, where the operator runs a private CA, every node's
 certificate comes from it and links are mutual TLS under it (`private_ca`)."""
@@ -17,8 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-
-from engines.wire.link import PrivateCa, certificate_fingerprint
+from node_link.protocol import PrivateCa, certificate_fingerprint
 
 
 def tls_paths(run_dir: Path | str) -> tuple[Path, Path]:

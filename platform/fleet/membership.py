@@ -1,7 +1,7 @@
 """This host as a node of a cluster, for its supervisor (`supervise --node
 NAME`): it joins once (the admin's one-time token for the node's own secret,
 kept 0600 in the run dir), heartbeats through the database every BEAT_S,
-runs the node's relay (engines/wire/link_relay.py) that carries the other
+runs the node's relay (platform/node_link/relay.py) that carries the other
 nodes' streams to this host's engines and serves its model files, reads which
 models are placed on its engines (routing/placement.py) for the supervisor to
 load, and copies the files of those this host lacks from another node
@@ -31,6 +31,10 @@ from pathlib import Path
 import psutil
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, close_old_connections
+from node_link.client import LinkPool, Peer
+from node_link.files import FileServer, model_digests
+from node_link.protocol import PrivateCa
+from node_link.relay import NodeRelay, link_proof
 
 from catalog.models import ModelPathError
 from catalog.selectors import (
@@ -60,10 +64,8 @@ from cluster.tls import (
 )
 from engines.launch.devices import default_memory_probes
 from engines.wire.client import EngineUnreachable, connection_file, read_connection_file
-from engines.wire.link import PrivateCa
-from engines.wire.link_client import LinkPool, Peer
-from engines.wire.link_files import FileServer, model_digests
-from engines.wire.link_relay import Relay, link_proof
+from routing.placement import copy_sources
+from routing.select import Snapshot
 
 from .loop_errors import LoopErrors
 from .model_copies import ModelCopies
@@ -160,7 +162,7 @@ class Membership:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._relay: Relay | None = None
+        self._relay: NodeRelay | None = None
         self._relay_ready = threading.Event()
         self._relay_error: BaseException | None = None
         # The relay's database work (checking a calling node) runs here, off
@@ -284,16 +286,19 @@ class Membership:
         next_beat = time.monotonic()
         while not self._stopping.is_set():
             with self.errors.guard("heartbeat"):
-                self.beat()
+                snapshot = self.beat()
+                if snapshot is not None:
+                    self.follow(snapshot)
             next_beat = max(next_beat + BEAT_S, time.monotonic())
             self._stopping.wait(next_beat - time.monotonic())
         close_old_connections()
 
-    def beat(self) -> None:
-        """One heartbeat, and what the cluster says back: revocations (this
-        node's: stop; another's: drop its links) and this node's placement."""
+    def beat(self) -> Snapshot | None:
+        """One heartbeat, and the cluster's view read back (None: no answer,
+        or this node is revoked and stops). The database's outages are
+        counted here; `follow` acts on the view."""
         if self.revoked.is_set():
-            return  # the supervisor is stopping
+            return None  # the supervisor is stopping
         reckoning = self.peers.reckoning if self.peers is not None else None
         try:
             close_old_connections()
@@ -308,7 +313,7 @@ class Membership:
         except NodeRefused as refused:
             log.error("node %s: %s; stopping", self.name, refused.message)
             self.revoked.set()
-            return
+            return None
         except UNAVAILABLE as error:
             if self._role_revoked(error):
                 log.error(
@@ -317,7 +322,7 @@ class Membership:
                     self.name,
                 )
                 self.revoked.set()
-                return
+                return None
             if not self._unavailable:
                 log.error(
                     "node %s cannot reach the database (%s): the others take it "
@@ -330,11 +335,17 @@ class Membership:
                 )
             self._unavailable = True
             self._outages.failed()
-            return  # the peers of the last view are still tried
+            return None  # the peers of the last view are still tried
         self._outages.worked()
         if self._unavailable:
             log.warning("node %s reaches the database again", self.name)
             self._unavailable = False
+        return snapshot
+
+    def follow(self, snapshot: Snapshot) -> None:
+        """Act on the cluster's view: the peers to link to, revocations
+        (another node's: drop its links), this node's placement, the model
+        files to copy here and the digests to record."""
         if self.peers is not None:
             self.peers.want(*self._peers_of(snapshot))
         self._recheck_links(snapshot)
@@ -436,22 +447,10 @@ class Membership:
                     wanted[model] = path
             except OSError as error:  # that model fails alone
                 self.errors.failed(f"copies of {model}", error)
-        others = [
-            node
-            for node in snapshot.nodes.values()
-            if node.serving and node.name != self.name and node.host
-        ]
-        peers: dict[str, list[Peer]] = {}
-        for model in wanted:
-            holders = {
-                engine.node
-                for engine in snapshot.engines.values()
-                if model in engine.resident
-            }
-            first = sorted(
-                others, key=lambda node: (node.name not in holders, node.name)
-            )
-            peers[model] = [node_peer(node) for node in first]
+        peers = {
+            model: list(map(node_peer, copy_sources(snapshot, model, self.name)))
+            for model in wanted
+        }
         if self._loop is not None:
             digests = model_file_digests(set(wanted))
             self.copies.want(wanted, peers, self._loop, digests)
@@ -530,7 +529,7 @@ class Membership:
         loop = self._loop = asyncio.new_event_loop()
         # An error no task of the relay handled is recorded, not fatal.
         loop.set_exception_handler(self._relay_exception)
-        self._relay = Relay(
+        self._relay = NodeRelay(
             node=self.name,
             authenticate=self._authenticate,
             engine_address=self._engine_address,

@@ -1,6 +1,6 @@
 """Model files for this node: a model placed on this node's engines whose
 files this host lacks is copied from another node that has them, over the
-node link (engines/wire/link_files.py), before the supervisor loads it.
+node link (platform/node_link/files.py), before the supervisor loads it.
 
 Membership's heartbeat says what is wanted (`want`); the copies run on the
 relay's event loop, one task per model, trying the nodes that hold the model
@@ -17,16 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.wire.errors import ProtocolError
-from engines.wire.link import LinkRefused, PrivateCa
-from engines.wire.link_client import LinkPool, Peer
-from engines.wire.link_files import (
+from node_link.client import LinkPool, Peer
+from node_link.files import (
     FILES_STREAM,
     MANIFEST_TIMEOUT_S,
     RANGE_TIMEOUT_S,
     CopyFailed,
     copy_model,
 )
+from node_link.protocol import LinkRefused, PrivateCa
+
+from engines.wire.errors import ProtocolError
 
 from .loop_errors import LoopErrors
 
@@ -76,7 +77,7 @@ class ModelCopies:
         self.node = node
         self._errors = errors or LoopErrors()
         # A peer that gives no manifest, or no range, within these is passed
-        # over for the next (link_files.copy_model).
+        # over for the next (node_link.files.copy_model).
         self._timeouts = {
             "manifest_timeout_s": manifest_timeout_s,
             "range_timeout_s": range_timeout_s,

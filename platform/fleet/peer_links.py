@@ -19,9 +19,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from node_link.client import LinkPool, Peer
+from node_link.protocol import LinkRefused
+
 from cluster.peers_reached import PeersReached
-from engines.wire.link import LinkRefused
-from engines.wire.link_client import LinkPool, Peer
 
 from .loop_errors import LoopErrors
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from django.db import DatabaseError, InterfaceError, close_old_connections
 
 from catalog.services import model_memory_record
-from engines.wire.frames import StateReply
+from engines.wire.replies import StateReply
 
 from .loop_errors import LoopErrors
 from .models import ServerSettings

@@ -37,11 +37,6 @@ def engine_views() -> dict[str, EngineView]:
     return {spec.name: spec.as_view() for spec in EngineSpec.objects.all()}
 
 
-def engine_primary() -> EngineSpec | None:
-    """The first enabled engine by order."""
-    return EngineSpec.objects.filter(enabled=True).order_by("order", "name").first()
-
-
 def engine_port(*, spec: EngineSpec, server: ServerSettings | None = None) -> int:
     """The spec's fixed port, else the server's base port + the spec's order."""
     if spec.port:

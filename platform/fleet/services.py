@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from engines.launch.process import popen_detached_kwargs
 from engines.wire.client import AsyncEngineClient, EngineClient, EngineError
-from engines.wire.frames import ModelState
+from engines.wire.replies import ModelState
 
 from .models import EngineSpec, EngineState
 from .supervisor_lock import SupervisorLock

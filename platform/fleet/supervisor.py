@@ -15,7 +15,7 @@ database: each tick it collects what has finished and starts what is due.
   logged once and supervision goes on with the engines last read.
 Engines get a lifeline pipe, so they stop when the supervisor dies however it
 dies; at start, engines a previous supervisor left running are ended first
-(leftovers.py).
+(orphans.py).
 """
 
 import contextlib
@@ -45,14 +45,14 @@ from engines.wire.client import (
     connection_file,
     write_connection_file,
 )
-from engines.wire.frames import StateReply
+from engines.wire.replies import StateReply
 
-from .leftovers import engine_leftovers_end
+from .engine_processes import RunningEngine, Timing, log_tail
 from .loop_errors import LoopErrors
 from .membership import Membership
 from .models import EngineStatus
+from .orphans import engine_leftovers_end
 from .recorder import Recorder, resident_models_of
-from .running import RunningEngine, Timing, log_tail
 from .selectors import DesiredEngine
 from .supervisor_lock import SupervisorLock
 

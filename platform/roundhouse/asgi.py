@@ -7,12 +7,17 @@ llama_cpp (tests/platform/test_front_imports.py proves it).
 The API (`/v1/`, `/healthz`, `/metrics`) is served by Django without its
 middleware (roundhouse/bare_handler.py), given the Batch API's upload check.
 
-On the ASGI lifespan's shutdown (uvicorn sends it once the requests in flight
-are done, after a SIGTERM) the front writes the usage rows still queued: uvicorn
-then ends the process by raising the signal again, which skips atexit hooks.
+On the ASGI lifespan's startup the front builds its long-lived parts (api.parts:
+the gateway to the engines, the usage writer, the dashboard's feed), so that a
+bad setting (a private CA file that cannot be read) fails the start, not the
+first request; importing this module builds none of them. On its shutdown
+(uvicorn sends it once the requests in flight are done, after a SIGTERM) the
+front writes the usage rows still queued: uvicorn then ends the process by
+raising the signal again, which skips atexit hooks.
 """
 
 import asyncio
+import logging
 import os
 import sys
 
@@ -34,12 +39,16 @@ sys.setswitchinterval(0.001)
 django_application = get_asgi_application()
 
 # After set-up: the app imports its models.
-from api.usage import usage_flush  # noqa: E402
+from api.gateway import front_gateway  # noqa: E402
+from api.usage import usage_flush, usage_writer  # noqa: E402
 from batches.views import UPLOAD_FORM_BYTES, upload_refusal  # noqa: E402
+from chat.dashboard import fleet_feed  # noqa: E402
 from chat.websocket_urls import websocket_urlpatterns  # noqa: E402
 from roundhouse.bare_handler import BareASGIHandler, UploadCheck  # noqa: E402
 
 API_PATHS = ("/v1/", "/healthz", "/metrics")
+
+log = logging.getLogger("roundhouse.serve")
 
 
 api_application = BareASGIHandler(
@@ -60,11 +69,25 @@ async def http_application(scope, receive, send):
     await chosen(scope, receive, send)
 
 
+def front_start() -> None:
+    """Build the front's long-lived parts (blocking: reads settings and files)."""
+    front_gateway.start()
+    usage_writer.start()
+    fleet_feed.start()
+
+
 async def lifespan_application(scope, receive, send):
-    """ASGI lifespan: nothing to start; on shutdown, write the queued usage."""
+    """ASGI lifespan: on startup, build the front's parts (a failure fails the
+    start, with its reason); on shutdown, write the queued usage."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            try:
+                await asyncio.to_thread(front_start)
+            except Exception as error:
+                log.exception("the front could not start")
+                await send({"type": "lifespan.startup.failed", "message": str(error)})
+                return
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await asyncio.to_thread(usage_flush)

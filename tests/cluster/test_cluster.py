@@ -13,6 +13,7 @@ from pathlib import Path
 
 import redis
 from django.db import connection
+from node_link.files import file_sha256
 from websockets.sync.client import connect
 
 from api.affinity import KEY_PREFIX
@@ -20,17 +21,12 @@ from api.models import Usage
 from catalog.models import ModelConfig
 from cluster.identity import identity_read, secret_hash
 from cluster.models import Node
-from engines.wire.link_files import file_sha256
 from fleet.models import EngineState
-from tests.cluster import conftest
-from tests.cluster.conftest import EventStream, chat, http
+from tests.cluster import cluster_setup
+from tests.cluster.cluster_setup import EventStream, chat, http
 from tests.conftest import ROOT
 from tests.platform.live import database_url
 from tests.waiting import wait_for
-
-cluster = conftest.cluster
-cluster_database = conftest.cluster_database
-orm = conftest.orm
 
 
 def supervise_here(
@@ -233,22 +229,22 @@ def test_a_node_without_the_model_files_copies_them_from_another(
     loads it, and front a's request for smol-f is served by f's engine."""
     source = (
         Path(os.environ.get("ROUNDHOUSE_MODELS_DIR", ROOT / "var" / "models"))
-        / conftest.SMOL
+        / cluster_setup.SMOL
     )
     models_dir = tmp_path / "f-models"
     models_dir.mkdir()
-    conftest.model_row("smol-f", node_labels=["zone-f"])
+    cluster_setup.model_row("smol-f", node_labels=["zone-f"])
     try:
         f = cluster.add_node("f", labels=["zone-f"], models_dir=models_dir)
-        conftest.wait_resident("smol-f", {"ef"})
-        assert sorted(os.listdir(models_dir)) == [conftest.SMOL]  # no staging left
-        copied = models_dir / conftest.SMOL
+        cluster_setup.wait_resident("smol-f", {"ef"})
+        assert sorted(os.listdir(models_dir)) == [cluster_setup.SMOL]  # no staging left
+        copied = models_dir / cluster_setup.SMOL
         assert file_sha256(copied) == file_sha256(source)
         assert "copied model smol-f from node" in f.log()
         wait_for(
             lambda: Node.objects.get(name="f").copies == {}, what="f's copies done"
         )
-        _, headers, _ = conftest.routed(cluster.nodes["a"], "smol-f", cluster.key)
+        _, headers, _ = cluster_setup.routed(cluster.nodes["a"], "smol-f", cluster.key)
         assert headers["X-Roundhouse-Node"] == "f"
     finally:
         cluster.remove_node("f")

@@ -14,8 +14,7 @@ from batches.services import LEASE_S
 from catalog.models import ModelConfig
 from cluster.models import Node
 from cluster.services import node_drain, node_revoke
-from tests.cluster import conftest
-from tests.cluster.conftest import (
+from tests.cluster.cluster_setup import (
     GRACE_S,
     EventStream,
     chat,
@@ -29,10 +28,6 @@ from tests.cluster.netns import start_worker
 from tests.conftest import ROOT
 from tests.platform.batches.jobs import chat_line, jsonl, records, wait_batch
 from tests.waiting import wait_for
-
-cluster = conftest.cluster
-cluster_database = conftest.cluster_database
-orm = conftest.orm
 
 # Greedy SmolLM2 answers this until its context is full (about 10 s).
 LONG = "Write the numbers from 1 to 500, separated by commas."

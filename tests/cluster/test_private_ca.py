@@ -9,11 +9,8 @@ import pytest
 
 from cluster.models import Node
 from tests.certificates import Authority
-from tests.cluster import conftest
-from tests.cluster.conftest import open_cluster, wait_resident
-
-cluster_database = conftest.cluster_database
-orm = conftest.orm
+from tests.cluster import cluster_setup
+from tests.cluster.cluster_setup import open_cluster, wait_resident
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +28,7 @@ def ca_cluster(cluster_database, django_db_blocker, tmp_path_factory):
         }
 
     def models() -> None:
-        conftest.model_row("smol-b", node_labels=["zone-b"])
+        cluster_setup.model_row("smol-b", node_labels=["zone-b"])
 
     empty = tmp / "b-models"
     empty.mkdir()
@@ -52,8 +49,8 @@ def test_links_under_a_private_ca_carry_copies_and_requests(ca_cluster, orm):
         assert (
             "relay listening" in node.log() and "mutual TLS, private CA" in node.log()
         )
-    assert os.listdir(b_models) == [conftest.SMOL]
+    assert os.listdir(b_models) == [cluster_setup.SMOL]
     assert "copied model smol-b from node a" in b.log()
-    _, headers, _ = conftest.routed(a, "smol-b", built.key)
+    _, headers, _ = cluster_setup.routed(a, "smol-b", built.key)
     assert headers["X-Roundhouse-Node"] == "b"
     assert len(Node.objects.get(name="b").tls_fingerprint) == 64

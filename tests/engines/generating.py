@@ -1,12 +1,13 @@
 """Generating on a real engine, as several engine tests (and the API's) do it: the
-bundled SmolLM2's name and a GGUF model's spec, a chat's messages, a model's
-state and a wait until its slots are free, and the logprobs of a stream."""
+bundled SmolLM2's name, a GGUF or Transformers model's spec, a chat's messages,
+a model's state and a wait until its slots are free, and the logprobs of a
+stream."""
 
 from pathlib import Path
 
 from django.conf import settings
 
-from engines.wire.frames import ModelState
+from engines.wire.replies import ModelState
 from tests.waiting import wait_for
 
 SMOL = "smollm2-135m-instruct"
@@ -19,6 +20,18 @@ def gguf_spec(name: str, filename: str, **overrides) -> dict:
         "task": "chat",
         "path": str(Path(settings.MODELS_DIR) / filename),
         "context_length": 512,
+        **overrides,
+    }
+
+
+def transformers_spec(name: str, path: Path | str, **overrides) -> dict:
+    """A Transformers model's spec (a small context, four slots)."""
+    return {
+        "name": name,
+        "format": "transformers",
+        "path": str(path),
+        "context_length": 256,
+        "slots": 4,
         **overrides,
     }
 

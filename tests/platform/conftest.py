@@ -1,7 +1,10 @@
 """Fixtures the platform's tests share across apps."""
 
+import contextlib
+
 import pytest
 
+from api.gateway import Gateway, front_gateway
 from batches import services
 from tests.factories import ApiKeyFactory
 
@@ -22,3 +25,21 @@ def batch(settings, tmp_path):
         completion_window="24h",
         metadata=None,
     )
+
+
+@pytest.fixture
+def own_gateway():
+    """Install a gateway of the test's own: `own_gateway(load, **options)`
+    (Gateway's arguments: where its routing snapshots come from, their max
+    age, the clock) builds one, which every request uses until the test ends;
+    then the one before is back."""
+    with contextlib.ExitStack() as stack:
+
+        def install(*args, **options) -> Gateway:
+            gateway = stack.enter_context(
+                front_gateway.installed(Gateway(*args, **options))
+            )
+            stack.callback(gateway.shutdown)
+            return gateway
+
+        yield install

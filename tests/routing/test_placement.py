@@ -109,3 +109,35 @@ def test_models_are_balanced_over_engines_and_formats_respected():
         nodes(a="ready", b="ready"),
     )
     assert placed == {"m1": ("a1",), "m2": ("b1",), "emb": ("e1",)}
+
+
+def test_copy_sources_put_the_nodes_holding_the_model_first():
+    """A node copies a model's files from the other serving nodes with an
+    address, those whose engines hold it resident first, then by name; never
+    from itself, a node not serving, or one without an address."""
+    from routing.placement import copy_sources
+    from routing.select import EngineStatus, Snapshot
+
+    def node(name, status="ready", host="10.0.0.1"):
+        return NodeRoute(name=name, status=status, host=host)
+
+    snapshot = Snapshot(
+        engines={
+            "ec": EngineStatus(
+                "ec", "cpu", frozenset(), True, node="c", resident=frozenset({"m"})
+            ),
+            "eb": EngineStatus("eb", "cpu", frozenset(), True, node="b"),
+        },
+        models={},
+        nodes={
+            "a": node("a"),
+            "b": node("b"),
+            "c": node("c"),
+            "d": node("d", status="draining"),
+            "e": node("e", host=""),
+        },
+    )
+    assert [n.name for n in copy_sources(snapshot, "m", "a")] == ["c", "b"]
+    # Control: a model nobody holds resident comes from the nodes by name.
+    assert [n.name for n in copy_sources(snapshot, "other", "a")] == ["b", "c"]
+    assert [n.name for n in copy_sources(snapshot, "m", "c")] == ["a", "b"]

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from engines.wire.client import EngineRequestError
-from engines.wire.frames import GenerateAnswer, ModelState
+from engines.wire.replies import GenerateAnswer, ModelState
 from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 from tests.engines.generating import gguf_spec

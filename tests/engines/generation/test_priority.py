@@ -11,8 +11,8 @@ import pytest
 from django.conf import settings
 
 from engines.wire.client import EngineRequestError
-from engines.wire.frames import ModelState
 from engines.wire.framing import auth_frame, encode_message
+from engines.wire.replies import ModelState
 from engines.wire.requests import GenerateRequest
 from tests.conftest import run_python
 from tests.engines.conftest import start_engine
@@ -150,7 +150,7 @@ def test_priority_is_checked(engine):
 YIELD = """
 import json
 import engines.backends.gguf as gguf
-import engines.generation.slots as slots
+import engines.generation.slot_pool as slots
 from engines.generation.runner import GenerationRequest
 from engines.generation.sampling import SamplingParams
 

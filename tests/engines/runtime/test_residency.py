@@ -9,7 +9,7 @@ import pytest
 from django.conf import settings
 
 from engines.wire.client import EngineRequestError
-from engines.wire.frames import ModelState
+from engines.wire.replies import ModelState
 from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import start_engine
 from tests.waiting import wait_for

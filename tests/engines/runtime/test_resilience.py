@@ -12,7 +12,7 @@ import pytest
 from engines.wire.client import EngineRequestError
 from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import build_tiny_llama, start_engine
-from tests.engines.generating import gguf_spec, wait_idle
+from tests.engines.generating import gguf_spec, transformers_spec, wait_idle
 from tests.waiting import wait_for
 
 POISONED = "poisoned-llama"
@@ -38,6 +38,14 @@ def _poison(folder: Path) -> None:
     model.save_pretrained(folder)
 
 
+def completion_tokens(engine, model: str, prompt: str, **fields) -> int:
+    """How many tokens one request to `model` on `engine` generated."""
+    reply = engine.client().generate(
+        GenerateRequest(model=model, prompt=prompt, **fields)
+    )
+    return reply.usage.completion_tokens
+
+
 @pytest.fixture(scope="module")
 def fault_engine(tmp_path_factory, tiny_llama):
     poisoned = build_tiny_llama(tmp_path_factory.mktemp("poisoned"))
@@ -45,14 +53,8 @@ def fault_engine(tmp_path_factory, tiny_llama):
     engine = start_engine(
         tmp_path_factory.mktemp("faults"),
         models=[
-            {
-                "name": name,
-                "format": "transformers",
-                "path": str(path),
-                "context_length": 256,
-                "slots": 4,
-            }
-            for name, path in ((POISONED, poisoned), (CLEAN, tiny_llama))
+            transformers_spec(POISONED, poisoned),
+            transformers_spec(CLEAN, tiny_llama),
         ],
         preload=[POISONED, CLEAN],
     )
@@ -110,14 +112,11 @@ def test_a_failing_request_fails_alone(fault_engine):
     for frames in (first, second):
         assert frames[-1].finish_reason == "length"
         assert frames[-1].usage.completion_tokens == 40
-    client = fault_engine.client()
-    again = client.generate(
-        GenerateRequest(
-            model=POISONED, prompt=CLEAN_PROMPT, temperature=0, max_tokens=4
-        )
+    again = completion_tokens(
+        fault_engine, POISONED, CLEAN_PROMPT, temperature=0, max_tokens=4
     )
-    assert again.usage.completion_tokens >= 1
-    state = client.state()
+    assert again >= 1
+    state = fault_engine.client().state()
     assert state.healthy is True and state.unhealthy_reason == ""
     wait_idle(fault_engine, POISONED)
 
@@ -125,37 +124,33 @@ def test_a_failing_request_fails_alone(fault_engine):
 def test_the_same_prompt_passes_on_the_clean_model(fault_engine):
     """Control: the poisoned prompt itself is fine; only the poisoned weights
     make it fail."""
-    reply = fault_engine.client().generate(
-        GenerateRequest(
-            model=CLEAN,
-            prompt=POISON_PROMPT,
-            temperature=1.0,
-            max_tokens=5,
-            ignore_eos=True,
-        )
+    generated = completion_tokens(
+        fault_engine,
+        CLEAN,
+        POISON_PROMPT,
+        temperature=1.0,
+        max_tokens=5,
+        ignore_eos=True,
     )
-    assert reply.usage.completion_tokens == 5
+    assert generated == 5
 
 
 def test_greedy_requests_fail_alone_too(fault_engine):
     """Greedy decoding would take the NaN's argmax silently; it fails as well."""
     with pytest.raises(EngineRequestError) as error:
-        fault_engine.client().generate(
-            GenerateRequest(
-                model=POISONED, prompt=POISON_PROMPT, temperature=0, max_tokens=5
-            )
+        completion_tokens(
+            fault_engine, POISONED, POISON_PROMPT, temperature=0, max_tokens=5
         )
     assert error.value.code == "internal"
-    reply = fault_engine.client().generate(
-        GenerateRequest(
-            model=POISONED,
-            prompt=CLEAN_PROMPT,
-            temperature=0,
-            max_tokens=3,
-            ignore_eos=True,
-        )
+    generated = completion_tokens(
+        fault_engine,
+        POISONED,
+        CLEAN_PROMPT,
+        temperature=0,
+        max_tokens=3,
+        ignore_eos=True,
     )
-    assert reply.usage.completion_tokens == 3
+    assert generated == 3
 
 
 def test_state_is_answered_while_a_model_loads(tmp_path):

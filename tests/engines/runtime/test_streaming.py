@@ -15,8 +15,8 @@ from engines.launch.config import ModelSpec
 from engines.runtime.residency import ResidentModel
 from engines.runtime.streaming import serve_generation
 from engines.wire.errors import ProtocolError
-from engines.wire.frames import GenerateAnswer, parse_reply
 from engines.wire.framing import decode_message, encode_message, read_frame
+from engines.wire.replies import GenerateAnswer, parse_reply
 from engines.wire.requests import parse_request
 from tests.waiting import await_for, wait_for
 

@@ -4,11 +4,11 @@ request's scope and a chat longer than the context, and waits (on the engine
 idle, on a key's slot back) with a deadline."""
 
 import asyncio
+import json
 
-from api.gateway import GATEWAY
 from api.limits import LimitExceeded, key_admission
 from engines.wire.client import write_connection_file
-from routing.select import EngineStatus, ModelRoute, Snapshot, SnapshotCache
+from routing.select import EngineStatus, ModelRoute, Snapshot
 from tests.engines.conftest import start_engine
 from tests.engines.generating import gguf_spec
 from tests.waiting import await_for
@@ -41,7 +41,7 @@ def chat_engine(log_dir, **limits):
     )
 
 
-def routed_to(engine, run_dir, settings, monkeypatch):
+def routed_to(engine, run_dir, settings, own_gateway):
     """The front's API handler, its requests routed to this engine: the
     engine's connection file in a run dir of the test's, and a snapshot in
     which it is up and serves the chat model."""
@@ -55,23 +55,25 @@ def routed_to(engine, run_dir, settings, monkeypatch):
         },
         models={CHAT: ModelRoute(CHAT, "gguf", task="chat")},
     )
-    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(lambda: snapshot))
+    own_gateway(lambda: snapshot)
     from roundhouse.asgi import api_application
 
     return api_application
 
 
-def chat_scope(key: str, payload: bytes) -> dict:
-    """The ASGI scope of a POST /v1/chat/completions with this key and body, as
-    uvicorn hands it to the app."""
+def chat_scope(
+    key: str, payload: bytes, *, path: str = "/v1/chat/completions", method="POST"
+) -> dict:
+    """The ASGI scope of a request with this key and body (by default a POST
+    /v1/chat/completions), as uvicorn hands it to the app."""
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "POST",
+        "method": method,
         "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
         "headers": [
@@ -83,6 +85,48 @@ def chat_scope(key: str, payload: bytes) -> dict:
         "client": ("10.0.0.9", 40000),
         "server": ("127.0.0.1", 8000),
     }
+
+
+async def asgi_request(
+    app,
+    key: str,
+    path: str = "/v1/chat/completions",
+    body: dict | None = None,
+    *,
+    timeout: float = DEADLINE_S,
+) -> tuple[int, dict[str, str], bytes]:
+    """One request through the ASGI app (a POST of `body`, or a GET): the
+    status, the headers and the whole body. The caller stays connected until
+    the answer is whole."""
+    payload = b"" if body is None else json.dumps(body).encode()
+    method = "GET" if body is None else "POST"
+    scope = chat_scope(key, payload, path=path, method=method)
+    sent = False
+    answer: dict = {"status": 0, "headers": {}, "body": b""}
+    complete = asyncio.Event()
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await complete.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+            answer["headers"] = {
+                name.decode().lower(): value.decode()
+                for name, value in message["headers"]
+            }
+        elif message["type"] == "http.response.body":
+            answer["body"] += message.get("body", b"")
+            if not message.get("more_body"):
+                complete.set()
+
+    await asyncio.wait_for(app(scope, receive, send), timeout)
+    return answer["status"], answer["headers"], answer["body"]
 
 
 def long_chat() -> list[dict]:

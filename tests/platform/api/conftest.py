@@ -9,22 +9,12 @@ import redis
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 
-from api import counters, selectors, services, usage
-from api.gateway import GATEWAY
+from api import counters
+from api.gateway import front_gateway
 from fleet.outages import OutageClock
+from tests.platform.api.clean_slate import close_background_connections, front_forget
 from tests.platform.api.limit_checks import REDIS_URL
 from tests.platform.api.outage import Outage
-
-
-def forget_keys() -> None:
-    services._recent_keys.clear()
-    services._stale_keys.clear()
-    services._refused_keys.clear()
-    services.AUTH_FAILURES.clear()
-    services.DATABASE_OUTAGE.down = False
-    services.DATABASE_OUTAGE.failed_at = -float("inf")
-    selectors.user_allowances_forget()
-    GATEWAY.forget()  # the fleet read again at once, from this test's database
 
 
 @pytest.fixture(autouse=True)
@@ -33,11 +23,9 @@ def empty_cache():
     remembered limits and a database outage of an earlier test (same key
     ids, same hashes after a flush, the test client's one address; the
     gateway's failed fleet reads) must not leak into this one."""
-    counters.forget()
-    forget_keys()
+    front_forget()
     yield
-    counters.forget()
-    forget_keys()
+    front_forget()
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +36,6 @@ async def close_worker_connections():
     yield
     await sync_to_async(connections.close_all)()
     close_background_connections()
-
-
-def close_background_connections() -> None:
-    """Close the usage writer's and the snapshot loader's connections."""
-    usage.USAGE_WRITER.close()
-    GATEWAY.close()
 
 
 @pytest.fixture
@@ -82,7 +64,7 @@ def outage(request, transactional_db, tmp_path, monkeypatch):
     gateway forgets it afterwards: no other test's routing sees its grace."""
     if request.param == "refusing" and connection.vendor != "postgresql":
         pytest.skip("PostgreSQL's ALLOW_CONNECTIONS")
-    monkeypatch.setattr(GATEWAY, "outages", OutageClock())
+    monkeypatch.setattr(front_gateway(), "outages", OutageClock())
     outage = Outage(request.param, tmp_path)
     yield outage
     if outage.saved or outage.kind == "refusing":

@@ -6,7 +6,7 @@ import socket
 import psycopg
 from django.db import connection, connections
 
-from api.gateway import GATEWAY
+from api.gateway import front_gateway
 
 
 class Outage:
@@ -64,4 +64,4 @@ class Outage:
     @staticmethod
     def _close_connections() -> None:
         connections.close_all()
-        GATEWAY.close()
+        front_gateway().close()

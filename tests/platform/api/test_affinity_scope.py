@@ -9,13 +9,13 @@ from asgiref.sync import sync_to_async
 
 from api.affinity import SharedAffinity
 from api.calls import Call
-from api.choices import engine_requests
-from api.gateway import GATEWAY
+from api.choices import call_requests
+from api.gateway import front_gateway
 from api.pipeline import model_route
 from api.schemas import ChatCompletionRequest
 from routing.select import EngineStatus
 from tests.factories import ApiKeyFactory, ModelConfigFactory
-from tests.platform.api.conftest import close_background_connections
+from tests.platform.api.clean_slate import close_background_connections
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -44,9 +44,9 @@ async def made(factory, **fields):
 def _fresh_fleet():
     """Each test reads the catalog rows it made (not the last test's fleet),
     and closes the snapshot loader's connections after."""
-    GATEWAY.cache.clear()
+    front_gateway().cache.clear()
     yield
-    GATEWAY.cache.clear()
+    front_gateway().cache.clear()
     close_background_connections()
 
 
@@ -57,7 +57,7 @@ async def routed(model: str, **caller) -> tuple[tuple[str, ...], str | None]:
     payload = ChatCompletionRequest.model_validate(
         {"model": model, "messages": MESSAGES}
     )
-    [request] = engine_requests(payload, "interactive", call=call)
+    [request] = call_requests(payload, "interactive", call=call)
     return call.prefixes, request.cache_salt
 
 

@@ -3,7 +3,6 @@ ASGI handler and a real engine whose SmolLM2 has a 512-token context and drops
 the oldest turns): the answer's header says how many messages were dropped;
 what cannot fit is a 400 `context_length_exceeded` naming the counts."""
 
-import asyncio
 import json
 
 import pytest
@@ -13,8 +12,8 @@ from api.sse import DROPPED_HEADER
 from tests.factories import ApiKeyFactory
 from tests.platform.api.chat_front import (
     CHAT,
+    asgi_request,
     chat_engine,
-    chat_scope,
     long_chat,
     routed_to,
 )
@@ -30,40 +29,13 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture
-def front(engine, tmp_path, settings, monkeypatch):
-    return routed_to(engine, tmp_path, settings, monkeypatch)
+def front(engine, tmp_path, settings, own_gateway):
+    return routed_to(engine, tmp_path, settings, own_gateway)
 
 
 async def post(app, key: str, body: dict) -> tuple[int, dict[str, str], bytes]:
-    """One request through the ASGI app: status, headers, whole body."""
-    payload = json.dumps(body).encode()
-    scope = chat_scope(key, payload)
-    sent = False
-    answer: dict = {"status": 0, "headers": {}, "body": b""}
-    complete = asyncio.Event()
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await complete.wait()  # the caller stays until the answer is whole
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            answer["status"] = message["status"]
-            answer["headers"] = {
-                name.decode().lower(): value.decode()
-                for name, value in message["headers"]
-            }
-        elif message["type"] == "http.response.body":
-            answer["body"] += message.get("body", b"")
-            if not message.get("more_body"):
-                complete.set()
-
-    await app(scope, receive, send)
-    return answer["status"], answer["headers"], answer["body"]
+    """One chat request through the ASGI app: status, headers, whole body."""
+    return await asgi_request(app, key, body=body)
 
 
 @pytest.mark.parametrize("stream", [False, True])

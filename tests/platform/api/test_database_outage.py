@@ -20,12 +20,13 @@ from django.test import Client
 from django.utils import timezone
 
 from api import calls, gateway, services
-from api.gateway import GATEWAY
+from api.gateway import front_gateway
 from api.models import ApiKey
 from fleet.models import EngineState
 from fleet.selectors import HEARTBEAT_STALE_S, routing_snapshot
-from routing.select import ModelRoute, Snapshot, SnapshotCache
+from routing.select import ModelRoute, Snapshot
 from tests.factories import ApiKeyFactory, EngineSpecFactory, ModelConfigFactory
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -34,10 +35,10 @@ UNAVAILABLE = "the database is unavailable"
 
 
 @pytest.fixture
-def fleet_in_memory(monkeypatch):
+def fleet_in_memory(own_gateway):
     """A routing snapshot that needs no database: one chat model."""
     snapshot = Snapshot(engines={}, models={CHAT: ModelRoute(CHAT, "gguf", "chat")})
-    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(lambda: snapshot))
+    own_gateway(lambda: snapshot)
 
 
 def models_with(plaintext: str, address: str = "10.0.0.1"):
@@ -62,10 +63,10 @@ def test_the_outage_is_real(outage):
     with pytest.raises(db.OperationalError, match=refused):
         ApiKey.objects.exists()
     with pytest.raises(db.OperationalError, match=refused):
-        GATEWAY._loader.submit(GATEWAY._load).result()
+        front_gateway()._loader.submit(front_gateway()._load).result()
     outage.end()
     assert ApiKey.objects.exists()
-    GATEWAY._loader.submit(GATEWAY._load).result()
+    front_gateway()._loader.submit(front_gateway()._load).result()
 
 
 def test_a_remembered_key_keeps_working(outage, fleet_in_memory, caplog, monkeypatch):
@@ -154,7 +155,7 @@ def test_a_fleet_that_cannot_be_read_is_503_and_health_still_answers(outage):
     a 503 (not a 500); /healthz and /metrics answer all the same."""
     key = ApiKeyFactory()
     assert models_with(key.plaintext).status_code == 200  # key remembered
-    GATEWAY.cache.clear()
+    front_gateway().cache.clear()
     outage.start()
     answer = models_with(key.plaintext)
     assert answer.status_code == 503
@@ -173,7 +174,9 @@ def test_a_fleet_that_cannot_be_read_is_503_and_health_still_answers(outage):
     assert Client().get("/metrics").status_code == 200
 
 
-def test_a_long_outage_routes_on_the_last_snapshot(outage, monkeypatch, caplog):
+def test_a_long_outage_routes_on_the_last_snapshot(
+    outage, monkeypatch, caplog, own_gateway
+):
     """Past the snapshot's stale limit, with the database still down, requests
     route on the last snapshot read, however old (the model is still listed
     for a remembered key), and the outage is logged once. The first waits for
@@ -184,9 +187,9 @@ def test_a_long_outage_routes_on_the_last_snapshot(outage, monkeypatch, caplog):
 
     def load():
         loads.append(1)
-        return GATEWAY._load()
+        return front_gateway()._load()
 
-    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(load, max_age_s=0))
+    own_gateway(load, max_age_s=0)
     monkeypatch.setattr(gateway, "STALE_LIMIT_S", 0.0)
     monkeypatch.setattr(gateway, "RELOAD_AFTER_FAILURE_S", 0.0)  # try each time
     model = ModelConfigFactory()
@@ -200,12 +203,14 @@ def test_a_long_outage_routes_on_the_last_snapshot(outage, monkeypatch, caplog):
     assert model.name in {item["id"] for item in answers[-1].json()["data"]}
     # The first request's load failed, and the next started one in the
     # background (the loader, one thread, runs what it is given in order).
-    GATEWAY._loader.submit(lambda: None).result()
+    front_gateway()._loader.submit(lambda: None).result()
     assert len(loads) - before >= 2
     assert len(outage_logs(caplog)) == 1
     outage.end()
     assert models_with(key.plaintext).status_code == 200
-    GATEWAY._loader.submit(lambda: None).result()  # its reload in the background
+    front_gateway()._loader.submit(
+        lambda: None
+    ).result()  # its reload in the background
     # The fleet read again ends the outage, so that the next one is logged.
     assert "the database is available again" in caplog.text
 
@@ -218,7 +223,7 @@ def test_heartbeats_missed_in_an_outage_are_not_a_dead_supervisor(outage):
     down, and so does the gateway once the outage is long past."""
 
     def load():
-        return GATEWAY._loader.submit(GATEWAY._load).result()
+        return front_gateway()._loader.submit(front_gateway()._load).result()
 
     spec = EngineSpecFactory(name="e1")
     heartbeat = timezone.now() - timedelta(seconds=HEARTBEAT_STALE_S - 1)
@@ -227,20 +232,25 @@ def test_heartbeats_missed_in_an_outage_are_not_a_dead_supervisor(outage):
     outage.start()
     with pytest.raises(db.OperationalError):
         load()
-    began = GATEWAY.outages.began
-    # Time is the condition: the gateway measures the outage on its own
-    # monotonic clock, and the heartbeat must age past HEARTBEAT_STALE_S while
-    # the database is down; meanwhile it is asked again, as routing would.
-    while time.monotonic() - began < 2.0:  # an outage of 2 s: heartbeats 11 s old
+    began = front_gateway().outages.began
+
+    def asked_again_two_seconds_in() -> bool:
+        """Asked again, as routing would, while the database is down: whether
+        the outage has lasted 2 s by then (heartbeats 11 s old)."""
         with pytest.raises(db.OperationalError):
             load()
-        time.sleep(0.1)
+        return time.monotonic() - began >= 2.0
+
+    # Time is the condition: the gateway measures the outage on its own
+    # monotonic clock, and the heartbeat must age past HEARTBEAT_STALE_S while
+    # the database is down.
+    wait_for(asked_again_two_seconds_in, interval=0.1, what="an outage of 2 s")
     outage.end()
     assert load().engines["e1"].up
-    assert GATEWAY.outages.last[1] - GATEWAY.outages.last[0] >= 2.0
+    assert front_gateway().outages.last[1] - front_gateway().outages.last[0] >= 2.0
     assert not routing_snapshot().engines["e1"].up  # stale without the grace
-    began, ended = GATEWAY.outages.last
-    GATEWAY.outages.last = (began - 60, ended - 60)  # a minute ago: no grace
+    began, ended = front_gateway().outages.last
+    front_gateway().outages.last = (began - 60, ended - 60)  # a minute ago: no grace
     assert not load().engines["e1"].up
 
 
@@ -254,11 +264,11 @@ def test_a_kept_connection_the_server_closed_is_not_an_outage():
         pytest.skip("the server closes a session on PostgreSQL only")
 
     def in_loader(work):
-        return GATEWAY._loader.submit(work).result()
+        return front_gateway()._loader.submit(work).result()
 
-    GATEWAY.close()
+    front_gateway().close()
     EngineSpecFactory(name="e1")
-    assert "e1" in in_loader(GATEWAY._load).engines
+    assert "e1" in in_loader(front_gateway()._load).engines
     pid = in_loader(lambda: db.connection.connection.info.backend_pid)
     with db.connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
@@ -267,11 +277,11 @@ def test_a_kept_connection_the_server_closed_is_not_an_outage():
         with db.connection.connection.cursor() as cursor:
             cursor.execute("SELECT 1")
 
-    closed = GATEWAY._loader.submit(query_the_kept_connection)
+    closed = front_gateway()._loader.submit(query_the_kept_connection)
     with pytest.raises(Exception, match="terminat|closed"):
         closed.result()
-    assert "e1" in in_loader(GATEWAY._load).engines
-    assert GATEWAY.outages.began is None
+    assert "e1" in in_loader(front_gateway()._load).engines
+    assert front_gateway().outages.began is None
     assert in_loader(lambda: db.connection.connection.info.backend_pid) != pid
 
 

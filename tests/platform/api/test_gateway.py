@@ -3,6 +3,7 @@ the supervisor has replaced it; and its node identity, read again when the
 supervisor joined anew."""
 
 import pytest
+from node_link.relay import NodeRelay
 
 from api.gateway import Gateway
 from cluster.identity import NodeIdentity, identity_write
@@ -12,7 +13,6 @@ from engines.wire.client import (
     connection_file,
     write_connection_file,
 )
-from engines.wire.link_relay import Relay
 from routing.placement import NodeRoute
 from routing.select import EngineStatus, Snapshot
 from tests.engines.conftest import free_port
@@ -51,7 +51,9 @@ async def test_a_new_node_identity_is_taken_without_a_restart(settings, tmp_path
     async def authenticate(node, secret):
         return None if (node, secret) == ("a", "rhn-new") else "wrong secret"
 
-    relay = Relay(node="b", authenticate=authenticate, engine_address=lambda _: None)
+    relay = NodeRelay(
+        node="b", authenticate=authenticate, engine_address=lambda _: None
+    )
     port = free_port()
     await relay.start("127.0.0.1", port)
     snapshot = Snapshot(
@@ -73,7 +75,7 @@ async def test_a_new_node_identity_is_taken_without_a_restart(settings, tmp_path
 
 
 async def test_a_node_no_link_reaches_is_passed_over_at_once(
-    settings, tmp_path, monkeypatch
+    settings, tmp_path, own_gateway
 ):
     """A model with a replica on node c (first in order: nothing listens at its
     relay's address) and one on node b. The first request tries c, fails to
@@ -88,8 +90,7 @@ async def test_a_node_no_link_reaches_is_passed_over_at_once(
     settings.RUN_DIR = tmp_path
     settings.ROUNDHOUSE_CLUSTER_TLS = False  # a plain link: refused by c's port
     identity_write(tmp_path, NodeIdentity(name="a", secret="rhn-a"))
-    gateway = Gateway()
-    monkeypatch.setattr(pipeline, "GATEWAY", gateway)
+    own_gateway()  # this test's: no node passed over yet
     route = ModelRoute(name="m", format="gguf", task="chat", replicas=2)
     lonely = ModelRoute(name="only-c", format="hf", task="chat")  # b: no hf
     engines = {

@@ -21,12 +21,13 @@ from django.test import Client
 from api import gateway as gateway_module
 from api import health as health_module
 from api.errors import ApiCode, ApiError
-from api.gateway import GATEWAY, Gateway
+from api.gateway import Gateway, front_gateway
 from cluster.models import UNREACHABLE_AFTER_S
 from cluster.peers_reached import MAX_AGE_S as PEERS_MAX_AGE_S
 from cluster.peers_reached import PeersReached, peers_reached_write
 from routing.placement import NodeRoute
-from routing.select import EngineStatus, Snapshot, SnapshotCache
+from routing.select import EngineStatus, Snapshot
+from tests.waiting import await_for, suspended_in
 
 
 def fleet(*, cluster: bool, up: bool = True) -> Snapshot:
@@ -87,17 +88,14 @@ def front(clock, monkeypatch):
 
     def make(first: Snapshot) -> tuple[Gateway, Database]:
         database = Database(first)
-        gateway = Gateway()
-        gateway.cache = SnapshotCache(
-            database.load, max_age_s=1.0, clock=lambda: clock.now
-        )
+        gateway = Gateway(database.load, clock=lambda: clock.now)
         made.append((gateway, database))
         return gateway, database
 
     yield make
     for gateway, database in made:
         database.release()
-        gateway._loader.shutdown(wait=True)
+        gateway.shutdown()
 
 
 async def background_load_done(gateway: Gateway) -> None:
@@ -124,7 +122,10 @@ async def test_requests_that_need_a_load_share_the_one_in_flight(front):
     database.hang(then=db.OperationalError("connection timed out"))
     requests = [asyncio.ensure_future(gateway.snapshot()) for _ in range(8)]
     await in_flight(database)
-    await asyncio.sleep(0)  # every request has reached its wait
+    await await_for(
+        lambda: all("finished" in suspended_in(request) for request in requests),
+        what="every request waiting for the load",
+    )
     database.release()
     outcomes = await asyncio.gather(*requests, return_exceptions=True)
     assert all(isinstance(outcome, db.OperationalError) for outcome in outcomes)
@@ -259,16 +260,14 @@ async def test_one_host_serves_on_its_last_view_through_an_outage(front, clock):
 
 
 @pytest.fixture
-def health_database(clock, monkeypatch):
+def health_database(clock, monkeypatch, own_gateway):
     """The Database behind GATEWAY, the gateway /healthz asks."""
     database = Database(fleet(cluster=True))
-    cache = SnapshotCache(database.load, max_age_s=1.0, clock=lambda: clock.now)
-    monkeypatch.setattr(GATEWAY, "cache", cache)
-    monkeypatch.setattr(GATEWAY, "_loading", None)
+    own_gateway(database.load, clock=lambda: clock.now)
     monkeypatch.setattr(gateway_module, "RELOAD_AFTER_FAILURE_S", 0.0)
     yield database
     database.release()
-    GATEWAY._loader.submit(lambda: None).result()  # its loads are over
+    front_gateway()._loader.submit(lambda: None).result()  # its loads are over
 
 
 def health() -> dict:
@@ -318,7 +317,7 @@ def test_health_in_an_outage_answers_from_the_last_view_with_its_age(
     assert (body["engines"], body["engines_ready"]) == ({}, False)
     assert body["view_age_s"] == UNREACHABLE_AFTER_S + 1
     health_database.release()
-    GATEWAY._loader.submit(lambda: None).result()  # the hung load answered
+    front_gateway()._loader.submit(lambda: None).result()  # the hung load answered
     body = health()
     assert (body["engines_ready"], body["view_age_s"]) == (False, 0.0)
     assert "e1" in body["engines"]

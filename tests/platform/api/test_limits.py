@@ -18,6 +18,7 @@ from tests.platform.api.limit_checks import (
     key_with,
     rpm_is_enforced,
 )
+from tests.waiting import await_for
 
 
 async def settled() -> None:
@@ -231,11 +232,9 @@ def test_throttle_memory_is_bounded():
 
 async def _until_waiting(gate: limits.FailureThrottle, client: str) -> None:
     """Until a lookup of `client` waits for a slot (a state, not a time)."""
-    for _ in range(1000):
-        if gate._waiting.get(client):
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"no lookup of {client} is waiting")
+    await await_for(
+        lambda: gate._waiting.get(client), what=f"a lookup of {client} waiting"
+    )
 
 
 async def test_lookups_in_flight_wait_for_the_failures_left():

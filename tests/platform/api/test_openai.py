@@ -340,15 +340,15 @@ def test_unknown_v1_path_is_an_openai_404(live):
 
 
 def test_engine_unreachable_falls_back_to_the_next(
-    live, orm, settings, tmp_path, monkeypatch
+    live, orm, settings, tmp_path, own_gateway
 ):
     """The front's fallback, in-process: the snapshot says `ghost` is up and has
     the model resident (so routing picks it first), but nothing listens on its
     port. The request goes on to the real engine; the usage row names it."""
     from django.test import Client
 
-    from api.gateway import GATEWAY
-    from routing.select import EngineStatus, ModelRoute, Snapshot, SnapshotCache
+    from api.gateway import front_gateway
+    from routing.select import EngineStatus, ModelRoute, Snapshot
 
     engines_dir = tmp_path / "engines"
     engines_dir.mkdir()
@@ -368,8 +368,11 @@ def test_engine_unreachable_falls_back_to_the_next(
         },
         models={EMBEDDER: ModelRoute(EMBEDDER, "embedding", task="embedding")},
     )
-    assert GATEWAY.router.choose(snapshot.models[EMBEDDER], snapshot).engine == "ghost"
-    monkeypatch.setattr(GATEWAY, "cache", SnapshotCache(lambda: snapshot))
+    assert (
+        front_gateway().router.choose(snapshot.models[EMBEDDER], snapshot).engine
+        == "ghost"
+    )
+    own_gateway(lambda: snapshot)
     reply = Client().post(
         "/v1/embeddings",
         data=json.dumps({"model": EMBEDDER, "input": "fallback"}),

@@ -51,8 +51,8 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture
-def front(engine, tmp_path, settings, monkeypatch):
-    return routed_to(engine, tmp_path, settings, monkeypatch)
+def front(engine, tmp_path, settings, own_gateway):
+    return routed_to(engine, tmp_path, settings, own_gateway)
 
 
 class Caller:
@@ -219,13 +219,13 @@ async def test_hang_up_between_the_headers_and_the_first_token(front, engine):
 
 
 async def test_a_queue_timeout_is_a_429_before_any_header(
-    tmp_path, settings, monkeypatch
+    tmp_path, settings, own_gateway
 ):
     """The engine refuses a request that waited past its queue timeout, before
     any start frame: the caller gets a 429 with Retry-After, not a stream."""
     impatient = await asyncio.to_thread(chat_engine, tmp_path, queue_timeout_s=0.5)
     try:
-        front = routed_to(impatient, tmp_path / "run", settings, monkeypatch)
+        front = routed_to(impatient, tmp_path / "run", settings, own_gateway)
         occupying = await asyncio.to_thread(occupy, impatient)
         try:
             key = await stream_key()
@@ -311,12 +311,12 @@ async def test_an_engine_gone_silent_mid_stream_is_504(front, engine, monkeypatc
     await engine_idle(engine)
 
 
-async def test_an_engine_dead_mid_stream_is_502(tmp_path, settings, monkeypatch):
+async def test_an_engine_dead_mid_stream_is_502(tmp_path, settings, own_gateway):
     """The engine is killed mid-stream: the stream ends with a 502 error event,
     and the row has the tokens sent."""
     doomed = await asyncio.to_thread(chat_engine, tmp_path)
     try:
-        front = routed_to(doomed, tmp_path / "run", settings, monkeypatch)
+        front = routed_to(doomed, tmp_path / "run", settings, own_gateway)
         key = await stream_key()
         caller = Caller(key.plaintext)
         answering = asyncio.create_task(

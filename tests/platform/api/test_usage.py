@@ -7,7 +7,7 @@ from django.db import connection
 
 from api import metrics
 from api.models import ApiKey, Usage
-from api.usage import USAGE_WRITER, UsageWriter, usage_build, usage_enqueue
+from api.usage import UsageWriter, usage_build, usage_enqueue, usage_writer
 from tests.factories import ApiKeyFactory
 from tests.platform.api.usage_lock import usage_table_locked
 from tests.waiting import wait_for
@@ -30,7 +30,7 @@ def record(**fields) -> None:
             **fields,
         }
     )
-    USAGE_WRITER.close()  # writes what is queued, then stops (the next put restarts)
+    usage_writer().close()  # writes what is queued, then stops (the next put restarts)
 
 
 @transactional
@@ -97,7 +97,7 @@ def test_rows_queued_together_are_written_together():
             latency_ms=1,
             status=status,
         )
-    USAGE_WRITER.close()
+    usage_writer().close()
     assert sorted(Usage.objects.values_list("status", flat=True)) == [200, 429, 499]
 
 

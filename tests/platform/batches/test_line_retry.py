@@ -21,7 +21,7 @@ from fleet.models import EngineSpec, EngineState
 from tests.engines.conftest import start_engine
 from tests.engines.generating import SMOL, gguf_spec
 from tests.factories import ApiKeyFactory
-from tests.platform.api.conftest import close_background_connections
+from tests.platform.api.clean_slate import close_background_connections
 from tests.platform.batches.jobs import chat_line, jsonl
 from tests.waiting import wait_for
 

@@ -9,7 +9,7 @@ import pytest
 from django import db
 
 from api.selectors import in_db_thread
-from api.usage import USAGE_WRITER
+from api.usage import usage_writer
 from batches import runner, services
 from batches.models import BatchLine
 from tests.factories import ApiKeyFactory, ModelConfigFactory
@@ -97,7 +97,7 @@ def test_a_limited_keys_lines_are_not_500s_when_redis_is_down(settings, tmp_path
         metadata=None,
     )
     runner.run_batch(batch.id)
-    USAGE_WRITER.close()  # the lines' usage rows, written before the key goes
+    usage_writer().close()  # the lines' usage rows, written before the key goes
     answers = [line.record["response"] for line in BatchLine.objects.all()]
     assert len(answers) == 3
     assert {answer["status_code"] for answer in answers} == {503}

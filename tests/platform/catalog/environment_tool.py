@@ -1,4 +1,4 @@
-"""A one-shot tool for tests/platform/catalog/test_children.py: reads its
+"""A one-shot tool for tests/platform/catalog/test_tool_processes.py: reads its
 request like the engines' tools and answers with its environment's names."""
 
 import json

@@ -1,7 +1,10 @@
 """The catalog admin's model form, as the admin posts it."""
 
+from django.urls import reverse
+
 
 def model_post(**fields) -> dict:
+    """The add form's fields: a valid GGUF chat model, with `fields` over them."""
     data = {
         "name": "qwen-test",
         "format": "gguf",
@@ -23,3 +26,10 @@ def model_post(**fields) -> dict:
     }
     data.update(fields)
     return data
+
+
+def model_add(admin_client, **fields):
+    """The admin's response to the add form posted with `fields`."""
+    return admin_client.post(
+        reverse("admin:catalog_modelconfig_add"), model_post(**fields)
+    )

@@ -6,7 +6,7 @@ from django.urls import reverse
 
 from catalog.models import ModelConfig
 from tests.factories import EngineSpecFactory
-from tests.platform.catalog.model_form import model_post
+from tests.platform.catalog.model_form import model_add
 
 pytestmark = pytest.mark.django_db
 
@@ -19,15 +19,9 @@ def warnings_of(response) -> list[str]:
     ]
 
 
-def add(admin_client, **fields):
-    return admin_client.post(
-        reverse("admin:catalog_modelconfig_add"), model_post(**fields)
-    )
-
-
 def test_good_pin_saves_without_warning(admin_client, models_dir):
     """A pin to an enabled compatible engine with an existing file: no warning."""
-    response = add(admin_client, engine_pin="cpu0")
+    response = model_add(admin_client, engine_pin="cpu0")
     assert response.status_code == 302
     assert warnings_of(response) == []
     assert ModelConfig.objects.get(name="qwen-test").engine_pin == "cpu0"
@@ -45,7 +39,7 @@ def test_bad_pin_is_saved_and_warned(admin_client, models_dir, pin, expected):
     """Unknown, disabled or incompatible pins: the row is saved, a warning names why."""
     EngineSpecFactory(name="off", enabled=False)
     EngineSpecFactory(name="radeon", backend="vulkan")
-    response = add(admin_client, engine_pin=pin, format="transformers", path=".")
+    response = model_add(admin_client, engine_pin=pin, format="transformers", path=".")
     assert response.status_code == 302
     assert ModelConfig.objects.get(name="qwen-test").engine_pin == pin
     assert any(expected in message for message in warnings_of(response))
@@ -56,7 +50,7 @@ def test_bad_pin_is_saved_and_warned(admin_client, models_dir, pin, expected):
 
 def test_missing_path_is_a_warning(admin_client, models_dir):
     """A path that does not exist is saved with a warning naming the resolved path."""
-    response = add(admin_client, path="nowhere/model.gguf")
+    response = model_add(admin_client, path="nowhere/model.gguf")
     assert response.status_code == 302
     [warning] = warnings_of(response)
     assert str(models_dir / "nowhere" / "model.gguf") in warning
@@ -64,7 +58,7 @@ def test_missing_path_is_a_warning(admin_client, models_dir):
 
 def test_task_must_match_format(admin_client):
     """An embedding model with a chat task is an error; nothing is saved."""
-    response = add(admin_client, format="embedding", task="chat")
+    response = model_add(admin_client, format="embedding", task="chat")
     assert response.status_code == 200
     assert "Embedding models have the embedding task" in response.content.decode()
     assert not ModelConfig.objects.filter(name="qwen-test").exists()
@@ -72,7 +66,7 @@ def test_task_must_match_format(admin_client):
 
 def test_sampling_is_validated(admin_client):
     """Unknown sampling names and wrong types are errors."""
-    response = add(admin_client, sampling='{"temprature": 0.5, "top_k": 1.5}')
+    response = model_add(admin_client, sampling='{"temprature": 0.5, "top_k": 1.5}')
     body = response.content.decode()
     assert "unknown parameter &#x27;temprature&#x27;" in body
     assert "top_k must be a whole number" in body

@@ -1,15 +1,15 @@
 """The catalog's SHA-256 of each model's files (ModelConfig.file_digests):
 recorded by the model's first inspection, or the first hash of a host that
 may write them, and never replaced by a later one; copies between nodes are
-checked against them (tests/engines/wire/test_link_files.py)."""
+checked against them (tests/platform/node_link/test_files.py)."""
 
 import os
 
 import pytest
+from node_link.files import file_sha256
 
 from catalog.models import ModelConfig
 from catalog.services import model_file_digests_record, model_inspection_run
-from engines.wire.link_files import file_sha256
 from tests.factories import ModelConfigFactory
 
 pytestmark = pytest.mark.django_db

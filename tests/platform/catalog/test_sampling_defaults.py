@@ -12,8 +12,7 @@ from catalog.models import SAMPLING_KEYS, ModelConfig, validate_sampling
 from engines.wire.bounds import check_sampling
 from engines.wire.errors import ProtocolError
 from tests.factories import ModelConfigFactory
-
-from .test_admin import add
+from tests.platform.catalog.model_form import model_add
 
 
 @pytest.mark.parametrize(
@@ -58,14 +57,14 @@ def test_full_clean_puts_the_error_on_the_sampling_field():
 def test_the_admin_refuses_a_bad_default(admin_client):
     """The add form shows the engine's message and saves nothing; a good
     default saves (the control)."""
-    response = add(admin_client, sampling='{"temperature": 0.001, "top_k": 40}')
+    response = model_add(admin_client, sampling='{"temperature": 0.001, "top_k": 40}')
     assert response.status_code == 200
     assert (
         "temperature must be 0 (greedy) or from 0.01 to 2" in response.content.decode()
     )
     assert not ModelConfig.objects.filter(name="qwen-test").exists()
 
-    response = add(admin_client, sampling='{"temperature": 0.01, "top_k": 40}')
+    response = model_add(admin_client, sampling='{"temperature": 0.01, "top_k": 40}')
     assert response.status_code == 302
     saved = ModelConfig.objects.get(name="qwen-test").sampling
     assert saved == {"temperature": 0.01, "top_k": 40}
@@ -75,7 +74,7 @@ def test_the_admin_refuses_a_bad_default(admin_client):
 @pytest.mark.django_db
 def test_the_admin_refuses_nan_in_the_json(admin_client):
     """Python's JSON reader takes NaN and Infinity; the default still must not."""
-    response = add(admin_client, sampling='{"top_p": NaN}')
+    response = model_add(admin_client, sampling='{"top_p": NaN}')
     assert response.status_code == 200
     assert "top_p must be a finite number" in response.content.decode()
 

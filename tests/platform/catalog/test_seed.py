@@ -5,15 +5,14 @@ import pytest
 from catalog.bundled import BUNDLED_MODELS
 from catalog.models import ModelConfig
 from catalog.selectors import model_config_problems
-from fleet.models import ServerSettings
-from fleet.selectors import engine_primary
+from fleet.models import EngineSpec, ServerSettings
 
 pytestmark = pytest.mark.django_db
 
 
 def test_seeded_fleet():
     """cpu0 is the primary engine and the default one."""
-    primary = engine_primary()
+    primary = EngineSpec.objects.filter(enabled=True).order_by("order").first()
     assert primary.name == "cpu0" and primary.backend == "cpu"
     assert ServerSettings.load().default_engine == primary
 

@@ -9,10 +9,16 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.db import connections
 
 from tests.platform.api.chat_front import chat_engine, routed_to
-from tests.platform.api.conftest import (  # noqa: F401 - an autouse fixture
-    close_background_connections,
-    empty_cache,
-)
+from tests.platform.api.clean_slate import close_background_connections, front_forget
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    """No counter, key, outage or fleet view of an earlier test (the API
+    tests' clean slate: the chat shares the front with REST)."""
+    front_forget()
+    yield
+    front_forget()
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +45,9 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture
-def socket_app(engine, tmp_path, settings, monkeypatch):
+def socket_app(engine, tmp_path, settings, own_gateway):
     """The front's WebSocket application, its streams routed to `engine`."""
-    routed_to(engine, tmp_path, settings, monkeypatch)
+    routed_to(engine, tmp_path, settings, own_gateway)
     from roundhouse.asgi import websocket_application
 
     return websocket_application

@@ -9,12 +9,11 @@ import json
 import pytest
 from asgiref.sync import sync_to_async
 
-from api.gateway import GATEWAY
+from api.gateway import front_gateway
 from api.models import ApiKey, Usage
 from api.schemas import ChatCompletionRequest, parse
 from chat.consumers import ChatConsumer
 from chat.models import Conversation, Message
-from routing.select import SnapshotCache
 from tests.factories import ApiKeyFactory, ModelConfigFactory
 from tests.platform.api.chat_front import (
     CHAT,
@@ -247,12 +246,14 @@ async def test_other_sites_cannot_use_the_session(socket_app):
     await own.close()
 
 
-async def test_a_refused_stream_refreshes_the_fleet_snapshot(socket_app, monkeypatch):
+async def test_a_refused_stream_refreshes_the_fleet_snapshot(
+    socket_app, monkeypatch, own_gateway
+):
     """While the front's snapshot shows the engine down, a stream is refused
     (no_engine, retry_after); that refusal starts a reload of the snapshot, as
     a REST answer does, so the engine that came back serves the next stream
     (else the old snapshot would be used until it is too old, 10 s)."""
-    up = GATEWAY.cache.get()
+    up = front_gateway().cache.get()
     down = dataclasses.replace(
         up,
         engines={
@@ -261,8 +262,7 @@ async def test_a_refused_stream_refreshes_the_fleet_snapshot(socket_app, monkeyp
         },
     )
     current = {"snapshot": down}
-    cache = SnapshotCache(lambda: current["snapshot"], max_age_s=0.05)
-    monkeypatch.setattr(GATEWAY, "cache", cache)
+    cache = own_gateway(lambda: current["snapshot"], max_age_s=0.05).cache
     cache.get()
     current["snapshot"] = up  # the engine is back; the front has not looked
     # The snapshot in memory stale (older than max_age_s), not too old.

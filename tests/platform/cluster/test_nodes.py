@@ -290,8 +290,9 @@ def test_link_proofs_name_only_the_nodes_that_opened_the_links():
     (node_link_proofs): a joined node's proof is what its link was opened
     with; revoked, deleted and joined-again nodes no longer match (control:
     the proof before each change matched)."""
+    from node_link.relay import link_proof
+
     from cluster.selectors import node_link_proofs
-    from engines.wire.link_relay import link_proof
 
     identities = {}
     for name, address in (("p1", "10.0.1.1"), ("p2", "10.0.1.2"), ("p3", "10.0.1.3")):

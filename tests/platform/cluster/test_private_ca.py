@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from node_link.client import LinkPool, Peer
+from node_link.files import copy_model
+from node_link.protocol import LinkRefused, PrivateCa
 
 from cluster.tls import certificate_file_fingerprint, private_ca, server_tls_context
-from engines.wire.link import LinkRefused, PrivateCa
-from engines.wire.link_client import LinkPool, Peer
-from engines.wire.link_files import copy_model
 from tests.certificates import Authority
-from tests.engines.wire.file_relay import file_relay, files_opener
+from tests.platform.node_link.file_relay import file_relay, files_opener
 
 SECRET = "ca-test-secret"
 

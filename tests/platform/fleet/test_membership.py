@@ -8,11 +8,11 @@ import time
 
 import pytest
 from django.db import connections
+from node_link.protocol import LINK_PING_S
+from node_link.relay import link_proof
 
 from cluster.models import UNREACHABLE_AFTER_S
 from cluster.peers_reached import MAX_AGE_S, PeersReached
-from engines.wire.link import LINK_PING_S
-from engines.wire.link_relay import link_proof
 from fleet.membership import DATABASE_FRESH_S, PEER_ROUND_S, Membership
 from tests.engines.conftest import free_port
 

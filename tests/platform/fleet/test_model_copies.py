@@ -5,40 +5,38 @@ with its error and left for the retry."""
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
+from node_link.client import Peer
+from node_link.files import FileServer, model_digests
+from node_link.relay import NodeRelay
 
-from cluster.tls import relay_certificate, server_tls_context
-from engines.wire.link_client import Peer
-from engines.wire.link_files import FileServer, model_digests
-from engines.wire.link_relay import Relay
 from fleet import model_copies
 from fleet.model_copies import ModelCopies
-from tests.engines.conftest import free_port
-from tests.engines.wire.file_relay import file_relay
+from tests.platform.node_link.file_relay import model_paths, pinned_relay
 from tests.waiting import await_for
 
 SECRET = "copies-secret"
 CATALOG = {"m": {"": "0" * 64}}  # digests of a model no peer has
 
 
-async def relay_of(node: str, files: dict, tmp_path) -> tuple[Relay, Peer]:
-    key, cert, fingerprint = relay_certificate(tmp_path / node, node)
-    relay, port = await file_relay(
-        files,
-        secret=SECRET,
-        tls=server_tls_context(key, cert),
-        node=node,
-        caller="f",
-    )
-    return relay, Peer(
-        node=node, host="127.0.0.1", port=port, tls_fingerprint=fingerprint
-    )
+async def relay_of(
+    node: str, files: dict[str, Path] | FileServer, tmp_path: Path
+) -> tuple[NodeRelay, Peer]:
+    """Node `node`'s relay in pinned TLS, serving `files` to node f."""
+    return await pinned_relay(tmp_path, files, secret=SECRET, node=node, caller="f")
 
 
-async def test_a_copy_passes_over_a_peer_without_the_files(tmp_path):
-    source = tmp_path / "m.gguf"
-    source.write_bytes(os.urandom(100_000))
+@pytest.fixture
+def source(tmp_path) -> Path:
+    """The files of the one-file model `m`, as the serving peers hold them."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(os.urandom(100_000))
+    return path
+
+
+async def test_a_copy_passes_over_a_peer_without_the_files(tmp_path, source):
     empty, empty_peer = await relay_of("a", {}, tmp_path)
     full, full_peer = await relay_of("b", {"m": source}, tmp_path)
     copies = ModelCopies(node="f", secret=SECRET, plain_tcp=True)
@@ -107,13 +105,10 @@ class StallingFiles(FileServer):
     """A peer whose link answers pings but whose files streams never answer
     (`stall`: the manifest, or every range after a real manifest)."""
 
-    def __init__(self, source, stall: str) -> None:
-        super().__init__(self._path)
-        self._source, self._stall = source, stall
+    def __init__(self, source: Path, stall: str) -> None:
+        super().__init__(model_paths({"m": source}))
+        self._stall = stall
         self.asked = asyncio.Event()
-
-    async def _path(self, model):
-        return self._source if model == "m" else None
 
     async def answer(self, payload: bytes) -> bytes:
         if self._stall in payload.decode():
@@ -123,26 +118,15 @@ class StallingFiles(FileServer):
 
 
 @pytest.mark.parametrize("stall", ["manifest", "range"])
-async def test_a_peer_that_never_answers_the_stream_is_passed_over(tmp_path, stall):
+async def test_a_peer_that_never_answers_the_stream_is_passed_over(
+    tmp_path, source, stall
+):
     """A peer that answers the link's pings but never its files stream (the
     manifest, or a range) is given up after the deadline, the next peer is
     tried, and the copy ends (control: without deadlines the copy waits on
     the first peer for ever, `running` stays true)."""
-    source = tmp_path / "m.gguf"
-    source.write_bytes(os.urandom(100_000))
     files = StallingFiles(source, stall)
-    key, cert, fingerprint = relay_certificate(tmp_path / "s", "s")
-    stalling = Relay(
-        node="s",
-        authenticate=lambda name, given: _known(name, given),
-        engine_address=lambda name: None,
-        files=files,
-    )
-    port = free_port()
-    await stalling.start("127.0.0.1", port, tls=server_tls_context(key, cert))
-    stalling_peer = Peer(
-        node="s", host="127.0.0.1", port=port, tls_fingerprint=fingerprint
-    )
+    stalling, stalling_peer = await relay_of("s", files, tmp_path)
     full, full_peer = await relay_of("b", {"m": source}, tmp_path)
     copies = ModelCopies(
         node="f",
@@ -169,15 +153,9 @@ async def test_a_peer_that_never_answers_the_stream_is_passed_over(tmp_path, sta
         await full.close()
 
 
-async def _known(name: str, given: str) -> str | None:
-    return None if (name, given) == ("f", SECRET) else "wrong secret"
-
-
-async def test_a_model_without_the_catalogs_digests_is_not_copied(tmp_path):
+async def test_a_model_without_the_catalogs_digests_is_not_copied(tmp_path, source):
     """A model whose digests the catalog does not know yet waits for them,
     with that said (control: with them, the copy runs: the first test)."""
-    source = tmp_path / "m.gguf"
-    source.write_bytes(os.urandom(1000))
     full, full_peer = await relay_of("b", {"m": source}, tmp_path)
     copies = ModelCopies(node="f", secret=SECRET, plain_tcp=True)
     try:
@@ -194,23 +172,13 @@ async def test_a_model_without_the_catalogs_digests_is_not_copied(tmp_path):
         await full.close()
 
 
-async def test_a_copy_whose_only_peer_never_answers_ends_with_its_error(tmp_path):
+async def test_a_copy_whose_only_peer_never_answers_ends_with_its_error(
+    tmp_path, source
+):
     """With no other peer, the copy ends after the manifest's deadline,
     says why and waits for its retry (control: the test above, where the
     next peer then gives the files)."""
-    source = tmp_path / "m.gguf"
-    source.write_bytes(os.urandom(1000))
-    files = StallingFiles(source, "manifest")
-    key, cert, fingerprint = relay_certificate(tmp_path / "s", "s")
-    stalling = Relay(
-        node="s",
-        authenticate=lambda name, given: _known(name, given),
-        engine_address=lambda name: None,
-        files=files,
-    )
-    port = free_port()
-    await stalling.start("127.0.0.1", port, tls=server_tls_context(key, cert))
-    peer = Peer(node="s", host="127.0.0.1", port=port, tls_fingerprint=fingerprint)
+    stalling, peer = await relay_of("s", StallingFiles(source, "manifest"), tmp_path)
     copies = ModelCopies(
         node="f", secret=SECRET, plain_tcp=True, manifest_timeout_s=0.2
     )

@@ -5,9 +5,10 @@ through an outage."""
 
 import contextlib
 
+from node_link.client import LinkPool, Peer
+from node_link.relay import NodeRelay
+
 from cluster.peers_reached import PeersReached
-from engines.wire.link_client import LinkPool, Peer
-from engines.wire.link_relay import Relay
 from fleet.peer_links import PeerLinks, Reckoning
 from tests.engines.conftest import free_port
 from tests.waiting import await_for
@@ -23,7 +24,7 @@ async def relay_of(node: str, *, port: int | None = None, database=lambda: True)
     async def authenticate(caller: str, secret: str) -> str | None:
         return None if (caller, secret) == ("a", SECRET) else "wrong secret"
 
-    relay = Relay(
+    relay = NodeRelay(
         node=node,
         authenticate=authenticate,
         engine_address=lambda name: None,

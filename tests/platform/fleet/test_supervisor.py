@@ -6,7 +6,6 @@ import os
 import signal
 import socket
 import stat
-import time
 
 import psutil
 import pytest
@@ -16,6 +15,7 @@ from django.urls import reverse
 from catalog.models import ModelConfig
 from engines.wire.client import EngineClient, EngineDied, EngineUnauthorized
 from engines.wire.requests import GenerateRequest
+from fleet.engine_processes import Timing
 from fleet.models import (
     ConcurrencySettings,
     EngineSpec,
@@ -24,6 +24,7 @@ from fleet.models import (
     ThermalSettings,
 )
 from fleet.supervisor_lock import SupervisorLock
+from tests.engines.generating import model_state
 from tests.platform.fleet.live_fleet import (
     BIG_BATCH,
     EMBEDDER,
@@ -263,11 +264,15 @@ def test_host_ram_cap_evicts_the_least_recently_used_idle_model(fleet):
     fleet.start()
     fleet.ready("cpu0"), fleet.ready("cpu1")
     fleet.client("cpu0").call("load", model=EMBEDDER)  # used first: evicted first
-    # Time is the condition: the supervisor ranks idle models by the idle_s
-    # each engine reported at its last state poll (once a second per engine,
-    # not at the same moment), so the embedder must have been idle longer than
-    # SmolLM by more than the poll interval for the order to show in the polls.
-    time.sleep(1.5)
+    # The supervisor ranks idle models by the idle_s each engine reported at
+    # its last state poll (once a poll interval per engine, not at the same
+    # moment), so the embedder must have been idle longer than the poll
+    # interval, with room to spare, before SmolLM is used for the order to
+    # show in the polls. Its engine reports that idle_s: wait for the reading.
+    wait_for(
+        lambda: model_state(fleet, EMBEDDER).idle_s > Timing().poll + 0.5,
+        what="the embedder idle for over a poll interval",
+    )
     fleet.client("cpu1").generate(
         GenerateRequest(model="smollm2-135m-instruct", prompt="Hello", max_tokens=2)
     )

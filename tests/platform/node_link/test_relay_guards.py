@@ -1,5 +1,5 @@
 """What a peer, or anyone who reaches a relay's port, can do to a node: the
-relay's bounds (engines/wire/link_admission.py, link_gate.py, link_relay.py)
+relay's bounds (platform/node_link/admission.py, link_gate.py, link_relay.py)
 against a real engine, with callers on several loopback addresses (127.0.0.x
 are all this host's)."""
 
@@ -9,29 +9,29 @@ import logging
 
 import psutil
 import pytest
-
-from cluster.tls import relay_certificate, server_tls_context
-from engines.launch.config import LiveConfig
-from engines.wire import link_relay
-from engines.wire.client import EngineRequestError, EngineUnreachable
-from engines.wire.framing import HEADER, decode_message, encode_message, read_frame
-from engines.wire.link import MAX_STREAM_ID, OPEN, LinkRefused, link_frame
-from engines.wire.link_admission import (
+from node_link import relay as link_relay
+from node_link.admission import (
     FAILED_HELLOS_PER_ADDRESS,
     HANDSHAKE_S,
     MAX_HANDSHAKES,
     MAX_HANDSHAKES_PER_ADDRESS,
 )
-from engines.wire.link_client import LinkPool, Peer
-from engines.wire.link_gate import MAX_LINK_REQUEST_BYTES
-from engines.wire.link_relay import (
+from node_link.client import LinkPool, Peer
+from node_link.gate import MAX_LINK_REQUEST_BYTES
+from node_link.protocol import MAX_STREAM_ID, OPEN, LinkRefused, link_frame
+from node_link.relay import (
     MAX_LINK_HELD_BYTES,
     MAX_STREAMS_PER_LINK,
     link_proof,
 )
+
+from cluster.tls import relay_certificate, server_tls_context
+from engines.launch.config import LiveConfig
+from engines.wire.client import EngineRequestError, EngineUnreachable
+from engines.wire.framing import HEADER, decode_message, encode_message, read_frame
 from engines.wire.requests import GenerateRequest, ShutdownRequest
 from tests.engines.generating import SMOL
-from tests.engines.wire.links import GREEDY, SECRET, relay_for, remote
+from tests.platform.node_link.links import GREEDY, SECRET, relay_for, remote
 from tests.waiting import await_for
 
 

@@ -5,21 +5,21 @@ and the WebSocket chat (chat.streams). They only format what it yields.
 It reads every choice's engine frames as they come (api.choices.merged) and
 keeps the call's account: the first token's time, the completion tokens as
 they come (a stream cut short gets no final usage, yet its tokens counted),
-each choice's usage at its end (api.choices.Tally) and, once every choice has
-ended, the engine's final count. What a transport has to send comes out as
+each choice's usage at its end (api.choices.ChoicesUsage) and, once every
+choice has ended, the engine's final count. What a transport has to send comes out as
 `Echo` (an echoed prompt's log-probabilities), `Token` (a choice's text,
 tool-call deltas and log-probabilities) and `Ended` (a choice's finish).
-(calls.Relay is another thing: the HTTP body of a stream, which ends its call.)
+(calls.StreamBody is the HTTP body of a stream, which ends its call.)
 """
 
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engines.wire.frames import DoneFrame, Logprob, StartFrame, TokenFrame
+from engines.wire.replies import DoneFrame, Logprob, StartFrame, TokenFrame
 
 from .calls import Call
-from .choices import Tally, finish_reason, merged
+from .choices import ChoicesUsage, finish_reason, merged
 
 __all__ = ["Echo", "Ended", "Token", "tokens_relayed"]
 
@@ -54,7 +54,7 @@ class Ended:
 async def tokens_relayed(
     call: Call,
     opened: list[tuple[AsyncIterator, StartFrame]],
-    tally: Tally,
+    usage_count: ChoicesUsage,
     *,
     first_token: Callable[[], None] | None = None,
 ) -> AsyncIterator[Echo | Token | Ended]:
@@ -78,11 +78,11 @@ async def tokens_relayed(
                 if frame.text or frame.tool_calls or frame.logprobs:
                     yield Token(index, frame)
             elif isinstance(frame, DoneFrame):
-                tally.ended(index, frame.usage)
+                usage_count.ended(index, frame.usage)
                 ended += 1
                 last = ended == len(opened)
                 if last:
-                    call.counted(tally.usage())
+                    call.counted(usage_count.usage())
                 yield Ended(index, frame, finish_reason(frame.finish_reason), last)
                 if last:
                     return

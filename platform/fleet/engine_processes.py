@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.wire.frames import ModelState, StateReply
+from engines.wire.replies import ModelState, StateReply
 
 from .selectors import DesiredEngine
 

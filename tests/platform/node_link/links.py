@@ -3,8 +3,9 @@ in the test's event loop and the client of a calling node over it."""
 
 import contextlib
 
-from engines.wire.link_client import LinkPool, Peer, RemoteEngineClient
-from engines.wire.link_relay import Relay
+from node_link.client import LinkPool, Peer, RemoteEngineClient
+from node_link.relay import NodeRelay
+
 from tests.engines.conftest import free_port
 
 SECRET = "link-test-secret"
@@ -29,7 +30,7 @@ async def relay_for(
             checked.append(node)
         return None if (node, secret) == ("a", SECRET) else "wrong secret"
 
-    relay = Relay(
+    relay = NodeRelay(
         node="b",
         authenticate=authenticate,
         engine_address=lambda name: (

@@ -1,10 +1,10 @@
-"""Slot bookkeeping's log-probabilities (engines/generation/slots.py): computed from the
-raw float32 logits with a partial selection, they equal a float64
-log-softmax of the whole vocabulary, top tokens in order."""
+"""Slot bookkeeping's log-probabilities (engines/generation/slot_pool.py):
+computed from the raw float32 logits with a partial selection, they equal a
+float64 log-softmax of the whole vocabulary, top tokens in order."""
 
 import numpy as np
 
-from engines.generation.slots import SlotBackend
+from engines.generation.slot_pool import SlotBackend
 
 
 class Vocabulary:

@@ -1,4 +1,4 @@
-"""Model files copied over a node link (engines/wire/link_files.py): a real
+"""Model files copied over a node link (platform/node_link/files.py): a real
 relay on loopback serving a model directory and a one-file model, the copying
 side over a real link, in pinned TLS as between nodes."""
 
@@ -7,17 +7,21 @@ import os
 from pathlib import Path
 
 import pytest
-
-from cluster.tls import relay_certificate, server_tls_context
-from engines.wire import link_files
-from engines.wire.link import LinkRefused
-from engines.wire.link_client import LinkPool, Peer
-from engines.wire.link_files import (
+from node_link import files as link_files
+from node_link.client import LinkPool, Peer
+from node_link.files import (
     CopyFailed,
     copy_model,
     relative_part,
 )
-from tests.engines.wire.file_relay import file_relay, files_opener
+from node_link.protocol import LinkRefused
+
+from tests.platform.node_link.file_relay import (
+    file_relay,
+    files_opener,
+    model_paths,
+    pinned_relay,
+)
 from tests.waiting import await_for
 
 SECRET = "files-test-secret"
@@ -65,19 +69,33 @@ def served(tmp_path):
 
 
 @contextlib.asynccontextmanager
-async def relay_serving(paths: dict[str, Path], tmp_path: Path):
-    """Node b's relay serving `paths` in pinned TLS; yields a files opener."""
-    key, cert, fingerprint = relay_certificate(tmp_path / "tls", "b")
-    relay, port = await file_relay(
-        paths, secret=SECRET, tls=server_tls_context(key, cert)
-    )
-    pool = LinkPool(node="a", secret=SECRET, plain_tcp=True)
-    peer = Peer(node="b", host="127.0.0.1", port=port, tls_fingerprint=fingerprint)
+async def relay_serving(
+    paths: dict[str, Path],
+    tmp_path: Path,
+    *,
+    files: link_files.FileServer | None = None,
+    caller_secret: str = SECRET,
+):
+    """Node b's relay serving `paths` (through `files`, if given) in pinned
+    TLS; yields the files opener of node a, which gives `caller_secret`."""
+    relay, peer = await pinned_relay(tmp_path, files or paths, secret=SECRET)
+    pool = LinkPool(node="a", secret=caller_secret, plain_tcp=True)
     try:
         yield files_opener(pool, peer)
     finally:
         pool.close()
         await relay.close()
+
+
+async def copy(open_stream, model: str, dest: Path, *, progress=None) -> None:
+    """copy_model of `model` to `dest`, checked against the catalog's digests."""
+    await copy_model(
+        open_stream,
+        model,
+        dest,
+        digests=CATALOG[model],
+        progress=progress or (lambda *p: None),
+    )
 
 
 def tree(root: Path) -> dict[str, bytes]:
@@ -98,11 +116,10 @@ async def test_a_model_directory_is_copied_whole_with_progress(
     seen = []
 
     async with relay_serving(served, tmp_path) as open_stream:
-        await copy_model(
+        await copy(
             open_stream,
             "dir-model",
             dest,
-            digests=CATALOG["dir-model"],
             progress=lambda *p: seen.append(p),
         )
     assert tree(dest) == tree(served["dir-model"])
@@ -116,13 +133,7 @@ async def test_a_model_directory_is_copied_whole_with_progress(
 async def test_a_one_file_model_is_copied(served, tmp_path):
     dest = tmp_path / "a-models" / "one-file.gguf"
     async with relay_serving(served, tmp_path) as open_stream:
-        await copy_model(
-            open_stream,
-            "one-file",
-            dest,
-            digests=CATALOG["one-file"],
-            progress=lambda *p: None,
-        )
+        await copy(open_stream, "one-file", dest)
     assert dest.read_bytes() == served["one-file"].read_bytes()
 
 
@@ -146,23 +157,16 @@ async def test_an_interrupted_copy_resumes_where_it_stopped(
     monkeypatch.setattr(link_files, "_ask_range", counting)
     async with relay_serving(served, tmp_path) as open_stream:
         with pytest.raises(CopyFailed, match="cut"):
-            await copy_model(
-                open_stream,
-                "one-file",
-                dest,
-                digests=CATALOG["one-file"],
-                progress=lambda *p: None,
-            )
+            await copy(open_stream, "one-file", dest)
         assert not dest.exists()
         assert asked[:2] == [0, 1 << 20]  # the second range was cut
         asked.clear()
         cut[0] = False
         seen = []
-        await copy_model(
+        await copy(
             open_stream,
             "one-file",
             dest,
-            digests=CATALOG["one-file"],
             progress=lambda *p: seen.append(p),
         )
     assert dest.read_bytes() == served["one-file"].read_bytes()
@@ -179,21 +183,9 @@ async def test_a_copy_that_does_not_check_out_is_thrown_away(served, tmp_path):
     staging.write_bytes(b"\0" * 1000)  # a corrupt earlier part
     async with relay_serving(served, tmp_path) as open_stream:
         with pytest.raises(CopyFailed, match="SHA-256"):
-            await copy_model(
-                open_stream,
-                "one-file",
-                dest,
-                digests=CATALOG["one-file"],
-                progress=lambda *p: None,
-            )
+            await copy(open_stream, "one-file", dest)
         assert not dest.exists() and not staging.exists()
-        await copy_model(
-            open_stream,
-            "one-file",
-            dest,
-            digests=CATALOG["one-file"],
-            progress=lambda *p: None,
-        )
+        await copy(open_stream, "one-file", dest)
     assert dest.read_bytes() == served["one-file"].read_bytes()
 
 
@@ -203,21 +195,9 @@ async def test_the_relay_serves_only_catalog_models_and_no_links(served, tmp_pat
     async with relay_serving(served, tmp_path) as open_stream:
         for model, message in [("nope", "no model 'nope'"), ("gone", "no files")]:
             with pytest.raises(CopyFailed, match=message):
-                await copy_model(
-                    open_stream,
-                    model,
-                    tmp_path / "x",
-                    digests=CATALOG[model],
-                    progress=lambda *p: None,
-                )
+                await copy(open_stream, model, tmp_path / "x")
         dest = tmp_path / "a-models" / "linked"
-        await copy_model(
-            open_stream,
-            "linked",
-            dest,
-            digests=CATALOG["linked"],
-            progress=lambda *p: None,
-        )
+        await copy(open_stream, "linked", dest)
         assert tree(dest) == {"ok.txt": b"ok"}  # escape.txt left out
         for path in ["../secret.txt", "escape.txt"]:
             request = link_files.FileRequest(
@@ -239,13 +219,7 @@ async def test_not_enough_disk_is_refused_before_writing(served, tmp_path, monke
     dest = tmp_path / "a-models" / "dir-model"
     async with relay_serving(served, tmp_path) as open_stream:
         with pytest.raises(CopyFailed, match="free on"):
-            await copy_model(
-                open_stream,
-                "dir-model",
-                dest,
-                digests=CATALOG["dir-model"],
-                progress=lambda *p: None,
-            )
+            await copy(open_stream, "dir-model", dest)
     assert not dest.exists()
     assert not dest.with_name(".dir-model.copying").exists()
 
@@ -253,24 +227,9 @@ async def test_not_enough_disk_is_refused_before_writing(served, tmp_path, monke
 async def test_a_wrong_secret_copies_nothing(served, tmp_path):
     """A caller whose secret the relay does not know gets no link, so no files
     (control: the other tests' callers, with the secret, copy)."""
-    key, cert, fingerprint = relay_certificate(tmp_path / "tls2", "b")
-    relay, port = await file_relay(
-        served, secret=SECRET, tls=server_tls_context(key, cert)
-    )
-    pool = LinkPool(node="a", secret="guess", plain_tcp=True)
-    peer = Peer(node="b", host="127.0.0.1", port=port, tls_fingerprint=fingerprint)
-    try:
+    async with relay_serving(served, tmp_path, caller_secret="guess") as open_stream:
         with pytest.raises(LinkRefused, match="link refused"):
-            await copy_model(
-                files_opener(pool, peer),
-                "one-file",
-                tmp_path / "x",
-                digests=CATALOG["one-file"],
-                progress=print,
-            )
-    finally:
-        pool.close()
-        await relay.close()
+            await copy(open_stream, "one-file", tmp_path / "x", progress=print)
     assert not (tmp_path / "x").exists()
 
 
@@ -355,9 +314,7 @@ async def test_links_inside_a_model_are_copied_as_their_content(
     hf, inner = linked_models["hf"], linked_models["inner"]
     async with relay_serving(linked_models, tmp_path) as open_stream:
         dest = tmp_path / "a-models" / "hf"
-        await copy_model(
-            open_stream, "hf", dest, digests=CATALOG["hf"], progress=lambda *p: None
-        )
+        await copy(open_stream, "hf", dest)
         assert tree(dest) == {
             "config.json": b'{"a": 1}',
             "m.gguf": (hf / "m.gguf").read_bytes(),
@@ -365,23 +322,11 @@ async def test_links_inside_a_model_are_copied_as_their_content(
         }
         assert not any(path.is_symlink() for path in dest.iterdir())
         dest = tmp_path / "a-models" / "inner"
-        await copy_model(
-            open_stream,
-            "inner",
-            dest,
-            digests=CATALOG["inner"],
-            progress=lambda *p: None,
-        )
+        await copy(open_stream, "inner", dest)
         weights = (inner / "real" / "weights.bin").read_bytes()
         assert tree(dest) == {"real/weights.bin": weights, "weights.bin": weights}
         dest = tmp_path / "a-models" / "m.gguf"
-        await copy_model(
-            open_stream,
-            "hf-one",
-            dest,
-            digests=CATALOG["hf-one"],
-            progress=lambda *p: None,
-        )
+        await copy(open_stream, "hf-one", dest)
         assert dest.read_bytes() == (hf / "m.gguf").read_bytes()
 
 
@@ -433,25 +378,9 @@ async def test_a_peer_with_a_tampered_file_fails_the_copy(served, tmp_path, lies
     catalog = dict(CATALOG["dir-model"])
     weights = served["dir-model"] / "sub" / "weights.bin"
     weights.write_bytes(b"planted" + weights.read_bytes()[7:])  # same size
-    key, cert, fingerprint = relay_certificate(tmp_path / "tls", "b")
-    relay, port = await file_relay(
-        served, secret=SECRET, tls=server_tls_context(key, cert)
-    )
-    if lies:
-        relay._files = LyingFiles(relay._files._model_path, catalog)
-    pool = LinkPool(node="a", secret=SECRET, plain_tcp=True)
-    peer = Peer(node="b", host="127.0.0.1", port=port, tls_fingerprint=fingerprint)
+    lying = LyingFiles(model_paths(served), catalog) if lies else None
     dest = tmp_path / "a-models" / "dir-model"
-    try:
+    async with relay_serving(served, tmp_path, files=lying) as open_stream:
         with pytest.raises(CopyFailed, match="catalog's SHA-256|does not match"):
-            await copy_model(
-                files_opener(pool, peer),
-                "dir-model",
-                dest,
-                digests=catalog,
-                progress=lambda *p: None,
-            )
-    finally:
-        pool.close()
-        await relay.close()
+            await copy(open_stream, "dir-model", dest)
     assert not dest.exists()

@@ -1,4 +1,4 @@
-"""Model files between nodes, over the node link (engines/wire/link.py).
+"""Model files between nodes, over the node link (platform/node_link/protocol.py).
 
 A node whose engines are placed a model it has no files for copies them from
 another node, over the same authenticated (and pinned-TLS) link its front uses
@@ -44,9 +44,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engines.wire.errors import ErrorCode, ProtocolError
-from engines.wire.frames import ErrorReply
 from engines.wire.framing import decode_message, encode_message, read_frame
-from engines.wire.link import data_frames
+from engines.wire.replies import ErrorReply
+from node_link.protocol import data_frames
 
 FILES_STREAM = "files:"
 MAX_RANGE = 8 << 20

@@ -7,18 +7,18 @@ import asyncio
 import struct
 
 import pytest
+from node_link.client import RemoteEngineClient
+from node_link.protocol import LINK_HEADER, MAX_LINK_PAYLOAD, OPEN
+from node_link.relay import NodeRelay
 
 from cluster.tls import relay_certificate, server_tls_context
 from engines.wire.client import AsyncEngineClient, EngineDied, EngineUnreachable
-from engines.wire.frames import TokenFrame
 from engines.wire.framing import encode_message, read_frame
-from engines.wire.link import LINK_HEADER, MAX_LINK_PAYLOAD, OPEN
-from engines.wire.link_client import RemoteEngineClient
-from engines.wire.link_relay import Relay
+from engines.wire.replies import TokenFrame
 from engines.wire.requests import GenerateRequest
 from tests.engines.conftest import free_port
 from tests.engines.generating import SMOL
-from tests.engines.wire.links import GREEDY, SECRET, relay_for, remote
+from tests.platform.node_link.links import GREEDY, SECRET, relay_for, remote
 from tests.waiting import await_for
 
 
@@ -179,7 +179,7 @@ async def test_a_hello_is_read_with_a_small_cap():
     async def never(node, secret):  # noqa: ARG001
         raise AssertionError("an oversized hello must not be checked")
 
-    relay = Relay(node="b", authenticate=never, engine_address=lambda name: None)
+    relay = NodeRelay(node="b", authenticate=never, engine_address=lambda name: None)
     port = free_port()
     await relay.start("127.0.0.1", port)
     try:

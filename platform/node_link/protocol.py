@@ -12,9 +12,9 @@ pinned certificate, and carries every request to that node's engines over it:
 A stream is one engine connection, byte for byte: the relay opens it to the
 engine with the engine's token and copies bytes both ways, so requests,
 streamed frames and cancellation by hang-up work exactly as on loopback. The
-client side (engines/wire/link_client.py) is `RemoteEngineClient`, an
+client side (platform/node_link/client.py) is `RemoteEngineClient`, an
 AsyncEngineClient whose `_open` opens a stream instead of a socket: one code
-path, only the transport differs. The relay side is engines/wire/link_relay.py;
+path, only the transport differs. The relay side is platform/node_link/relay.py;
 this module holds what both sides speak.
 
 Wire: the link opens with one engine-protocol frame (`LinkHello`, at most
@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from engines.wire.bounds import MAX_TOKEN_CHARS
 from engines.wire.errors import ErrorCode, ProtocolError
-from engines.wire.frames import ErrorReply
+from engines.wire.replies import ErrorReply
 
 LINK_HEADER = struct.Struct(">IBI")  # stream id, frame type, payload length
 MAX_LINK_PAYLOAD = 1 << 20

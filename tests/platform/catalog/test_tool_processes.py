@@ -1,9 +1,9 @@
-"""The catalog's one-shot tool children (catalog.children): a real child
+"""The catalog's one-shot tool children (catalog.tool_processes): a real child
 process gets only what a tool uses of the worker's environment."""
 
 import os
 
-from catalog.children import run_inspection
+from catalog.tool_processes import run_inspection
 from engines.inspection.messages import Message
 
 SECRETS = {

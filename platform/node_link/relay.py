@@ -1,11 +1,11 @@
-"""The relay side of a node link (engines/wire/link.py says the protocol):
+"""The relay side of a node link (platform/node_link/protocol.py says the protocol):
 accepts links from the other nodes and carries each stream to an engine of
 this host on 127.0.0.1 with that engine's token (only the requests a link
-may make: engines/wire/link_gate.py), or, for a files stream, answers it from
-this host's model files (engines/wire/link_files.py).
+may make: platform/node_link/gate.py), or, for a files stream, answers it from
+this host's model files (platform/node_link/files.py).
 
 What a peer can hold of the relay is bounded: handshakes before anyone is
-authenticated (engines/wire/link_admission.py), MAX_LINKS_PER_NODE links per
+authenticated (platform/node_link/admission.py), MAX_LINKS_PER_NODE links per
 node (a new one closes the oldest), MAX_STREAMS_PER_LINK streams per link (a
 stream beyond is answered `unreachable`: the caller tries another replica),
 and MAX_LINK_HELD_BYTES of what a link's streams sent and their engines have
@@ -27,7 +27,6 @@ from pydantic import ValidationError
 from engines.wire.bounds import CONTROL_TIMEOUT_S, MAX_AUTH_FRAME_BYTES
 from engines.wire.client import connect_and_send
 from engines.wire.errors import ErrorCode, ProtocolError
-from engines.wire.frames import ErrorReply
 from engines.wire.framing import (
     HEADER,
     auth_frame,
@@ -35,7 +34,18 @@ from engines.wire.framing import (
     encode_message,
     read_frame,
 )
-from engines.wire.link import (
+from engines.wire.replies import ErrorReply
+from node_link.admission import (
+    HANDSHAKE_S,
+    MAX_LOOKUPS,
+    REFUSED,
+    FailedHellos,
+    Handshakes,
+    RefusalLog,
+)
+from node_link.files import FILES_STREAM, MAX_REQUEST_BYTES, FileServer
+from node_link.gate import RequestGate
+from node_link.protocol import (
     CLOSE,
     DATA,
     DATABASE_REACHED,
@@ -53,16 +63,6 @@ from engines.wire.link import (
     link_frame,
     read_link_frame,
 )
-from engines.wire.link_admission import (
-    HANDSHAKE_S,
-    MAX_LOOKUPS,
-    REFUSED,
-    FailedHellos,
-    Handshakes,
-    RefusalLog,
-)
-from engines.wire.link_files import FILES_STREAM, MAX_REQUEST_BYTES, FileServer
-from engines.wire.link_gate import RequestGate
 
 log = logging.getLogger("roundhouse.relay")
 
@@ -74,7 +74,7 @@ MAX_LINK_HELD_BYTES = 64 * 1024 * 1024
 def link_proof(secret: str) -> str:
     """What a link's node proved itself with, as the cluster stores a node
     secret (its SHA-256, hex): a link whose node's stored secret is no longer
-    this is closed (Relay.recheck)."""
+    this is closed (NodeRelay.recheck)."""
     return hashlib.sha256(secret.encode("utf-8", errors="replace")).hexdigest()
 
 
@@ -133,7 +133,7 @@ class _Link:
     writer: asyncio.StreamWriter
 
 
-class Relay:
+class NodeRelay:
     """The relay of one node: accepts links from the other nodes and carries
     their streams to this host's engines."""
 

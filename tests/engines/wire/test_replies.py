@@ -1,4 +1,4 @@
-"""The typed replies of an engine (engines/wire/frames.py): each kind reads
+"""The typed replies of an engine (engines/wire/replies.py): each kind reads
 back as it was sent; a reply with a key its schema does not know, or without
 one it needs, is refused (each with its control); and the client turns a
 mismatched reply into an error, not a partial read."""
@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from engines.wire.client import EngineReplyInvalid, _reply
 from engines.wire.errors import ErrorCode
-from engines.wire.frames import (
+from engines.wire.framing import decode_message, split_frames
+from engines.wire.replies import (
     CalledTool,
     CancelReply,
     DoneFrame,
@@ -34,7 +35,6 @@ from engines.wire.frames import (
     Usage,
     parse_reply,
 )
-from engines.wire.framing import decode_message, split_frames
 
 MODEL = ModelState(
     name="smol",

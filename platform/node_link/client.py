@@ -1,4 +1,4 @@
-"""The client side of a node link (engines/wire/link.py says the protocol):
+"""The client side of a node link (platform/node_link/protocol.py says the protocol):
 a pool of links, one per peer node, and `RemoteEngineClient`, the engine
 client whose connection is a stream on a link instead of a socket."""
 
@@ -16,9 +16,10 @@ from pydantic import ValidationError
 from engines.wire.bounds import CONTROL_TIMEOUT_S, MAX_AUTH_FRAME_BYTES
 from engines.wire.client import AsyncEngineClient, EngineUnreachable
 from engines.wire.errors import ProtocolError
-from engines.wire.frames import ErrorReply
 from engines.wire.framing import decode_message, encode_message, read_frame
-from engines.wire.link import (
+from engines.wire.replies import ErrorReply
+from engines.wire.requests import Request
+from node_link.protocol import (
     CLOSE,
     CONNECT_COOLDOWN_S,
     DATA,
@@ -40,7 +41,6 @@ from engines.wire.link import (
     link_frame,
     read_link_frame,
 )
-from engines.wire.requests import Request
 
 log = logging.getLogger("roundhouse.link")
 
@@ -77,9 +77,6 @@ class StreamWriter:
         if not self._closed:
             self._closed = True
             self._link.hang_up(self._stream)
-
-    def is_closing(self) -> bool:
-        return self._closed
 
 
 class Link:

@@ -1,0 +1,339 @@
+"""The API's response bodies, in OpenAI's shapes, as typed models (vLLM's
+`protocol.py`): the answers (api.answers, which the Batch API records too), the
+streams' chunks (api.sse) and the model list (api.views) are these models
+serialised; the error object (api.errors.ApiError.body) is ErrorResponse's
+shape, which a test checks. /v1/openapi.json documents them from these models
+alone (api.openapi).
+
+A key the API leaves out when it has nothing to say defaults to MISSING (it is
+absent from the JSON); a key it sends as null is None. `BodySchema` documents
+exactly that: every key is required but those that may be MISSING.
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import MISSING, BaseModel, ConfigDict, Field
+from pydantic.json_schema import GenerateJsonSchema
+from pydantic_core import core_schema
+
+from .schemas import MAX_CHOICES
+
+Count = Annotated[int, Field(ge=0)]
+# A log-probability; a token's is never above 0 (a probability of 1).
+LogprobValue = Annotated[float, Field(le=0)]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class BodySchema(GenerateJsonSchema):
+    """The JSON Schema of a body as sent: every key is required (a default is
+    sent too) but one that may be MISSING, which is left out."""
+
+    def field_is_required(
+        self,
+        field: core_schema.ModelField
+        | core_schema.DataclassField
+        | core_schema.TypedDictField,
+        total: bool,
+    ) -> bool:
+        schema = field["schema"]
+        return schema["type"] != "default" or schema.get("default") is not MISSING
+
+
+class Body(BaseModel):
+    """A response body or a part of one: it declares every key the API sends
+    (another is refused), and reads the engine's wire models by attribute."""
+
+    model_config = ConfigDict(extra="forbid", from_attributes=True)
+
+
+# -- parts ---------------------------------------------------------------------
+
+
+class PromptTokensDetails(Body):
+    """Of the prompt's tokens, those taken from a slot's prompt cache instead of
+    evaluated again."""
+
+    cached_tokens: Count
+
+
+class Usage(Body):
+    """The tokens of an answer: each prompt's once, every choice's completion."""
+
+    prompt_tokens: Count
+    completion_tokens: Count
+    total_tokens: Count
+    prompt_tokens_details: PromptTokensDetails
+
+
+class Timings(Body):
+    """Roundhouse's addition: the engine that answered (and its node, on a
+    cluster; "" on one host) and its own times from the request's arrival."""
+
+    engine: str
+    node: str
+    engine_first_token_ms: float | None
+    engine_total_ms: float
+
+
+class TopLogprob(Body):
+    """One of the likeliest tokens at a position."""
+
+    token: str
+    logprob: LogprobValue
+    bytes: list[int]
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    """A token's log-probability, and the likeliest tokens at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Body):
+    """Chat's log-probabilities of a choice's tokens."""
+
+    content: list[ChatCompletionTokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(Body):
+    """Completions' (legacy) log-probabilities, one entry per token in each
+    list. An echoed prompt's first token has neither a log-probability nor
+    top tokens (null)."""
+
+    tokens: list[str]
+    token_logprobs: list[LogprobValue | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[Count]
+
+
+class CalledFunction(Body):
+    """The function a tool call calls, its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(Body):
+    """A whole tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class FunctionDelta(Body):
+    """A piece of a tool call's function: its name in its first delta."""
+
+    name: str | MISSING = MISSING
+    arguments: str
+
+
+class ToolCallDelta(Body):
+    """A piece of a tool call: its id, type and name in its first delta, its
+    arguments in pieces."""
+
+    index: Count
+    id: str | MISSING = MISSING
+    type: Literal["function"] | MISSING = MISSING
+    function: FunctionDelta
+
+
+# -- /v1/chat/completions --------------------------------------------------------
+
+
+class ChatCompletionMessage(Body):
+    """The assistant's message: its text (null when it only calls tools) and
+    its tool calls, if any."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | MISSING = MISSING
+
+
+class ChatCompletionChoice(Body):
+    """One choice: its message and how it ended."""
+
+    index: Count
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(Body):
+    """A chat completion: its choices (`n`), the usage of them all, and
+    timings."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: Annotated[
+        list[ChatCompletionChoice], Field(min_length=1, max_length=MAX_CHOICES)
+    ]
+    usage: Usage
+    timings: Timings
+
+
+class ChoiceDelta(Body):
+    """What a chunk adds to its choice's message: the role (first chunk), text,
+    tool calls' pieces; nothing in a choice's last chunk."""
+
+    role: Literal["assistant"] | MISSING = MISSING
+    content: str | MISSING = MISSING
+    tool_calls: list[ToolCallDelta] | MISSING = MISSING
+
+
+class ChatCompletionChunkChoice(Body):
+    """A chunk's choice: its delta; its finish reason in its last chunk."""
+
+    index: Count
+    delta: ChoiceDelta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(Body):
+    """A streamed chunk: one choice's delta (its finish reason and timings in
+    its last). With `include_usage` every chunk has `usage`, null but in a
+    last chunk with no choice and the usage of them all."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: Annotated[list[ChatCompletionChunkChoice], Field(max_length=1)]
+    usage: Usage | None | MISSING = MISSING
+    timings: Timings | MISSING = MISSING
+
+
+# -- /v1/completions --------------------------------------------------------------
+
+
+class CompletionChoice(Body):
+    """One choice: its text (the echoed prompt first) and how it ended."""
+
+    index: Count
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class Completion(Body):
+    """A completion: its choices (`n` per prompt, prompts in order), the usage
+    of them all, and timings."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: Annotated[
+        list[CompletionChoice], Field(min_length=1, max_length=MAX_CHOICES)
+    ]
+    usage: Usage
+    timings: Timings
+
+
+class CompletionChunkChoice(Body):
+    """A chunk's choice: its text; its finish reason in its last chunk."""
+
+    index: Count
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class CompletionChunk(Body):
+    """A streamed chunk: one choice's text (its finish reason and timings in
+    its last). With `include_usage` every chunk has `usage`, null but in a
+    last chunk with no choice and the usage of them all."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: Annotated[list[CompletionChunkChoice], Field(max_length=1)]
+    usage: Usage | None | MISSING = MISSING
+    timings: Timings | MISSING = MISSING
+
+
+# -- /v1/embeddings ---------------------------------------------------------------
+
+
+class Embedding(Body):
+    """One input's embedding: floats, or with encoding_format base64
+    little-endian float32 in base64."""
+
+    object: Literal["embedding"] = "embedding"
+    index: Count
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(Body):
+    """The tokens of the inputs."""
+
+    prompt_tokens: Count
+    total_tokens: Count
+
+
+class CreateEmbeddingResponse(Body):
+    """One embedding per input, in order."""
+
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# -- /v1/models ---------------------------------------------------------------------
+
+
+class Model(Body):
+    """A model the key may use."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(Body):
+    """The enabled models the key may use, each once."""
+
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+class Error(Body):
+    """What failed: `param` names the field at fault, `code` the failure."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Body):
+    """OpenAI's error object: every failure's body, and the event that ends a
+    stream the engine failed once it had started."""
+
+    error: Error
+
+
+# The bodies /v1/openapi.json documents (api.openapi), with their parts.
+RESPONSE_BODIES: tuple[type[Body], ...] = (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    CreateEmbeddingResponse,
+    ModelList,
+    ErrorResponse,
+)
