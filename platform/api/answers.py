@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.wire.replies import GenerateAnswer
+from engines.wire.replies import GenerateAnswer, Usage
 from engines.wire.requests import GenerateRequest
 
 from . import bodies, errors
@@ -114,7 +114,7 @@ async def embedding_answer(call: Call, payload: EmbeddingRequest) -> dict[str, A
             f"{payload.dimensions} were asked for.",
             param="dimensions",
         )
-    call.prompt_tokens = prompt_tokens
+    call.counted(Usage(prompt_tokens=prompt_tokens, completion_tokens=0))
     if payload.encoding_format == "base64":
         vectors = [
             base64.b64encode(np.ascontiguousarray(row, dtype="<f4").tobytes()).decode()

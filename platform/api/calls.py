@@ -106,7 +106,9 @@ class Call:
         }
 
     def counted(self, usage: Usage) -> None:
-        """Take the engine's final count of the request's tokens."""
+        """Take the engine's count of the request's tokens (the one place
+        they are written: the prompts' at a stream's start, then the final
+        count; a stream's completion tokens also as they come)."""
         self.prompt_tokens = usage.prompt_tokens
         self.completion_tokens = usage.completion_tokens
         self.cached_tokens = usage.cached_tokens

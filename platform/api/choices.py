@@ -224,7 +224,7 @@ async def choices_open(
     usage_count = ChoicesUsage(per_prompt=per_prompt)
     for index, (_, start) in enumerate(opened):
         usage_count.started(index, start)
-    call.prompt_tokens = usage_count.usage().prompt_tokens
+    call.counted(usage_count.usage())  # the prompts', known at the start
     return opened, usage_count
 
 

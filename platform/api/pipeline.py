@@ -300,6 +300,5 @@ async def generation_open(
         return frames, start
 
     frames, start = await with_engine(call, open_stream)
-    call.prompt_tokens = start.prompt_tokens
     call.held.push_async_callback(frames.aclose)
     return frames, start
