@@ -160,15 +160,29 @@ class ChatCompletionChoice(Body):
     finish_reason: FinishReason
 
 
-class ChatCompletion(Body):
-    """A chat completion: its choices (`n`), the usage of them all, and
-    timings."""
+class Answer(Body):
+    """What every answer and chunk says first: its id, when, which model."""
 
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     system_fingerprint: None = None
+
+
+class Chunk(Answer):
+    """What every streamed chunk carries beside its choice: with
+    `include_usage`, `usage` (null but in a last chunk with no choice and the
+    usage of them all), and a choice's timings in its last chunk."""
+
+    usage: Usage | None | MISSING = MISSING
+    timings: Timings | MISSING = MISSING
+
+
+class ChatCompletion(Answer):
+    """A chat completion: its choices (`n`), the usage of them all, and
+    timings."""
+
+    object: Literal["chat.completion"] = "chat.completion"
     choices: Annotated[
         list[ChatCompletionChoice], Field(min_length=1, max_length=MAX_CHOICES)
     ]
@@ -194,19 +208,11 @@ class ChatCompletionChunkChoice(Body):
     finish_reason: FinishReason | None
 
 
-class ChatCompletionChunk(Body):
-    """A streamed chunk: one choice's delta (its finish reason and timings in
-    its last). With `include_usage` every chunk has `usage`, null but in a
-    last chunk with no choice and the usage of them all."""
+class ChatCompletionChunk(Chunk):
+    """A streamed chunk: one choice's delta (its finish reason in its last)."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: None = None
     choices: Annotated[list[ChatCompletionChunkChoice], Field(max_length=1)]
-    usage: Usage | None | MISSING = MISSING
-    timings: Timings | MISSING = MISSING
 
 
 # -- /v1/completions --------------------------------------------------------------
@@ -221,15 +227,11 @@ class CompletionChoice(Body):
     finish_reason: FinishReason
 
 
-class Completion(Body):
+class Completion(Answer):
     """A completion: its choices (`n` per prompt, prompts in order), the usage
     of them all, and timings."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: None = None
     choices: Annotated[
         list[CompletionChoice], Field(min_length=1, max_length=MAX_CHOICES)
     ]
@@ -246,19 +248,11 @@ class CompletionChunkChoice(Body):
     finish_reason: FinishReason | None
 
 
-class CompletionChunk(Body):
-    """A streamed chunk: one choice's text (its finish reason and timings in
-    its last). With `include_usage` every chunk has `usage`, null but in a
-    last chunk with no choice and the usage of them all."""
+class CompletionChunk(Chunk):
+    """A streamed chunk: one choice's text (its finish reason in its last)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: None = None
     choices: Annotated[list[CompletionChunkChoice], Field(max_length=1)]
-    usage: Usage | None | MISSING = MISSING
-    timings: Timings | MISSING = MISSING
 
 
 # -- /v1/embeddings ---------------------------------------------------------------

@@ -20,6 +20,18 @@ ENGINE = "streams0"
 
 
 DEADLINE_S = 30
+# A function tool with one required argument, for tool-call answers.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 ESSAY = "Write a very long essay."

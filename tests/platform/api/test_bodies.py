@@ -18,20 +18,9 @@ from routing.select import EngineStatus, ModelRoute, Snapshot
 from tests.engines.conftest import EMBEDDER, embedder_spec, start_engine
 from tests.engines.generating import gguf_spec
 from tests.factories import ApiKeyFactory
-from tests.platform.api.chat_front import CHAT, asgi_request
+from tests.platform.api.chat_front import CHAT, WEATHER_TOOL, asgi_request
 
 ENGINE = "bodies0"
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

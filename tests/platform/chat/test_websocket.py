@@ -19,6 +19,7 @@ from tests.platform.api.chat_front import (
     CHAT,
     DEADLINE_S,
     ESSAY,
+    WEATHER_TOOL,
     engine_idle,
     long_chat,
     slot_free,
@@ -322,18 +323,7 @@ async def test_params_take_the_rest_fields(socket_app, engine):
         )
     assert [c["index"] for c in done["choices"]] == [0, 1]
     assert done["usage"]["completion_tokens"] == sum(len(t["logprobs"]) for t in tokens)
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-    params = {"max_tokens": 60, "temperature": 0, "tools": [tool]}
+    params = {"max_tokens": 60, "temperature": 0, "tools": [WEATHER_TOOL]}
     params["tool_choice"] = "required"
     params["parallel_tool_calls"] = False
     await socket.send(chat("t", "Weather in Paris?", params=params))
