@@ -6,6 +6,10 @@ reader walks the header once through a memory map, skips array values by their
 lengths without building them, keeps only the scalar keys asked for, and
 remembers the result per file (path, size, modification time), so a model's
 header is read once per engine however often it loads.
+
+The same walk reads a header from any seekable binary file, a block at a time
+(`read_header_from`): a file on the Hub, through a ranged file object, is
+read with a few range requests before a byte of its weights is downloaded.
 """
 
 import mmap
@@ -13,6 +17,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 MAGIC = b"GGUF"
 # Value types of the GGUF format (ggml's gguf_type), with the struct code and
@@ -51,15 +56,59 @@ class GGUFHeader:
         return self.metadata.get(key, default)
 
 
+class _Bytes(Protocol):
+    """What the header is read from: a memory map, or `_Blocks`."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, window: slice, /) -> bytes: ...
+
+
+class _Blocks:
+    """A seekable binary file read as bytes on demand, BLOCK bytes at a time,
+    each block read once: a header read over HTTP range requests costs a
+    request per block, not one per field."""
+
+    BLOCK = 1 << 20
+
+    def __init__(self, handle: BinaryIO, size: int) -> None:
+        self._handle = handle
+        self._size = size
+        self._blocks: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, window: slice, /) -> bytes:
+        start, stop = window.start or 0, min(window.stop, self._size)
+        if stop <= start:
+            return b""
+        first, last = start // self.BLOCK, (stop - 1) // self.BLOCK
+        data = b"".join(self._block(number) for number in range(first, last + 1))
+        offset = first * self.BLOCK
+        return data[start - offset : stop - offset]
+
+    def _block(self, number: int) -> bytes:
+        block = self._blocks.get(number)
+        if block is None:
+            self._handle.seek(number * self.BLOCK)
+            want = min(self.BLOCK, self._size - number * self.BLOCK)
+            block = self._handle.read(want)
+            if len(block) != want:
+                raise GGUFFormatError("the file ended early")
+            self._blocks[number] = block
+        return block
+
+
 class _Cursor:
-    def __init__(self, data: mmap.mmap) -> None:
+    def __init__(self, data: _Bytes) -> None:
         self.data = data
         self.at = 0
 
     def take(self, code: str, size: int):
         if self.at + size > len(self.data):
             raise GGUFFormatError("the header runs past the end of the file")
-        (value,) = struct.unpack_from("<" + code, self.data, self.at)
+        (value,) = struct.unpack("<" + code, self.data[self.at : self.at + size])
         self.at += size
         return value
 
@@ -107,37 +156,51 @@ class _Cursor:
         return first
 
 
+def _walk(data: _Bytes, name: str) -> GGUFHeader:
+    if data[0:4] != MAGIC:
+        raise GGUFFormatError(f"{name} is not a GGUF file")
+    cursor = _Cursor(data)
+    cursor.at = 4
+    version = cursor.take("I", 4)
+    if version < 2 or version > 3:
+        raise GGUFFormatError(f"GGUF version {version} is not supported")
+    tensors, keys = cursor.count(), cursor.count()
+    metadata: dict[str, object] = {}
+    for _ in range(keys):
+        key = cursor.string()
+        value = cursor.value(cursor.take("I", 4))
+        if value is not None:
+            metadata[key] = value
+    parameters = 0
+    for _ in range(tensors):
+        cursor.string()  # the tensor's name
+        dims = cursor.take("I", 4)
+        if dims > 8:
+            raise GGUFFormatError(f"a tensor with {dims} dimensions")
+        elements = 1
+        for _ in range(dims):
+            elements *= cursor.take("Q", 8)
+        cursor.at += 4 + 8  # its type and data offset
+        parameters += elements
+    return GGUFHeader(metadata, parameters)
+
+
 def _read(path: Path) -> GGUFHeader:
     with (
         open(path, "rb") as handle,
         mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data,
     ):
-        if data[:4] != MAGIC:
-            raise GGUFFormatError(f"{path.name} is not a GGUF file")
-        cursor = _Cursor(data)
-        cursor.at = 4
-        version = cursor.take("I", 4)
-        if version < 2 or version > 3:
-            raise GGUFFormatError(f"GGUF version {version} is not supported")
-        tensors, keys = cursor.count(), cursor.count()
-        metadata: dict[str, object] = {}
-        for _ in range(keys):
-            key = cursor.string()
-            value = cursor.value(cursor.take("I", 4))
-            if value is not None:
-                metadata[key] = value
-        parameters = 0
-        for _ in range(tensors):
-            cursor.string()  # the tensor's name
-            dims = cursor.take("I", 4)
-            if dims > 8:
-                raise GGUFFormatError(f"a tensor with {dims} dimensions")
-            elements = 1
-            for _ in range(dims):
-                elements *= cursor.take("Q", 8)
-            cursor.at += 4 + 8  # its type and data offset
-            parameters += elements
-    return GGUFHeader(metadata, parameters)
+        return _walk(data, path.name)
+
+
+def read_header_from(
+    handle: BinaryIO, size: int, *, name: str = "the file"
+) -> GGUFHeader:
+    """The header facts of a GGUF file of `size` bytes open as `handle` (any
+    seekable binary file: a ranged file object over HTTP reads only the
+    blocks the header spans). Refused from its first bytes when it is not
+    GGUF."""
+    return _walk(_Blocks(handle, size), name)
 
 
 _cache: dict[tuple[str, int, int], GGUFHeader] = {}

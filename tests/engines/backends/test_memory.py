@@ -1,5 +1,6 @@
 """Memory estimates from model files, before any load."""
 
+import io
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,36 @@ def test_the_default_context_is_the_trained_one_up_to_4096():
     model = spec("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", None)
     plan = plan_slots(model, Limits())
     assert plan.context == 4096  # SmolLM2 was trained on 8,192
+
+
+class CountingFile(io.FileIO):
+    """A file that counts the bytes read from it (what a ranged file object
+    over HTTP would fetch)."""
+
+    read_bytes = 0
+
+    def read(self, size=-1):
+        data = super().read(size)
+        self.read_bytes += len(data)
+        return data
+
+
+def test_a_header_is_read_from_a_file_object_without_reading_the_weights(tmp_path):
+    """Through a seekable file object (as a ranged one over HTTP), the header
+    reads the same as through the memory map, from the first blocks only;
+    a file that is not GGUF is refused from its first block. Control: the
+    whole file is far larger than what was read."""
+    from engines.backends.ggufmeta import GGUFFormatError, read_header, read_header_from
+
+    path = Path(settings.MODELS_DIR) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    size = path.stat().st_size
+    with CountingFile(path) as handle:
+        header = read_header_from(handle, size, name=path.name)
+    assert header == read_header(path)
+    assert header.get("tokenizer.chat_template")
+    assert handle.read_bytes <= 4 * (1 << 20) < size // 10
+    other = tmp_path / "weights.safetensors"
+    other.write_bytes(b"PK\x03\x04" + bytes(3 << 20))
+    with CountingFile(other) as handle, pytest.raises(GGUFFormatError):
+        read_header_from(handle, other.stat().st_size, name=other.name)
+    assert handle.read_bytes == 1 << 20

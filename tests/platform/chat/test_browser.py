@@ -143,6 +143,23 @@ def test_chat_reconnects_after_the_socket_drops(page, live):
         live.front_pid = front.pid
 
 
+# The pixels each of an engine's charts has drawn in its series' colour
+# (#2364aa, anti-aliased: blue well above red, nearly opaque), in card order:
+# tokens/s, queue depth, memory.
+CHART_PIXELS = """(engine) => {
+  const card = document.querySelector(`.card[data-engine="${engine}"]`);
+  return Array.from(card ? card.querySelectorAll(".charts canvas") : [], (canvas) => {
+    const context = canvas.getContext("2d");
+    const { data } = context.getImageData(0, 0, canvas.width, canvas.height);
+    let drawn = 0;
+    for (let i = 0; i < data.length; i += 4) {
+      if (data[i + 3] > 128 && data[i + 2] - data[i] > 80) drawn++;
+    }
+    return drawn;
+  });
+}"""
+
+
 def test_dashboard_shows_the_engine_and_restarts_it(page, live):
     """The dashboard's card for the engine: ready, its pid, the chat model
     resident with its memory. Restart from it: recorded in the admin's
@@ -156,6 +173,12 @@ def test_dashboard_shows_the_engine_and_restarts_it(page, live):
     pid = EngineState.objects.get(spec__name=ENGINE).pid
     expect(card).to_contain_text(str(pid))
     expect(card).to_contain_text("slots in use")
+    # Its charts draw: the memory chart (never empty for a running engine)
+    # has drawn its series, not only a canvas.
+    page.wait_for_function(
+        f"() => ({CHART_PIXELS})({ENGINE!r})[2] > 0", timeout=TIMEOUT_MS
+    )
+    assert len(page.evaluate(CHART_PIXELS, ENGINE)) == 3
     card.locator("button.restart").click()
     expect(page.locator("#flash")).to_contain_text(f"Restart of {ENGINE} requested")
     assert LogEntry.objects.filter(

@@ -60,8 +60,9 @@
     }
   }
 
+  // A sample is {at, engines: {engine: point}} (chat/dashboard.py FleetFeed).
   function remember(sample) {
-    for (const [name, point] of Object.entries(sample || {})) {
+    for (const [name, point] of Object.entries((sample && sample.engines) || {})) {
       const series = history.get(name) || { t: [], tokens_per_s: [], queue: [], memory_mib: [] };
       for (const key of Object.keys(series)) series[key].push(point[key]);
       while (series.t.length && series.t[0] < point.t - WINDOW_S) {
@@ -86,7 +87,9 @@
       width: 150, height: 70, legend: { show: false }, cursor: { show: false },
       axes: [{ show: false }, { size: 34, font: "10px system-ui" }],
       scales: { x: { time: true } },
-      series: [{}, { label, stroke: "#2364aa", width: 1.5, fill: "rgba(35,100,170,.08)" }],
+      // Points drawn too: the first sample shows before there is a line.
+      series: [{}, { label, stroke: "#2364aa", width: 1.5, fill: "rgba(35,100,170,.08)",
+        points: { show: true, size: 4, stroke: "#2364aa", fill: "#2364aa" } }],
     }, data, holder);
   }
 
