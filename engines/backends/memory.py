@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.backends.ggufmeta import read_header
+from engines.backends.ggufmeta import GGUFHeader, read_header
 from engines.launch.config import Limits, ModelSpec
 
 MIB = 2**20
@@ -25,7 +25,12 @@ GROUP_MIN_CONTEXTS = 2
 
 
 def _gguf_shape(path: Path) -> dict:
-    header = read_header(path)
+    return gguf_shape(read_header(path))
+
+
+def gguf_shape(header: GGUFHeader) -> dict:
+    """Layers, KV width, trained context and parameters, from a GGUF header
+    (read from a file here, or from one not downloaded yet)."""
     arch = str(header.get("general.architecture", ""))
 
     def value(key: str, default=None):
@@ -136,11 +141,17 @@ def estimate_model_mib(
     path = Path(spec.path)
     if spec.format == "embedding":
         return _files_mib(path, (".safetensors", ".bin"))  # an embedder's weights
+    if spec.format == "gguf":
+        return gguf_estimate_mib(
+            read_header(path),
+            path.stat().st_size,
+            context=spec.context_length,
+            slots=slots,
+            pool_tokens=pool_tokens,
+        )
     shape = _shape(spec)
     context = min(spec.context_length or DEFAULT_CONTEXT, shape["trained_context"])
     kv = _kv_mib(shape, pool_tokens or context * slots)
-    if spec.format == "gguf":
-        return path.stat().st_size / MIB + kv
     if path.suffix == ".gguf":  # transformers dequantizes a GGUF to float32
         return shape["parameters"] * 4 / MIB + kv
     weights = _files_mib(path, (".safetensors", ".bin"))
@@ -149,3 +160,21 @@ def estimate_model_mib(
     if "16" in stored:
         weights *= 2  # loaded as float32
     return weights + kv
+
+
+def gguf_estimate_mib(
+    header: GGUFHeader,
+    file_bytes: int,
+    *,
+    context: int = 0,
+    slots: int = 1,
+    pool_tokens: int = 0,
+) -> float:
+    """What a GGUF model takes served by llama.cpp: its file (the weights,
+    mapped whole) plus the KV cache of `pool_tokens`, else of `context` (its
+    setting; else its trained context up to DEFAULT_CONTEXT) on every slot.
+    The estimate residency uses, from a header read anywhere: before a
+    download, through a ranged file (ggufmeta.read_header_from)."""
+    shape = gguf_shape(header)
+    context = min(context or DEFAULT_CONTEXT, shape["trained_context"])
+    return file_bytes / MIB + _kv_mib(shape, pool_tokens or context * slots)

@@ -159,3 +159,21 @@ def test_a_header_is_read_from_a_file_object_without_reading_the_weights(tmp_pat
     with CountingFile(other) as handle, pytest.raises(GGUFFormatError):
         read_header_from(handle, other.stat().st_size, name=other.name)
     assert handle.read_bytes == 1 << 20
+
+
+def test_the_fit_before_a_download_is_the_estimate_residency_uses():
+    """From a header read through a file object (as before a download), a
+    GGUF model's estimate equals the one residency makes of the file on disk,
+    at each context and slot count; control: another context differs."""
+    from engines.backends.ggufmeta import read_header_from
+    from engines.backends.memory import gguf_estimate_mib
+
+    model = spec("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    size = Path(model.path).stat().st_size
+    with open(model.path, "rb") as handle:
+        header = read_header_from(handle, size)
+    for slots in (1, 4):
+        assert gguf_estimate_mib(
+            header, size, context=512, slots=slots
+        ) == estimate_model_mib(model, slots=slots)
+    assert gguf_estimate_mib(header, size, context=2048) != estimate_model_mib(model)
