@@ -7,15 +7,20 @@ over range requests.
 Everything goes through huggingface_hub (HfApi for the repository,
 HfFileSystem's ranged file for the header): no hand-written HTTP. The Hub's
 address is the client's (HF_ENDPOINT, for a mirror) unless `endpoint` is given;
-a gated repository needs a token (`token`; the client's own, HF_TOKEN, when
-None). Its failures come out as HubError, with the status to answer and a
-message that says what to do."""
+a gated repository needs a token: `hub_token`'s (HF_TOKEN, else a 0600 file
+in the run dir; never the database, a log or the client's own stored token)
+unless `token` is given. Its failures come out as HubError, with the status
+to answer and a message that says what to do."""
 
 import contextlib
+import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+from django.conf import settings
 from huggingface_hub import HfApi, HfFileSystem
 from huggingface_hub.errors import (
     EntryNotFoundError,
@@ -35,6 +40,9 @@ QUANTIZATION = re.compile(
 )
 # A vision model's projector, pulled beside its GGUF model (llama.cpp's name).
 PROJECTOR = re.compile(r"(^|/)mmproj[^/]*\.gguf$", re.IGNORECASE)
+# A token for gated repositories, when HF_TOKEN is unset: this file in the run
+# dir, readable by its owner alone (mode 0600, as the secret key is kept).
+TOKEN_FILE = "hf_token"  # noqa: S105 - a file name, not a secret
 # What HfFileSystem reads ahead per range request: a header's blocks, not
 # the weights behind them.
 HEADER_BLOCK = 1 << 20
@@ -137,6 +145,28 @@ class GgufFacts:
         )
 
 
+def hub_token(run_dir: Path | None = None) -> str | bool:
+    """The token for gated repositories: HF_TOKEN, else the run dir's
+    TOKEN_FILE; False when there is none (so the client does not send one it
+    stored itself). HubError (500) for a token file others may read: it is
+    refused, not used."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    if token:
+        return token
+    path = Path(run_dir or settings.RUN_DIR) / TOKEN_FILE
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return False
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise HubError(
+            500,
+            f"{path} may be read by others (mode {stat.S_IMODE(info.st_mode):o}): "
+            f"`chmod 600 {path}`, then try again",
+        )
+    return path.read_text(encoding="utf-8").strip() or False
+
+
 def hub_repo(
     repo_id: str,
     revision: str = "main",
@@ -145,7 +175,7 @@ def hub_repo(
     token: str | bool | None = None,
 ) -> HubRepo:
     """The repository's files at `revision`, pinned to the commit it names now."""
-    api = HfApi(endpoint=endpoint, token=token)
+    api = HfApi(endpoint=endpoint, token=hub_token() if token is None else token)
     with _hub_errors(repo_id, revision):
         info = api.model_info(repo_id, revision=revision, files_metadata=True)
     files = tuple(
@@ -169,6 +199,8 @@ def gguf_facts(
     """The file's header, read at the repository's commit over range
     requests (a few MiB of a file of GiBs); HubError (400) for a file that
     is not GGUF, known from its first bytes."""
+    if token is None:
+        token = hub_token()
     files = HfFileSystem(endpoint=endpoint, token=token, skip_instance_cache=True)
     path = f"{repo.repo_id}/{file.name}"
     with _hub_errors(repo.repo_id, repo.commit):

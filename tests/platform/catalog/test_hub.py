@@ -111,3 +111,29 @@ def test_the_hubs_refusals_say_what_to_do(smol):
         assert gated.value.status == 401 and "HF_TOKEN" in gated.value.message
         facts = gguf_facts(repo, file, endpoint=hub.url, token=hub.token)
         assert facts.task == "chat"
+
+
+def test_the_token_comes_from_the_environment_or_a_private_file(
+    tmp_path, monkeypatch, smol
+):
+    """HF_TOKEN first; else the run dir's 0600 file, which a gated file is then
+    read with; a token file others may read is refused (control: the same
+    file at 0600 is used); none at all is False, never the client's own."""
+    from catalog.hub import TOKEN_FILE, hub_token
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert hub_token(tmp_path) is False
+    path = tmp_path / TOKEN_FILE
+    with LocalHub({"org/gated": {"smol.Q4_1.gguf": smol}}, gated={"org/gated"}) as hub:
+        path.write_text(hub.token + "\n")
+        path.chmod(0o644)
+        with pytest.raises(HubError) as shared:
+            hub_token(tmp_path)
+        assert shared.value.status == 500 and "chmod 600" in shared.value.message
+        path.chmod(0o600)
+        assert hub_token(tmp_path) == hub.token
+        monkeypatch.setattr(settings, "RUN_DIR", tmp_path)
+        repo = hub_repo("org/gated", endpoint=hub.url)
+        assert gguf_facts(repo, repo.gguf_file("Q4_1"), endpoint=hub.url).task == "chat"
+        monkeypatch.setenv("HF_TOKEN", "hf_from_the_environment")
+        assert hub_token(tmp_path) == "hf_from_the_environment"
