@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx2
 from django.conf import settings
 from huggingface_hub import HfApi, HfFileSystem
 from huggingface_hub.errors import (
@@ -176,7 +177,7 @@ def hub_repo(
 ) -> HubRepo:
     """The repository's files at `revision`, pinned to the commit it names now."""
     api = HfApi(endpoint=endpoint, token=hub_token() if token is None else token)
-    with _hub_errors(repo_id, revision):
+    with hub_errors(repo_id, revision):
         info = api.model_info(repo_id, revision=revision, files_metadata=True)
     files = tuple(
         HubFile(
@@ -203,7 +204,7 @@ def gguf_facts(
         token = hub_token()
     files = HfFileSystem(endpoint=endpoint, token=token, skip_instance_cache=True)
     path = f"{repo.repo_id}/{file.name}"
-    with _hub_errors(repo.repo_id, repo.commit):
+    with hub_errors(repo.repo_id, repo.commit):
         with files.open(
             path, "rb", revision=repo.commit, block_size=HEADER_BLOCK
         ) as handle:
@@ -219,7 +220,7 @@ def _projector(file: HubFile) -> bool:
 
 
 @contextlib.contextmanager
-def _hub_errors(repo_id: str, revision: str) -> Iterator[None]:
+def hub_errors(repo_id: str, revision: str) -> Iterator[None]:
     """The client's failures as HubErrors that say what to do."""
     try:
         yield
@@ -237,3 +238,7 @@ def _hub_errors(repo_id: str, revision: str) -> Iterator[None]:
         raise HubError(404, f"{repo_id} has no such file: {error}") from None
     except (HfHubHTTPError, OSError) as error:
         raise HubError(502, f"the Hub failed: {error}") from None
+    except httpx2.HTTPError as error:  # the client's transport: cut, timed out
+        raise HubError(
+            502, f"the connection to the Hub failed ({error}): try again"
+        ) from None
