@@ -6,7 +6,7 @@ over range requests.
 
 Everything goes through huggingface_hub (HfApi for the repository,
 HfFileSystem's ranged file for the header): no hand-written HTTP. The Hub's
-address is the client's (HF_ENDPOINT, for a mirror) unless `endpoint` is given;
+address is HF_ENDPOINT's (a mirror; `hub_endpoint`) unless `endpoint` is given;
 a gated repository needs a token: `hub_token`'s (HF_TOKEN, else a 0600 file
 in the run dir; never the database, a log or the client's own stored token)
 unless `token` is given. Its failures come out as HubError, with the status
@@ -146,6 +146,13 @@ class GgufFacts:
         )
 
 
+def hub_endpoint(endpoint: str | None = None) -> str | None:
+    """The Hub's address: `endpoint`, else HF_ENDPOINT as it is now (a
+    mirror; read at each call, not once at import as the client does), else
+    None (the client's default, huggingface.co)."""
+    return endpoint or os.environ.get("HF_ENDPOINT") or None
+
+
 def hub_token(run_dir: Path | None = None) -> str | bool:
     """The token for gated repositories: HF_TOKEN, else the run dir's
     TOKEN_FILE; False when there is none (so the client does not send one it
@@ -176,7 +183,9 @@ def hub_repo(
     token: str | bool | None = None,
 ) -> HubRepo:
     """The repository's files at `revision`, pinned to the commit it names now."""
-    api = HfApi(endpoint=endpoint, token=hub_token() if token is None else token)
+    api = HfApi(
+        endpoint=hub_endpoint(endpoint), token=hub_token() if token is None else token
+    )
     with hub_errors(repo_id, revision):
         info = api.model_info(repo_id, revision=revision, files_metadata=True)
     files = tuple(
@@ -202,7 +211,9 @@ def gguf_facts(
     is not GGUF, known from its first bytes."""
     if token is None:
         token = hub_token()
-    files = HfFileSystem(endpoint=endpoint, token=token, skip_instance_cache=True)
+    files = HfFileSystem(
+        endpoint=hub_endpoint(endpoint), token=token, skip_instance_cache=True
+    )
     path = f"{repo.repo_id}/{file.name}"
     with hub_errors(repo.repo_id, repo.commit):
         with files.open(

@@ -13,6 +13,7 @@ with the Hub's SHA-256 is not downloaded again."""
 
 import hashlib
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -20,12 +21,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from django.conf import settings
+from django.db import transaction
 from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
 from tqdm.auto import tqdm
 
-from .hub import HubError, HubFile, HubRepo, hub_errors, hub_token
+from .hub import (
+    GgufFacts,
+    HubError,
+    HubFile,
+    HubRepo,
+    gguf_facts,
+    hub_endpoint,
+    hub_errors,
+    hub_repo,
+    hub_token,
+)
+from .models import ModelConfig, ModelFormat
+from .services import model_inspection_queue
 
 # What a download leaves free on the models' disk, at the least.
 DISK_MARGIN_BYTES = 1 << 30
@@ -85,6 +100,7 @@ def pull_file(
     done = fetched.stat().st_size if fetched.exists() else 0
     _room_for(file, fetched.parent, file.size - done, margin_bytes)
     token = hub_token() if token is None else token
+    endpoint = hub_endpoint(endpoint)
     with hub_errors(repo.repo_id, repo.commit):
         url = hf_hub_url(
             repo.repo_id, file.name, revision=repo.commit, endpoint=endpoint
@@ -160,3 +176,81 @@ def _reporting(report: Callable[[Progress], None] | None, size: int) -> type[tqd
             return None
 
     return Reporting
+
+
+# -- a model pulled: what to pull, and its row once pulled ------------------------
+
+# `hf:ORG/REPO[:QUANTIZATION | /FILE]`: a repository on the Hub and its GGUF
+# file, by quantization or by name (the repository's only GGUF file if neither).
+SOURCE = re.compile(
+    r"^hf:(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]+)|/(?P<file>.+))?$"
+)
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """A pull decided before a byte of weights is downloaded: the repository
+    at its commit, the file, what its header says, the new model's name."""
+
+    repo: HubRepo
+    file: HubFile
+    facts: GgufFacts
+    name: str
+
+
+def pull_plan(
+    source: str,
+    *,
+    name: str = "",
+    revision: str = "main",
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+) -> PullPlan:
+    """Read what `source` names (hf:ORG/REPO[:QUANT | /FILE]) and check the
+    model's name is free; HubError (400 a bad source, 404, 401, 409 a name
+    taken) before anything is downloaded."""
+    found = SOURCE.match(source)
+    if found is None:
+        raise HubError(400, f"{source!r} is not hf:ORG/REPO[:QUANTIZATION | /FILE]")
+    repo = hub_repo(found["repo"], revision, endpoint=endpoint, token=token)
+    wanted = found["quant"] or found["file"]
+    if wanted:
+        file = repo.gguf_file(wanted)
+    else:
+        models = repo.gguf_files()
+        if len(models) != 1:
+            offered = ", ".join(f.quantization or f.name for f in models) or "none"
+            raise HubError(
+                404, f"{repo.repo_id}: say which GGUF file (its files: {offered})"
+            )
+        [file] = models
+    facts = gguf_facts(repo, file, endpoint=endpoint, token=token)
+    name = name or default_name(repo.repo_id, file)
+    if ModelConfig.objects.filter(name=name).exists():
+        raise HubError(409, f"a model named {name} exists: give another (--name)")
+    return PullPlan(repo=repo, file=file, facts=facts, name=name)
+
+
+def default_name(repo_id: str, file: HubFile) -> str:
+    """The repository's name, lower-case, and the file's quantization."""
+    base = repo_id.rsplit("/", 1)[-1].lower().removesuffix("-gguf")
+    return f"{base}:{file.quantization.lower()}" if file.quantization else base
+
+
+def pull_record(plan: PullPlan, path: Path) -> ModelConfig:
+    """The pulled model's row (format, task and context read from its file)
+    and its inspection queued; ValidationError for a row the catalog refuses."""
+    models_dir = Path(settings.MODELS_DIR)
+    # Under the models directory: relative, as every node's copy is found.
+    relative = path.is_relative_to(models_dir)
+    model = ModelConfig(
+        name=plan.name,
+        format=ModelFormat.GGUF,
+        path=str(path.relative_to(models_dir) if relative else path),
+        task=plan.facts.task,
+    )
+    model.full_clean()
+    with transaction.atomic():
+        model.save()
+        model_inspection_queue(model=model)
+    return model
