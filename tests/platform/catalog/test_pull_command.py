@@ -59,3 +59,30 @@ def test_a_bad_source_and_an_unknown_quantization_say_what_to_give(hub):
         call_command("pull", "ollama:smol")
     with pytest.raises(CommandError, match="its GGUF files: Q4_1"):
         call_command("pull", f"hf:{REPO}:Q8_0")
+
+
+def test_a_pulled_model_answers_a_chat(hub, tmp_path):
+    """The pulled file, served by a real engine from its catalog path, answers."""
+    from engines.wire.requests import GenerateRequest
+    from tests.engines.conftest import start_engine
+    from tests.engines.generating import gguf_spec
+
+    call_command("pull", f"hf:{REPO}:Q4_1", "--name", "pulled")
+    model = ModelConfig.objects.get(name="pulled")
+    engine = start_engine(
+        tmp_path / "engine",
+        models=[gguf_spec("pulled", model.path, task=model.task)],
+        preload=["pulled"],
+    )
+    try:
+        answer = engine.client().generate(
+            GenerateRequest(
+                model="pulled",
+                messages=[{"role": "user", "content": "Say hello."}],
+                max_tokens=8,
+                temperature=0,
+            )
+        )
+    finally:
+        engine.stop()
+    assert answer.text.strip() and answer.usage.completion_tokens > 0
