@@ -5,6 +5,7 @@ refused and removed, a full disk refused before a byte, a file on disk reused.""
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,36 @@ def test_no_room_is_refused_before_a_byte(hub, tmp_path):
     assert full.value.status == 507 and "GiB free" in full.value.message
     assert hub.bytes_served(REPO, "model.Q4_0.gguf") == 0
     assert pull(hub, tmp_path, margin_bytes=0).is_file()
+
+
+def test_a_revision_that_moves_mid_pull_keeps_the_pinned_commit(hub, weights, tmp_path):
+    """`main` moves to a commit with other weights while the pull is held
+    mid-file: the pull finishes with the commit it started from (control: a
+    pull planned after the move gets the new weights)."""
+    repo = hub_repo(REPO, endpoint=hub.url, token=False)
+    [file] = [f for f in repo.files if f.name == "model.Q4_0.gguf"]
+    stall = hub.stall(REPO, "model.Q4_0.gguf")
+    done: dict = {}
+
+    def pulling() -> None:
+        done["path"] = pull_file(
+            repo, file, tmp_path, endpoint=hub.url, token=False, margin_bytes=0
+        )
+
+    worker = threading.Thread(target=pulling)
+    worker.start()
+    assert stall.reached.wait(30)
+    moved = bytes(reversed(weights))
+    hub.push(REPO, {"model.Q4_0.gguf": moved, "README.md": b"hi\n"})
+    stall.release.set()
+    worker.join(60)
+    assert done["path"].read_bytes() == weights
+    again = hub_repo(REPO, endpoint=hub.url, token=False)
+    assert again.commit != repo.commit
+    [new] = [f for f in again.files if f.name == "model.Q4_0.gguf"]
+    assert new.sha256 != file.sha256
+    (model_folder(tmp_path, REPO) / "model.Q4_0.gguf").unlink()
+    path = pull_file(
+        again, new, tmp_path, endpoint=hub.url, token=False, margin_bytes=0
+    )
+    assert path.read_bytes() == moved
