@@ -54,6 +54,13 @@ def _kv_mib(shape: dict, tokens: int) -> float:
     return 2 * shape["layers"] * shape["kv_width"] * tokens * KV_BYTES / MIB
 
 
+def _served_kv_mib(shape: dict, context: int, slots: int, pool_tokens: int) -> float:
+    """The KV cache of `pool_tokens`, else of `context` (the model's setting;
+    else its trained context up to DEFAULT_CONTEXT) on every slot."""
+    context = min(context or DEFAULT_CONTEXT, shape["trained_context"])
+    return _kv_mib(shape, pool_tokens or context * slots)
+
+
 def _files_mib(path: Path, suffixes: tuple[str, ...]) -> float:
     files = [path] if path.is_file() else path.rglob("*")
     return sum(f.stat().st_size for f in files if f.suffix in suffixes) / MIB
@@ -150,8 +157,7 @@ def estimate_model_mib(
             pool_tokens=pool_tokens,
         )
     shape = _shape(spec)
-    context = min(spec.context_length or DEFAULT_CONTEXT, shape["trained_context"])
-    kv = _kv_mib(shape, pool_tokens or context * slots)
+    kv = _served_kv_mib(shape, spec.context_length, slots, pool_tokens)
     if path.suffix == ".gguf":  # transformers dequantizes a GGUF to float32
         return shape["parameters"] * 4 / MIB + kv
     weights = _files_mib(path, (".safetensors", ".bin"))
@@ -175,6 +181,5 @@ def gguf_estimate_mib(
     setting; else its trained context up to DEFAULT_CONTEXT) on every slot.
     The estimate residency uses, from a header read anywhere: before a
     download, through a ranged file (ggufmeta.read_header_from)."""
-    shape = gguf_shape(header)
-    context = min(context or DEFAULT_CONTEXT, shape["trained_context"])
-    return file_bytes / MIB + _kv_mib(shape, pool_tokens or context * slots)
+    kv = _served_kv_mib(gguf_shape(header), context, slots, pool_tokens)
+    return file_bytes / MIB + kv

@@ -110,15 +110,16 @@ RESULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def model_schemas(model: type[BaseModel], **options: Any) -> dict[str, Any]:
+    """A model's JSON Schema and its parts', by name (`options`: pydantic's)."""
+    document = model.model_json_schema(ref_template=REF_TEMPLATE, **options)
+    return {**document.pop("$defs", {}), model.__name__: document}
+
+
 def body_schemas(body: type[bodies.Body]) -> dict[str, Any]:
     """A response body's JSON Schema and its parts', by name: the keys it
     sends (api.bodies.BodySchema)."""
-    document = body.model_json_schema(
-        ref_template=REF_TEMPLATE,
-        schema_generator=bodies.BodySchema,
-        mode="serialization",
-    )
-    return {**document.pop("$defs", {}), body.__name__: document}
+    return model_schemas(body, schema_generator=bodies.BodySchema, mode="serialization")
 
 
 def _add_components(components: dict[str, Any], schemas: dict[str, Any]) -> None:
@@ -189,9 +190,7 @@ def openapi_document() -> dict[str, Any]:
     """The document (built once; callers must not change it)."""
     components: dict[str, Any] = {}
     for schema in ENDPOINT_SCHEMAS.values():
-        document = schema.model_json_schema(ref_template=REF_TEMPLATE)
-        components.update(document.pop("$defs", {}))
-        components[schema.__name__] = document
+        _add_components(components, model_schemas(schema))
     for body in bodies.RESPONSE_BODIES:
         _add_components(components, body_schemas(body))
     paths: dict[str, Any] = {}

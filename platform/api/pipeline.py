@@ -125,9 +125,10 @@ async def model_route(call: Call, model: str) -> None:
     engine from; ApiError for a model that does not exist, that the call's key
     may not use, or whose task the call's endpoint does not serve."""
     call.model = model
-    snapshot = await front_gateway().snapshot()
+    gateway = front_gateway()
+    snapshot = await gateway.snapshot()
     if model not in snapshot.models:  # maybe added since: look again
-        snapshot = await front_gateway().snapshot(fresh=True)
+        snapshot = await gateway.snapshot(fresh=True)
     route = snapshot.models.get(model)
     if route is None or (
         call.key is not None and not api_key_allows(key=call.key, model=model)

@@ -95,16 +95,21 @@ class HubRepo:
         """Its vision projector (`mmproj*.gguf`), if it carries one."""
         return next((f for f in self.files if _projector(f)), None)
 
-    def gguf_file(self, wanted: str) -> HubFile:
+    def gguf_file(self, wanted: str = "") -> HubFile:
         """The GGUF model named by a quantization (`Q4_K_M`, any case) or by
-        its file name; HubError (404) naming those it has, else."""
+        its file name, or with neither its only one; HubError (404) naming
+        those it has, else."""
         models = self.gguf_files()
         chosen = [f for f in models if f.name == wanted] or [
-            f for f in models if f.quantization == wanted.upper()
+            f for f in models if f.quantization == wanted.upper() or not wanted
         ]
         if len(chosen) == 1:
             return chosen[0]
         offered = ", ".join(f.quantization or f.name for f in models) or "none"
+        if not wanted:
+            raise HubError(
+                404, f"{self.repo_id}: say which GGUF file (its files: {offered})"
+            )
         if chosen:
             names = ", ".join(f.name for f in chosen)
             raise HubError(

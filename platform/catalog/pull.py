@@ -92,8 +92,8 @@ def pull_file(
     dest = model_folder(models_dir, repo.repo_id) / file.name
     if dest.is_file() and _matches(dest, file):
         return dest
-    fetched = Path(models_dir) / STAGING / repo.repo_id.replace("/", "--")
-    fetched = fetched / (file.name + PARTIAL)
+    staging = model_folder(Path(models_dir) / STAGING, repo.repo_id)
+    fetched = staging / (file.name + PARTIAL)
     fetched.parent.mkdir(parents=True, exist_ok=True)
     if fetched.exists() and fetched.stat().st_size > file.size:
         fetched.unlink()  # not a start of this file: start over
@@ -213,21 +213,11 @@ def pull_plan(
     if found is None:
         raise HubError(400, f"{source!r} is not hf:ORG/REPO[:QUANTIZATION | /FILE]")
     repo = hub_repo(found["repo"], revision, endpoint=endpoint, token=token)
-    wanted = found["quant"] or found["file"]
-    if wanted:
-        file = repo.gguf_file(wanted)
-    else:
-        models = repo.gguf_files()
-        if len(models) != 1:
-            offered = ", ".join(f.quantization or f.name for f in models) or "none"
-            raise HubError(
-                404, f"{repo.repo_id}: say which GGUF file (its files: {offered})"
-            )
-        [file] = models
-    facts = gguf_facts(repo, file, endpoint=endpoint, token=token)
+    file = repo.gguf_file(found["quant"] or found["file"] or "")
     name = name or default_name(repo.repo_id, file)
     if ModelConfig.objects.filter(name=name).exists():
         raise HubError(409, f"a model named {name} exists: give another (--name)")
+    facts = gguf_facts(repo, file, endpoint=endpoint, token=token)
     return PullPlan(repo=repo, file=file, facts=facts, name=name)
 
 
@@ -238,7 +228,7 @@ def default_name(repo_id: str, file: HubFile) -> str:
 
 
 def pull_record(plan: PullPlan, path: Path) -> ModelConfig:
-    """The pulled model's row (format, task and context read from its file)
+    """The pulled model's row (its format, and its task read from its file)
     and its inspection queued; ValidationError for a row the catalog refuses."""
     models_dir = Path(settings.MODELS_DIR)
     # Under the models directory: relative, as every node's copy is found.

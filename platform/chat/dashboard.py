@@ -154,10 +154,11 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         await self.channel_layer.group_add(GROUP, self.channel_name)
         await self.accept()
         self.watching = True
-        fleet_feed().watch()
-        fleet = fleet_feed().last or await database_sync_to_async(fleet_overview)()
+        feed = fleet_feed()
+        feed.watch()
+        fleet = feed.last or await database_sync_to_async(fleet_overview)()
         await self._send(
-            {"type": "fleet", "fleet": fleet, "history": list(fleet_feed().samples)}
+            {"type": "fleet", "fleet": fleet, "history": list(feed.samples)}
         )
 
     async def fleet_update(self, event: dict) -> None:

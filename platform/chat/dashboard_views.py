@@ -164,11 +164,12 @@ async def model_unload(request: HttpRequest, name: str) -> HttpResponse:
 
 async def _client(engine: str) -> AsyncEngineClient:
     """The engine's client, of this host or over the link to its node."""
+    gateway = front_gateway()
     try:
-        snapshot = await front_gateway().snapshot()
+        snapshot = await gateway.snapshot()
     except (ApiError, db.Error) as error:
         raise EngineUnreachable(f"the fleet cannot be read now: {error}") from None
-    return front_gateway().client(engine, snapshot)
+    return gateway.client(engine, snapshot)
 
 
 async def _load(engine: str, model: str) -> None:
