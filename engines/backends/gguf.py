@@ -22,6 +22,7 @@ import numpy as np
 from llguidance.llamacpp import lltokenizer_from_vocab
 
 from engines.backends.llama import init_llama_cpp
+from engines.backends.memory import BATCH_TOKENS
 from engines.generation.sampling import SamplingParams
 from engines.generation.slot import Slot
 from engines.generation.slot_pool import SlotBackend
@@ -30,9 +31,9 @@ from engines.wire.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger("roundhouse.engine.gguf")
 
-# Prompt tokens evaluated per step across all slots. A long prompt is fed in
+# Prompt tokens evaluated per step across all slots (memory.BATCH_TOKENS: the
+# estimates size llama.cpp's compute buffer with it). A long prompt is fed in
 # chunks of this size, so running streams wait at most one chunk per token.
-BATCH_TOKENS = 512
 # Prompt tokens read per pass for a request that asks for its prompt's
 # log-probabilities: each keeps its row of logits (llama.cpp's output buffer
 # holds them: 32 rows of SmolLM2's 49,152 logits are 6 MiB).

@@ -12,6 +12,7 @@ The same walk reads a header from any seekable binary file, a block at a time
 read with a few range requests before a byte of its weights is downloaded.
 """
 
+import math
 import mmap
 import struct
 import threading
@@ -51,6 +52,7 @@ class GGUFHeader:
 
     metadata: dict[str, object]
     parameters: int
+    vocabulary: int = 0  # tokens, from the token embedding's shape (0: none)
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
@@ -171,18 +173,18 @@ def _walk(data: _Bytes, name: str) -> GGUFHeader:
         value = cursor.value(cursor.take("I", 4))
         if value is not None:
             metadata[key] = value
-    parameters = 0
+    parameters = vocabulary = 0
     for _ in range(tensors):
-        cursor.string()  # the tensor's name
+        tensor = cursor.string()
         dims = cursor.take("I", 4)
         if dims > 8:
             raise GGUFFormatError(f"a tensor with {dims} dimensions")
-        elements = 1
-        for _ in range(dims):
-            elements *= cursor.take("Q", 8)
+        shape = [cursor.take("Q", 8) for _ in range(dims)]
         cursor.at += 4 + 8  # its type and data offset
-        parameters += elements
-    return GGUFHeader(metadata, parameters)
+        parameters += math.prod(shape)
+        if tensor == "token_embd.weight" and len(shape) == 2:
+            vocabulary = shape[1]  # [embedding width, tokens]
+    return GGUFHeader(metadata, parameters, vocabulary)
 
 
 def _read(path: Path) -> GGUFHeader:

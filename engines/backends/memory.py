@@ -22,6 +22,9 @@ AUTO_SLOT_TOKENS = 1024
 MAX_KV_GROUPS = 4
 GROUP_MIN_SLOTS = 4
 GROUP_MIN_CONTEXTS = 2
+# Prompt tokens llama.cpp evaluates per step (its n_batch and n_ubatch, set by
+# engines/backends/gguf.py): its compute buffer holds a step's activations.
+BATCH_TOKENS = 512
 
 
 def _gguf_shape(path: Path) -> dict:
@@ -44,6 +47,9 @@ def gguf_shape(header: GGUFHeader) -> dict:
     head_dim = value("attention.key_length", embd // heads)
     return {
         "layers": layers,
+        "embedding": embd,
+        "heads": heads,
+        "vocabulary": header.vocabulary,
         "kv_width": kv_heads * head_dim,
         "trained_context": value("context_length", DEFAULT_CONTEXT),
         "parameters": header.parameters,
@@ -54,11 +60,29 @@ def _kv_mib(shape: dict, tokens: int) -> float:
     return 2 * shape["layers"] * shape["kv_width"] * tokens * KV_BYTES / MIB
 
 
-def _served_kv_mib(shape: dict, context: int, slots: int, pool_tokens: int) -> float:
-    """The KV cache of `pool_tokens`, else of `context` (the model's setting;
-    else its trained context up to DEFAULT_CONTEXT) on every slot."""
+def gguf_compute_mib(shape: dict, kv_tokens: int) -> float:
+    """llama.cpp's compute buffer (float32 scratch) for one context holding
+    `kv_tokens` of KV, without flash attention: a step of BATCH_TOKENS needs
+    the larger of its attention scores over the whole KV and its output
+    logits (Ollama's graph-size rule; measured here within 2% of what
+    llama.cpp reserves: SmolLM2-135M 99.4 MiB at 4,096 tokens and 326.4 MiB
+    at 16,384, Gemma 3 270M 514.5 MiB at 4,096)."""
+    embd, heads = shape.get("embedding", 0), shape.get("heads", 1)
+    attention = 1 + 4 * embd + kv_tokens * (1 + heads)
+    output = embd + shape.get("vocabulary", 0)
+    return 4 * BATCH_TOKENS * max(attention, output) / MIB
+
+
+def _served_kv_tokens(shape: dict, context: int, slots: int, pool_tokens: int) -> int:
+    """The tokens of KV served: `pool_tokens`, else `context` (the model's
+    setting; else its trained context up to DEFAULT_CONTEXT) on every slot."""
     context = min(context or DEFAULT_CONTEXT, shape["trained_context"])
-    return _kv_mib(shape, pool_tokens or context * slots)
+    return pool_tokens or context * slots
+
+
+def _served_kv_mib(shape: dict, context: int, slots: int, pool_tokens: int) -> float:
+    """The KV cache of _served_kv_tokens."""
+    return _kv_mib(shape, _served_kv_tokens(shape, context, slots, pool_tokens))
 
 
 def _files_mib(path: Path, suffixes: tuple[str, ...]) -> float:
@@ -71,14 +95,37 @@ def _shape(spec: ModelSpec) -> dict:
     path = Path(spec.path)
     if spec.format == "gguf" or path.suffix == ".gguf":
         return _gguf_shape(path)
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    heads = config.get("num_attention_heads", 1)
+    return config_shape(json.loads((path / "config.json").read_text(encoding="utf-8")))
+
+
+def config_shape(config: dict) -> dict:
+    """Layers, KV width and trained context from a transformers config.json."""
+    heads = int(config.get("num_attention_heads") or 1)
     return {
-        "layers": config.get("num_hidden_layers", 0),
-        "kv_width": config.get("num_key_value_heads", heads)
-        * config.get("head_dim", config.get("hidden_size", 0) // heads),
-        "trained_context": config.get("max_position_embeddings") or DEFAULT_CONTEXT,
+        "layers": int(config.get("num_hidden_layers") or 0),
+        "kv_width": int(config.get("num_key_value_heads") or heads)
+        * int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads),
+        "trained_context": int(
+            config.get("max_position_embeddings") or DEFAULT_CONTEXT
+        ),
     }
+
+
+def transformers_estimate_mib(
+    config: dict,
+    weight_bytes: int,
+    *,
+    context: int = 0,
+    slots: int = 1,
+    pool_tokens: int = 0,
+) -> float:
+    """What a transformers model takes served: its weights as loaded (16-bit
+    ones as float32) plus its KV cache (_served_kv_mib). From a config and
+    the weights' size read anywhere: on disk, or on the Hub before a pull."""
+    stored = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    loaded = weight_bytes * 2 if "16" in stored else weight_bytes
+    kv = _served_kv_mib(config_shape(config), context, slots, pool_tokens)
+    return loaded / MIB + kv
 
 
 @dataclass(frozen=True)
@@ -156,16 +203,17 @@ def estimate_model_mib(
             slots=slots,
             pool_tokens=pool_tokens,
         )
-    shape = _shape(spec)
-    kv = _served_kv_mib(shape, spec.context_length, slots, pool_tokens)
     if path.suffix == ".gguf":  # transformers dequantizes a GGUF to float32
+        shape = _shape(spec)
+        kv = _served_kv_mib(shape, spec.context_length, slots, pool_tokens)
         return shape["parameters"] * 4 / MIB + kv
-    weights = _files_mib(path, (".safetensors", ".bin"))
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    stored = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    if "16" in stored:
-        weights *= 2  # loaded as float32
-    return weights + kv
+    return transformers_estimate_mib(
+        json.loads((path / "config.json").read_text(encoding="utf-8")),
+        int(_files_mib(path, (".safetensors", ".bin")) * MIB),
+        context=spec.context_length,
+        slots=slots,
+        pool_tokens=pool_tokens,
+    )
 
 
 def gguf_estimate_mib(
@@ -178,8 +226,11 @@ def gguf_estimate_mib(
 ) -> float:
     """What a GGUF model takes served by llama.cpp: its file (the weights,
     mapped whole) plus the KV cache of `pool_tokens`, else of `context` (its
-    setting; else its trained context up to DEFAULT_CONTEXT) on every slot.
-    The estimate residency uses, from a header read anywhere: before a
-    download, through a ranged file (ggufmeta.read_header_from)."""
-    kv = _served_kv_mib(gguf_shape(header), context, slots, pool_tokens)
-    return file_bytes / MIB + kv
+    setting; else its trained context up to DEFAULT_CONTEXT) on every slot,
+    plus the compute buffer of a context holding that KV. The estimate
+    residency uses, from a header read anywhere: before a download, through
+    a ranged file (ggufmeta.read_header_from)."""
+    shape = gguf_shape(header)
+    kv = _served_kv_mib(shape, context, slots, pool_tokens)
+    tokens = _served_kv_tokens(shape, context, slots, pool_tokens)
+    return file_bytes / MIB + kv + gguf_compute_mib(shape, tokens)

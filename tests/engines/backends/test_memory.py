@@ -19,15 +19,26 @@ def spec(fmt: str, path: str, context: int | None = 512) -> ModelSpec:
     )
 
 
-def test_gguf_estimate_is_file_size_plus_kv_per_slot():
-    """SmolLM2: 30 layers, 3 KV heads x 64 dims, f16 K and V, per context token."""
+def test_gguf_estimate_is_file_size_plus_kv_per_slot_plus_compute():
+    """SmolLM2: 30 layers, 3 KV heads x 64 dims, f16 K and V, per context
+    token; llama.cpp's compute buffer for a 512-token step is its 49,152
+    logits plus 576 activations a token in float32 (99.4 MiB measured by
+    llama.cpp at 4,096 tokens), while the attention scores over up to 4,096
+    tokens of KV (10 x 4,096 a token) are smaller."""
     model = spec("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf")
     file_mib = Path(model.path).stat().st_size / 2**20
     kv_per_token_mib = 2 * 30 * 192 * 2 / 2**20
+    compute_mib = 4 * 512 * (576 + 49_152) / 2**20
     one = estimate_model_mib(model, slots=1)
     eight = estimate_model_mib(model, slots=8)
-    assert one == pytest.approx(file_mib + 512 * kv_per_token_mib)
+    assert one == pytest.approx(file_mib + 512 * kv_per_token_mib + compute_mib)
     assert eight - one == pytest.approx(7 * 512 * kv_per_token_mib)
+    # Past ~4,800 tokens of KV the attention scores outgrow the logits.
+    sixty_four = estimate_model_mib(model, slots=64)
+    attention_mib = 4 * 512 * (1 + 4 * 576 + 64 * 512 * 10) / 2**20
+    assert sixty_four == pytest.approx(
+        file_mib + 64 * 512 * kv_per_token_mib + attention_mib
+    )
 
 
 def test_transformers_from_gguf_counts_float32_weights():
@@ -96,10 +107,12 @@ def test_auto_slots_follow_the_kv_budget_up_to_the_cap():
     model.slots = 3
     fixed = plan_slots(model, Limits(kv_cache_mib=1024, max_slots_per_model=8))
     assert (fixed.slots, fixed.pool_tokens, fixed.auto) == (3, 3 * 2048, False)
-    # Its estimate counts the pool.
+    # Its estimate counts the pool, and the attention scores over it.
     estimate = estimate_model_mib(model, pool_tokens=fixed.pool_tokens)
     assert estimate == pytest.approx(
-        Path(model.path).stat().st_size / 2**20 + 3 * 2048 * per_token
+        Path(model.path).stat().st_size / 2**20
+        + 3 * 2048 * per_token
+        + 4 * 512 * (1 + 4 * 576 + 3 * 2048 * 10) / 2**20
     )
 
 
