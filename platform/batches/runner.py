@@ -47,6 +47,7 @@ from api.schemas import (
     parse_object,
 )
 from api.selectors import in_db_thread
+from catalog.leases import worker_identity
 
 from . import selectors, services
 from .line_feed import Capacity, LineFeed
@@ -107,7 +108,7 @@ def run_batch(batch_id: str) -> None:
     fails (but for the database: the batch is resumed once it is back) fails
     the batch with its reason, rather than leaving it to be resumed into the
     same failure."""
-    owner = services.worker_identity()
+    owner = worker_identity()
     if not services.batch_claim(batch_id=batch_id, owner=owner):
         log.info("batch %s: ended, or another worker holds it", batch_id)
         return

@@ -9,13 +9,11 @@ import json
 import logging
 import os
 import secrets
-import socket
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import psutil
 from celery import current_app
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -26,6 +24,7 @@ from django.utils import timezone
 
 from api import errors
 from api.models import ApiKey
+from catalog.leases import owner_gone
 
 from . import quotas
 from .lines import count_lines
@@ -242,31 +241,6 @@ def batch_cancel(*, batch: Batch) -> Batch:
 
 
 # -- the worker's side ----------------------------------------------------------------
-
-
-def worker_identity() -> str:
-    """A run of a batch in this process, as a lease owner: host, pid, the
-    process's start time (a pid reused by a later process is not taken for
-    this one) and a token of the run (a worker runs tasks in threads: two
-    runs of one batch in one process are two owners)."""
-    started = int(psutil.Process().create_time())
-    return f"{socket.gethostname()}:{os.getpid()}:{started}:{secrets.token_hex(4)}"
-
-
-def owner_gone(owner: str) -> bool:
-    """Whether a lease owner is a process of this host that is no longer
-    running (one on another host is judged by its lease's expiry alone)."""
-    try:
-        host, pid, started, _ = owner.split(":")
-        pid_number, started_at = int(pid), int(started)
-    except ValueError:
-        return True
-    if host != socket.gethostname():
-        return False
-    try:
-        return int(psutil.Process(pid_number).create_time()) != started_at
-    except psutil.NoSuchProcess:
-        return True
 
 
 def batch_claim(*, batch_id: str, owner: str) -> bool:

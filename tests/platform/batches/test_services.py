@@ -22,6 +22,7 @@ from batches.lines import (
     read_line,
 )
 from batches.models import Batch, BatchLine
+from catalog.leases import worker_identity
 from tests.factories import ApiKeyFactory
 
 pytestmark = pytest.mark.django_db
@@ -100,7 +101,7 @@ def test_a_line_keeps_its_first_answer_and_a_fenced_worker_records_nothing(batch
 
 
 def test_a_batch_whose_worker_died_is_resumed_and_a_live_ones_is_not(batch):
-    services.batch_claim(batch_id=batch.id, owner=services.worker_identity())
+    services.batch_claim(batch_id=batch.id, owner=worker_identity())
     assert services.batches_resume() == []  # held by this live process
     Batch.objects.filter(pk=batch.id).update(lease_owner=a_dead_owner())
     assert services.batches_resume() == [batch.id]
@@ -213,7 +214,7 @@ def test_a_batch_whose_runs_keep_dying_is_failed_not_resumed(batch):
         assert services.batches_resume() == [batch.id]
         batch.refresh_from_db()
         assert batch.crashes == crashes and batch.status == "validating"
-    owner = services.worker_identity()
+    owner = worker_identity()
     services.batch_claim(batch_id=batch.id, owner=owner)
     services.batch_record(
         batch_id=batch.id, owner=owner, answers=[(0, "a", True, {"o": 1})]
