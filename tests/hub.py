@@ -129,6 +129,7 @@ class LocalHub:
         repos: Mapping[str, Mapping[str, Path | bytes]],
         *,
         gated: frozenset[str] | set[str] = frozenset(),
+        host: str = "127.0.0.1",
     ) -> None:
         self.token = f"hf_local_{secrets.token_hex(8)}"
         self.gated = frozenset(gated)
@@ -142,8 +143,10 @@ class LocalHub:
         self._faults: dict[str, Faults] = {}
         for repo_id, files in repos.items():
             self.push(repo_id, files)
-        self._hub = _Server(self, cdn=False)
-        self._cdn = _Server(self, cdn=True)
+        # `host`: another address of this host to listen on (a bridge's, for
+        # clients in network namespaces); redirects name it too.
+        self._hub = _Server(self, cdn=False, host=host)
+        self._cdn = _Server(self, cdn=True, host=host)
 
     def __enter__(self) -> "LocalHub":
         for server in (self._hub, self._cdn):
@@ -170,6 +173,13 @@ class LocalHub:
     def cdn_url(self) -> str:
         """Where LFS files are served from, by sha256."""
         return _url(self._cdn)
+
+    def file_url(self, repo_id: str, filename: str, revision: str = "main") -> str:
+        """A plain http:// address of the file's content on the CDN listener,
+        ending in its name (as an https:// source names one), with ranges,
+        HEAD, faults and bytes served counted as for the Hub's own downloads."""
+        blob = self.blob(repo_id, filename, revision)
+        return f"{self.cdn_url}/lfs/{blob.sha256}/{filename.rsplit('/', 1)[-1]}"
 
     def push(self, repo_id: str, files: Mapping[str, Path | bytes]) -> str:
         """Make `files` a new commit and move `main` to it; its 40-hex sha."""
@@ -255,8 +265,8 @@ def _url(server: ThreadingHTTPServer) -> str:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, hub: LocalHub, *, cdn: bool) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+    def __init__(self, hub: LocalHub, *, cdn: bool, host: str) -> None:
+        super().__init__((host, 0), _Handler)
         self.hub = hub
         self.cdn = cdn
 
@@ -266,7 +276,7 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 class _Handler(BaseHTTPRequestHandler):
     """Routes: /api/models/{repo}[/revision/{rev}], /api/models/{repo}/tree/{rev}
-    and /{repo}/resolve/{rev}/{file} on the hub; /lfs/{sha256} on the CDN."""
+    and /{repo}/resolve/{rev}/{file} on the hub; /lfs/{sha256}[/{name}] on the CDN."""
 
     protocol_version = "HTTP/1.1"
     server: _Server
@@ -287,7 +297,9 @@ class _Handler(BaseHTTPRequestHandler):
             hub.requests.append((self.command, url.path, self.headers.get("Range")))
         parts = [unquote(part) for part in url.path.strip("/").split("/")]
         try:
-            if self.server.cdn and parts[:1] == ["lfs"] and len(parts) == 2:
+            # /lfs/{sha256}, or /lfs/{sha256}/{name}: a plain address that
+            # ends in the file's name (file_url), as a model's web page gives.
+            if self.server.cdn and parts[:1] == ["lfs"] and len(parts) in (2, 3):
                 with hub._lock:
                     blob = hub._blobs.get(parts[1])
                 if blob is None:

@@ -5,7 +5,9 @@ and vision projector, and what a GGUF file is and needs, read from its header
 over range requests.
 
 Everything goes through huggingface_hub (HfApi for the repository,
-HfFileSystem's ranged file for the header): no hand-written HTTP. The Hub's
+HfFileSystem's ranged file for the header, its session and URLs for a small
+file: hub_file_bytes): no hand-written HTTP. A repository without GGUF files
+(transformers, sentence-transformers) is read by hub_folders.py. The Hub's
 address is HF_ENDPOINT's (a mirror; `hub_endpoint`) unless `endpoint` is given;
 a gated repository needs a token: `hub_token`'s (HF_TOKEN, else a 0600 file
 in the run dir; never the database, a log or the client's own stored token)
@@ -19,10 +21,17 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx2
 from django.conf import settings
-from huggingface_hub import HfApi, HfFileSystem
+from huggingface_hub import (
+    HfApi,
+    HfFileSystem,
+    constants,
+    get_hf_file_metadata,
+    hf_hub_url,
+)
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -30,6 +39,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from engines.backends.ggufmeta import GGUFFormatError, GGUFHeader, read_header_from
 from engines.backends.memory import gguf_estimate_mib, gguf_shape
@@ -204,6 +214,21 @@ def hub_repo(
     return HubRepo(repo_id=repo_id, commit=str(info.sha), files=files)
 
 
+def hub_search(query: str, *, gguf: bool, limit: int = 20) -> list[tuple[str, int]]:
+    """Repositories whose name holds `query`, the most downloaded first (GGUF
+    ones only when `gguf`): each one's id and downloads. HubError when the
+    Hub fails."""
+    api = HfApi(endpoint=hub_endpoint(), token=hub_token())
+    with hub_errors(query, "main"):
+        found = api.list_models(
+            search=query,
+            filter="gguf" if gguf else None,
+            sort="downloads",
+            limit=limit,
+        )
+        return [(model.id, model.downloads or 0) for model in found]
+
+
 def gguf_facts(
     repo: HubRepo,
     file: HubFile,
@@ -229,6 +254,49 @@ def gguf_facts(
             except GGUFFormatError as error:
                 raise HubError(400, f"{path}: {error}") from None
     return GgufFacts(file=file, header=header)
+
+
+def hub_file_bytes(
+    repo: HubRepo,
+    name: str,
+    *,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+) -> bytes:
+    """A small file of the repository at its commit (a config.json, a
+    tokenizer's config), read whole through the client's session, URL and
+    headers; HubError (404) when it has none of that name."""
+    endpoint = hub_endpoint(endpoint)
+    token = hub_token() if token is None else token
+    url = hf_hub_url(repo.repo_id, name, revision=repo.commit, endpoint=endpoint)
+    with hub_errors(repo.repo_id, repo.commit):
+        answer = get_session().get(
+            url,
+            headers=build_hf_headers(token=token),
+            timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+        )
+        hf_raise_for_status(answer)
+    return answer.content
+
+
+def hub_download_location(
+    repo: HubRepo,
+    file: HubFile,
+    *,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+) -> tuple[str, dict]:
+    """Where the client downloads the file from at the repository's commit
+    (a CDN's signed address for a large file), and the headers to send
+    there (the token only to the Hub itself)."""
+    token = hub_token() if token is None else token
+    endpoint = hub_endpoint(endpoint)
+    url = hf_hub_url(repo.repo_id, file.name, revision=repo.commit, endpoint=endpoint)
+    location = get_hf_file_metadata(url, token=token, endpoint=endpoint).location
+    headers = build_hf_headers(token=token)
+    if urlsplit(location).netloc != urlsplit(url).netloc:
+        headers.pop("authorization", None)  # a CDN's signed address: no token
+    return location, headers
 
 
 def _projector(file: HubFile) -> bool:

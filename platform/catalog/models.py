@@ -135,6 +135,12 @@ class ModelConfig(models.Model):
         max_length=1000,
         help_text="File or folder; a relative path is under the models directory.",
     )
+    projector = models.CharField(
+        max_length=1000,
+        blank=True,
+        help_text="A vision model's projector (mmproj) file, pulled beside it; "
+        "a relative path is under the models directory.",
+    )
     task = models.CharField(max_length=16, choices=ModelTask.choices)
     engine_pin = models.CharField(
         max_length=64,
@@ -306,3 +312,106 @@ class ModelConfig(models.Model):
         ModelPathError for a path this host cannot use (model_path_resolve):
         a caller that handles many models skips that one alone."""
         return model_path_resolve(self.path)
+
+
+class PullStatus(models.TextChoices):
+    """Where a model's pull stands."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# A pull that may still move (a worker holds it or will).
+PULL_OPEN = (PullStatus.QUEUED, PullStatus.RUNNING)
+
+
+class ModelPull(models.Model):
+    """A model's files being fetched from where models live (the Hugging Face
+    Hub, an HTTPS address) onto a host, then added to the catalog: what was
+    asked, what it resolved to before the download (the plan: the
+    repository's commit and files), and its progress."""
+
+    source = models.CharField(
+        max_length=1000,
+        help_text="hf:ORG/REPO[:QUANTIZATION | /FILE], or an https:// address.",
+    )
+    name = models.CharField(
+        max_length=128,
+        validators=[MODEL_NAME_VALIDATOR],
+        help_text="The model's name in the catalog once pulled.",
+    )
+    revision = models.CharField(max_length=200, default="main")
+    sha256 = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="The file's expected SHA-256 (an https:// source needs it).",
+    )
+    node = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="The node that pulls it. Empty: the first worker that takes it.",
+    )
+    status = models.CharField(
+        max_length=16, choices=PullStatus.choices, default=PullStatus.QUEUED
+    )
+    plan = models.JSONField(
+        default=dict,
+        blank=True,
+        editable=False,
+        help_text="What the source resolved to before the download: the "
+        "repository at its commit, the files with their sizes and SHA-256, the "
+        "model's format, task and memory need.",
+    )
+    size_bytes = models.BigIntegerField(default=0, editable=False)
+    done_bytes = models.BigIntegerField(default=0, editable=False)
+    rate_bps = models.FloatField(default=0.0, editable=False)
+    left_s = models.FloatField(null=True, blank=True, editable=False)
+    message = models.TextField(blank=True, editable=False)
+    model = models.ForeignKey(
+        ModelConfig,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="pulls",
+        editable=False,
+    )
+    cancel_requested = models.BooleanField(default=False, editable=False)
+    lease_owner = models.CharField(max_length=200, blank=True, editable=False)
+    lease_until = models.DateTimeField(null=True, blank=True, editable=False)
+    crashes = models.PositiveSmallIntegerField(default=0, editable=False)
+    queued_at = models.DateTimeField(null=True, blank=True, editable=False)
+    requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="model_pulls",
+        editable=False,
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True, editable=False)
+    finished_at = models.DateTimeField(null=True, blank=True, editable=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "model pull"
+        constraints = [
+            # Two pulls in flight under one name would race for its row.
+            models.UniqueConstraint(
+                fields=["name"],
+                condition=models.Q(status__in=PULL_OPEN),
+                name="catalog_one_open_pull_per_name",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} from {self.source}"
+
+    @property
+    def fraction(self) -> float:
+        """How much of it is downloaded, 0 to 1."""
+        return self.done_bytes / self.size_bytes if self.size_bytes else 0.0

@@ -9,8 +9,12 @@ continues it: `hf_hub_download` would not, as it deletes what it had. Then the
 SHA-256 the Hub publishes is checked (the client checks sizes only), and only
 then the file moves to its place with one rename. Before it starts, the disk
 must hold the file and keep DISK_MARGIN_BYTES free; a file already in its place
-with the Hub's SHA-256 is not downloaded again."""
+with the Hub's SHA-256 is not downloaded again (a small file, which the Hub
+publishes none for, is: it costs nothing). A file at a plain address (an
+https:// source, pull_url.py) comes the same way, checked against the SHA-256
+its pull was given."""
 
+import errno
 import hashlib
 import os
 import re
@@ -19,27 +23,34 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import BinaryIO
 
 from django.conf import settings
 from django.db import transaction
-from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.file_download import http_get
-from huggingface_hub.utils import build_hf_headers
+from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 
 from .hub import (
-    GgufFacts,
     HubError,
     HubFile,
     HubRepo,
     gguf_facts,
-    hub_endpoint,
+    hub_download_location,
     hub_errors,
     hub_repo,
-    hub_token,
 )
+from .hub_folders import folder_facts
 from .models import ModelConfig, ModelFormat
+from .pull_url import (
+    is_url,
+    url_checked,
+    url_errors,
+    url_facts,
+    url_file,
+    url_folder,
+    url_name,
+)
 from .services import model_inspection_queue
 
 # What a download leaves free on the models' disk, at the least.
@@ -50,6 +61,8 @@ STAGING = ".pulls"
 # A download in progress: the file's name with this suffix, in STAGING.
 PARTIAL = ".partial"
 GIB = 1 << 30
+# A download looks at the free disk again this often.
+DISK_CHECK_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -85,12 +98,14 @@ def pull_file(
     endpoint: str | None = None,
     token: str | bool | None = None,
     margin_bytes: int = DISK_MARGIN_BYTES,
+    url: str = "",
 ) -> Path:
     """The file in its place (model_folder / its name), downloaded if it is
     not there yet; HubError when the Hub refuses, the disk has no room
-    (507) or what came is not what the Hub published (502: removed)."""
+    (507) or what came is not what the Hub published (502: removed). With
+    `url`, the file comes from that address (no token sent), not the Hub."""
     dest = model_folder(models_dir, repo.repo_id) / file.name
-    if dest.is_file() and _matches(dest, file):
+    if dest.is_file() and file.sha256 and _matches(dest, file):
         return dest
     staging = model_folder(Path(models_dir) / STAGING, repo.repo_id)
     fetched = staging / (file.name + PARTIAL)
@@ -99,37 +114,96 @@ def pull_file(
         fetched.unlink()  # not a start of this file: start over
     done = fetched.stat().st_size if fetched.exists() else 0
     _room_for(file, fetched.parent, file.size - done, margin_bytes)
-    token = hub_token() if token is None else token
-    endpoint = hub_endpoint(endpoint)
-    with hub_errors(repo.repo_id, repo.commit):
-        url = hf_hub_url(
-            repo.repo_id, file.name, revision=repo.commit, endpoint=endpoint
-        )
-        location = get_hf_file_metadata(url, token=token, endpoint=endpoint).location
-        headers = build_hf_headers(token=token)
-        if urlsplit(location).netloc != urlsplit(url).netloc:
-            headers.pop("authorization", None)  # a CDN's signed address: no token
-        with open(fetched, "ab") as out:
-            if done < file.size:
-                http_get(
-                    location,
-                    out,
-                    resume_size=done,
-                    headers=headers,
-                    expected_size=file.size,
-                    displayed_filename=file.name,
-                    tqdm_class=_reporting(progress, file.size),
-                )
-    if not _matches(fetched, file):
+    errors = url_errors(url) if url else hub_errors(repo.repo_id, repo.commit)
+    with errors:
+        location, headers = url, {}
+        if not url:
+            location, headers = hub_download_location(
+                repo, file, endpoint=endpoint, token=token
+            )
+        try:
+            with open(fetched, "ab") as out:
+                hashed = _Hashing(out, fetched)
+                if done < file.size:
+                    http_get(
+                        location,
+                        hashed,
+                        resume_size=done,
+                        headers=headers,
+                        expected_size=file.size,
+                        displayed_filename=file.name,
+                        tqdm_class=_reporting(
+                            progress, file.size, fetched.parent, margin_bytes
+                        ),
+                    )
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            fetched.unlink(missing_ok=True)  # give the disk back to the rest
+            raise HubError(
+                507,
+                f"{file.name}: the disk filled up during the download "
+                f"({fetched.parent}); the partial file was removed: free room, "
+                "then pull again",
+            ) from None
+    if fetched.stat().st_size != file.size or (
+        file.sha256 and hashed.hexdigest() != file.sha256
+    ):
         fetched.unlink(missing_ok=True)
         raise HubError(
             502,
-            f"{repo.repo_id}/{file.name}: what was downloaded is not the file the "
-            "Hub published (its SHA-256 differs); it was removed: pull again",
+            f"{url or repo.repo_id + '/' + file.name}: what was downloaded is not "
+            f"the file {'expected' if url else 'the Hub published'} (its SHA-256 "
+            "differs); it was removed: pull again",
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.replace(fetched, dest)
     return dest
+
+
+class _Hashing:
+    """The partial file as the client writes it, hashed as the bytes go by
+    (what an earlier pull left is hashed first), so that the SHA-256 check
+    needs no second read of the file. A server that answers a range request
+    with the whole file makes the client truncate it: what is kept is hashed
+    again (nothing, then)."""
+
+    def __init__(self, out: BinaryIO, path: Path) -> None:
+        self.out = out
+        self.path = path
+        self.digest = _sha256_of(path, path.stat().st_size)
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.out.write(data)
+
+    def tell(self) -> int:
+        return self.out.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self.out.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        kept = self.out.truncate(size)
+        self.out.flush()
+        self.digest = _sha256_of(self.path, kept)
+        return kept
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def hexdigest(self) -> str:
+        return self.digest.hexdigest()
+
+
+def _sha256_of(path: Path, length: int) -> "hashlib._Hash":
+    """The running SHA-256 of the first `length` bytes of the file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while length > 0 and (chunk := handle.read(min(1 << 20, length))):
+            digest.update(chunk)
+            length -= len(chunk)
+    return digest
 
 
 def _room_for(file: HubFile, folder: Path, left: int, margin_bytes: int) -> None:
@@ -147,21 +221,25 @@ def _room_for(file: HubFile, folder: Path, left: int, margin_bytes: int) -> None
 def _matches(path: Path, file: HubFile) -> bool:
     """Whether the file on disk is the one the Hub lists: its size, and its
     SHA-256 where the Hub publishes one (a large file)."""
-    if path.stat().st_size != file.size:
+    size = path.stat().st_size
+    if size != file.size:
         return False
-    if not file.sha256:
-        return True
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest() == file.sha256
+    return not file.sha256 or _sha256_of(path, size).hexdigest() == file.sha256
 
 
-def _reporting(report: Callable[[Progress], None] | None, size: int) -> type[tqdm]:
+def _reporting(
+    report: Callable[[Progress], None] | None,
+    size: int,
+    folder: Path,
+    margin_bytes: int,
+) -> type[tqdm]:
     """A progress bar class for the client that draws nothing and tells
-    `report` the bytes so far (a resumed download starts at its `initial`)."""
+    `report` the bytes so far (a resumed download starts at its `initial`).
+    Every DISK_CHECK_EVERY_S it looks at the disk again: when others have
+    filled it to under half the margin, the download stops (HubError 507),
+    keeping what it fetched for a later pull."""
     started = time.monotonic()
+    checked = [started]
 
     class Reporting(tqdm):
         def __init__(self, *args, **kwargs) -> None:
@@ -171,6 +249,18 @@ def _reporting(report: Callable[[Progress], None] | None, size: int) -> type[tqd
 
         def update(self, n: float | None = 1) -> bool | None:
             self.done += int(n or 0)
+            now = time.monotonic()
+            if now - checked[0] >= DISK_CHECK_EVERY_S:
+                checked[0] = now
+                free = shutil.disk_usage(folder).free
+                if free < margin_bytes // 2:
+                    raise HubError(
+                        507,
+                        f"the disk of {folder} is nearly full ({free / GIB:.2f} GiB "
+                        f"free, under half the {margin_bytes / GIB:.2f} GiB margin): "
+                        "the download stopped, keeping what it fetched; free room, "
+                        "then pull again to continue",
+                    )
             if report is not None:
                 report(Progress(self.done, size, time.monotonic() - started))
             return None
@@ -187,15 +277,48 @@ SOURCE = re.compile(
 )
 
 
-@dataclass(frozen=True)
-class PullPlan:
+class PullPlan(BaseModel):
     """A pull decided before a byte of weights is downloaded: the repository
-    at its commit, the file, what its header says, the new model's name."""
+    at its commit, the files to fetch, what the model is and needs (read from
+    its files' headers), and its name. Kept on the pull's row as JSON: the
+    worker that downloads reads it back (unknown keys refused)."""
 
-    repo: HubRepo
-    file: HubFile
-    facts: GgufFacts
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str
+    repo_id: str
+    commit: str
+    files: tuple[HubFile, ...]
     name: str
+    format: str
+    task: str
+    # The model's path under its repository's folder: its GGUF file's name,
+    # or "" for the folder itself (a transformers repository).
+    model_file: str = ""
+    projector: str = ""  # the vision projector's file name, one of `files`
+    architecture: str = ""
+    context_length: int = 0
+    needs_mib: float = 0.0  # served at its default context, one slot
+    # A transformers model's parameters by safetensors dtype (F32, BF16 ...),
+    # from its weights' headers; {} for a GGUF file or .bin weights.
+    parameters: dict[str, int] = Field(default_factory=dict)
+    # An https:// source's address: its one file comes from there, not the Hub.
+    url: str = ""
+
+    @property
+    def repo(self) -> HubRepo:
+        """The repository at the plan's commit, as far as the plan fetches it."""
+        return HubRepo(repo_id=self.repo_id, commit=self.commit, files=self.files)
+
+    @property
+    def size(self) -> int:
+        """Bytes to download, every file together."""
+        return sum(f.size for f in self.files)
+
+    def path(self, models_dir: Path) -> Path:
+        """Where the model is once pulled: its file, or its folder."""
+        folder = model_folder(models_dir, self.repo_id)
+        return folder / self.model_file if self.model_file else folder
 
 
 def pull_plan(
@@ -203,22 +326,112 @@ def pull_plan(
     *,
     name: str = "",
     revision: str = "main",
+    sha256: str = "",
     endpoint: str | None = None,
     token: str | bool | None = None,
 ) -> PullPlan:
-    """Read what `source` names (hf:ORG/REPO[:QUANT | /FILE]) and check the
-    model's name is free; HubError (400 a bad source, 404, 401, 409 a name
-    taken) before anything is downloaded."""
+    """Read what `source` names (hf:ORG/REPO[:QUANT | /FILE]: a GGUF file, or
+    with neither a repository without GGUF files, a transformers or
+    sentence-transformers model; or https://HOST/PATH/NAME.gguf) and check
+    the model's name is free; HubError (400 a bad source, 404, 401, 409 a
+    name taken) before anything is downloaded. `sha256` is for a source that
+    does not publish one (an https:// address, where it is required); the
+    Hub's own is checked."""
+    if is_url(source):
+        return _url_plan(source, name=name, sha256=url_checked(source, sha256))
     found = SOURCE.match(source)
     if found is None:
-        raise HubError(400, f"{source!r} is not hf:ORG/REPO[:QUANTIZATION | /FILE]")
+        raise HubError(
+            400,
+            f"{source!r} is not hf:ORG/REPO[:QUANTIZATION | /FILE] nor an "
+            "https:// address",
+        )
+    if sha256:
+        raise HubError(400, "the Hub publishes each file's SHA-256: give none")
     repo = hub_repo(found["repo"], revision, endpoint=endpoint, token=token)
-    file = repo.gguf_file(found["quant"] or found["file"] or "")
+    wanted = found["quant"] or found["file"] or ""
+    if not wanted and not repo.gguf_files():
+        return _folder_plan(source, repo, name=name, endpoint=endpoint, token=token)
+    file = repo.gguf_file(wanted)
     name = name or default_name(repo.repo_id, file)
+    name_free(name)
+    facts = gguf_facts(repo, file, endpoint=endpoint, token=token)
+    projector = repo.projector()
+    return PullPlan(
+        source=source,
+        repo_id=repo.repo_id,
+        commit=repo.commit,
+        files=(file, projector) if projector else (file,),
+        name=name,
+        format=ModelFormat.GGUF,
+        task=facts.task,
+        model_file=file.name,
+        projector=projector.name if projector else "",
+        architecture=facts.architecture,
+        context_length=facts.context_length,
+        needs_mib=facts.needs_mib(),
+    )
+
+
+def _folder_plan(
+    source: str,
+    repo: HubRepo,
+    *,
+    name: str,
+    endpoint: str | None,
+    token: str | bool | None,
+) -> PullPlan:
+    """The plan of a transformers or sentence-transformers repository: its
+    allowed files, the model being the folder they land in (hub_folders)."""
+    name = name or repo.repo_id.rsplit("/", 1)[-1].lower()
+    name_free(name)
+    facts = folder_facts(repo, endpoint=endpoint, token=token)
+    return PullPlan(
+        source=source,
+        repo_id=repo.repo_id,
+        commit=repo.commit,
+        files=facts.files,
+        name=name,
+        format=facts.format,
+        task=facts.task,
+        architecture=facts.architecture,
+        context_length=facts.context_length,
+        needs_mib=facts.needs_mib,
+        parameters=facts.parameters,
+    )
+
+
+def _url_plan(source: str, *, name: str, sha256: str) -> PullPlan:
+    """The plan of a GGUF file at an address (pull_url): its size and header
+    read before the download, its folder named after the address."""
+    name = name or url_name(source)
+    name_free(name)
+    file = url_file(source, sha256)
+    facts = url_facts(source, file)
+    return PullPlan(
+        source=source,
+        repo_id=url_folder(source),
+        commit="",
+        files=(file,),
+        name=name,
+        format=ModelFormat.GGUF,
+        task=facts.task,
+        model_file=file.name,
+        architecture=facts.architecture,
+        context_length=facts.context_length,
+        needs_mib=facts.needs_mib(),
+        url=source,
+    )
+
+
+def name_free(name: str) -> None:
+    """HubError (409) when a model or a pull in flight has the name."""
+    from .models import PULL_OPEN, ModelPull
+
     if ModelConfig.objects.filter(name=name).exists():
         raise HubError(409, f"a model named {name} exists: give another (--name)")
-    facts = gguf_facts(repo, file, endpoint=endpoint, token=token)
-    return PullPlan(repo=repo, file=file, facts=facts, name=name)
+    if ModelPull.objects.filter(name=name, status__in=PULL_OPEN).exists():
+        raise HubError(409, f"a pull of a model named {name} is under way")
 
 
 def default_name(repo_id: str, file: HubFile) -> str:
@@ -227,20 +440,66 @@ def default_name(repo_id: str, file: HubFile) -> str:
     return f"{base}:{file.quantization.lower()}" if file.quantization else base
 
 
+def pull_files(
+    plan: PullPlan,
+    models_dir: Path,
+    *,
+    progress: Callable[[Progress], None] | None = None,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+    margin_bytes: int = DISK_MARGIN_BYTES,
+) -> Path:
+    """Every file of the plan in its place (pull_file, one after another,
+    progress counted over all of them); the model's path."""
+    started = time.monotonic()
+    before = 0
+    for file in plan.files:
+
+        def counted(step: Progress, before: int = before) -> None:
+            if progress is not None:
+                progress(
+                    Progress(before + step.done, plan.size, time.monotonic() - started)
+                )
+
+        pull_file(
+            plan.repo,
+            file,
+            models_dir,
+            progress=counted,
+            endpoint=endpoint,
+            token=token,
+            margin_bytes=margin_bytes,
+            url=plan.url,
+        )
+        before += file.size
+    if progress is not None:
+        progress(Progress(plan.size, plan.size, time.monotonic() - started))
+    return plan.path(models_dir)
+
+
 def pull_record(plan: PullPlan, path: Path) -> ModelConfig:
-    """The pulled model's row (its format, and its task read from its file)
-    and its inspection queued; ValidationError for a row the catalog refuses."""
+    """The pulled model's row (its format, and its task read from its file;
+    its projector beside it) and its inspection queued; ValidationError for a
+    row the catalog refuses."""
     models_dir = Path(settings.MODELS_DIR)
-    # Under the models directory: relative, as every node's copy is found.
-    relative = path.is_relative_to(models_dir)
+    projector = path.parent / plan.projector if plan.projector else None
     model = ModelConfig(
         name=plan.name,
-        format=ModelFormat.GGUF,
-        path=str(path.relative_to(models_dir) if relative else path),
-        task=plan.facts.task,
+        format=plan.format,
+        path=_under(models_dir, path),
+        projector=_under(models_dir, projector) if projector else "",
+        task=plan.task,
     )
     model.full_clean()
     with transaction.atomic():
         model.save()
         model_inspection_queue(model=model)
     return model
+
+
+def _under(models_dir: Path, path: Path) -> str:
+    """The path relative to the models directory when it is under it (as
+    every node's copy is found), else as it is."""
+    return str(
+        path.relative_to(models_dir) if path.is_relative_to(models_dir) else path
+    )

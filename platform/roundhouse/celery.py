@@ -4,7 +4,7 @@ a worker builds its long-lived parts when it starts."""
 import os
 
 from celery import Celery
-from celery.signals import worker_init
+from celery.signals import celeryd_after_setup, worker_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "roundhouse.settings")
 
@@ -23,3 +23,18 @@ def _worker_start(**_: object) -> None:
 
     front_gateway.start()
     usage_writer.start()
+
+
+@celeryd_after_setup.connect
+def _node_queues(sender: str, instance, **_: object) -> None:
+    """A worker on a node of a cluster (its host joined: the node's identity
+    is in the run dir) also takes the pulls that must run on that node
+    (catalog.pull_jobs.pull_queue_name), besides the queues it was given."""
+    from django.conf import settings
+
+    from catalog.pull_jobs import pull_queue_name
+    from cluster.identity import identity_read
+
+    identity = identity_read(settings.RUN_DIR)
+    if identity is not None:
+        instance.app.amqp.queues.select_add(pull_queue_name(identity.name))

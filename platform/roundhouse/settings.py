@@ -276,6 +276,8 @@ CELERY_BEAT_SCHEDULE = {
     # Batches whose worker is gone (killed on another host: its lease expired)
     # are queued again. A worker queues them itself when it starts.
     "resume-batches": {"task": "batches.resume", "schedule": 60.0},
+    # Model pulls likewise (catalog.pull_jobs.pulls_resume).
+    "resume-pulls": {"task": "catalog.resume_pulls", "schedule": 60.0},
 }
 # A worker takes one message at a time: a long batch does not hold back
 # messages another worker could take.
@@ -311,6 +313,9 @@ LOGGING = {
     },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": "INFO"},
+    # The Hub client's transport logs every request at INFO: a pull's own
+    # progress says more, in one line.
+    "loggers": {"httpx2": {"level": "WARNING"}},
 }
 
 # ROUNDHOUSE_ADMIN_USER / ROUNDHOUSE_ADMIN_PASSWORD: the demo staff user that

@@ -13,11 +13,11 @@ from tests.platform.live import database_url
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture
-def worker(transactional_db, tmp_path):
+def start_worker(log: Path) -> subprocess.Popen:
     """A worker on the broker the settings choose (kombu's filesystem transport
     in the run dir by default, Redis when REDIS_URL is set), against the test
-    database and the models directory the settings name when it starts."""
+    database and the models directory the settings name now, its output in
+    `log` (appended)."""
     env = {
         **os.environ,
         "DATABASE_URL": database_url(),
@@ -27,9 +27,8 @@ def worker(transactional_db, tmp_path):
         "SECRET_KEY": "worker-tests-not-secret",
         "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
     }
-    log = tmp_path / "worker.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
+    with log.open("ab") as out:
+        return subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "roundhouse", "worker"]
             + ["--pool", "solo", "--loglevel", "INFO"],
             cwd=ROOT,
@@ -37,10 +36,21 @@ def worker(transactional_db, tmp_path):
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    yield process, log
+
+
+def stop_worker(process: subprocess.Popen) -> None:
     process.terminate()
     try:
         process.wait(30)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(10)
+
+
+@pytest.fixture
+def worker(transactional_db, tmp_path):
+    """A worker process (start_worker) for the test, stopped after it."""
+    log = tmp_path / "worker.log"
+    process = start_worker(log)
+    yield process, log
+    stop_worker(process)

@@ -129,3 +129,25 @@ def test_a_revision_that_moves_mid_pull_keeps_the_pinned_commit(hub, weights, tm
         again, new, tmp_path, endpoint=hub.url, token=False, margin_bytes=0
     )
     assert path.read_bytes() == moved
+
+
+def test_the_hash_kept_while_writing_follows_a_restart_from_the_first_byte(tmp_path):
+    """What an earlier pull left is hashed first; when a server answers a
+    range request with the whole file, the client truncates the partial file
+    and writes from the start: the hash starts over with it. Control: the
+    digest equals a read of the file, each time."""
+    from catalog.pull import _Hashing
+
+    path = tmp_path / "f.partial"
+    path.write_bytes(b"old-part")
+    with open(path, "ab") as out:
+        hashed = _Hashing(out, path)
+        hashed.write(b"-more")
+        out.flush()
+        assert hashed.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+        resumed_from = path.stat().st_size  # a later try, from 13 bytes: a 200
+        hashed.seek(max(hashed.tell() - resumed_from, 0))  # as http_get does
+        hashed.truncate()
+        hashed.write(b"whole file")
+    assert path.read_bytes() == b"whole file"
+    assert hashed.hexdigest() == hashlib.sha256(b"whole file").hexdigest()

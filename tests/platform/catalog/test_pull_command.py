@@ -86,3 +86,13 @@ def test_a_pulled_model_answers_a_chat(hub, tmp_path):
     finally:
         engine.stop()
     assert answer.text.strip() and answer.usage.completion_tokens > 0
+
+
+def test_an_unknown_node_is_refused_before_anything_is_queued(hub):
+    """Control: with no --node, the same source is pulled here."""
+    from catalog.models import ModelPull
+
+    with pytest.raises(CommandError, match="no node named nowhere"):
+        call_command("pull", f"hf:{REPO}:Q4_1", "--node", "nowhere")
+    assert not ModelPull.objects.exists()
+    assert hub.bytes_served(REPO, "smol.Q4_1.gguf") == 0
