@@ -5,15 +5,27 @@ warnings): the catalog does not depend on the fleet."""
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import HttpRequest, HttpResponseRedirect, JsonResponse
+from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
-from django.urls import reverse
+from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
+from django.views.decorators.http import require_POST
 
 from engines.inspection.messages import QUANTIZATIONS
 
 from .inspection import template_facts
-from .models import ModelConfig
+from .models import PULL_OPEN, ModelConfig, ModelPull
+from .pull_jobs import pull_cancel
+from .pull_progress import (
+    left_text,
+    percent_text,
+    plan_text,
+    progress_text,
+    pull_progress,
+    rate_text,
+)
 from .selectors import model_config_problems
 from .services import (
     model_inspection_queue,
@@ -392,3 +404,175 @@ def _comparison_html(comparison: dict, original_name: str, variant_name: str) ->
         comparison.get("prompts", "?"),
         comparison.get("max_tokens", "?"),
     )
+
+
+@admin.register(ModelPull)
+class ModelPullAdmin(admin.ModelAdmin):
+    """Pulls from the Hub: their progress (live on the change page: its
+    script polls `progress_view` every second), cancel for those who may
+    change them, and the model once done. Pulls start from Models -> Add from
+    Hugging Face or `manage.py pull`, not from an add form."""
+
+    list_display = [
+        "name",
+        "source",
+        "node",
+        "status",
+        "progress_percent",
+        "rate",
+        "time_left",
+        "created_at",
+    ]
+    list_filter = ["status", "node"]
+    search_fields = ["name", "source"]
+    actions = ["cancel_pulls"]
+    change_form_template = "admin/catalog/modelpull/change_form.html"
+    fields = [
+        "name",
+        "source",
+        "revision",
+        "node",
+        "status_live",
+        "progress",
+        "model_link",
+        "plan_summary",
+        "requested_by",
+        "created_at",
+        "started_at",
+        "finished_at",
+    ]
+    readonly_fields = fields
+
+    class Media:
+        js = ["catalog/pull_progress.js"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        return [
+            path(
+                "<path:object_id>/progress/",
+                view(self.progress_view),
+                name="catalog_modelpull_progress",
+            ),
+            path(
+                "<path:object_id>/cancel/",
+                view(require_POST(self.cancel_view)),
+                name="catalog_modelpull_cancel",
+            ),
+            *super().get_urls(),
+        ]
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        """Read-only: no save buttons; a cancel button while the pull is open
+        (change permission)."""
+        pull = self.get_object(request, object_id)
+        extra = {
+            "title": "Model pull",
+            "show_save": False,
+            "show_save_and_continue": False,
+            "show_save_and_add_another": False,
+            "can_cancel": pull is not None
+            and pull.status in PULL_OPEN
+            and self.has_change_permission(request, pull),
+            **(extra_context or {}),
+        }
+        return super().change_view(request, object_id, form_url, extra)
+
+    def progress_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
+        """The pull's progress as JSON, for its page's script."""
+        pull = get_object_or_404(
+            ModelPull.objects.select_related("model"), pk=object_id
+        )
+        if not self.has_view_permission(request, pull):
+            raise PermissionDenied
+        return JsonResponse({**pull_progress(pull), "model_url": _model_url(pull)})
+
+    def cancel_view(self, request: HttpRequest, object_id: str):
+        """Cancel the pull (change permission), back to its page."""
+        pull = get_object_or_404(ModelPull, pk=object_id)
+        if not self.has_change_permission(request, pull):
+            raise PermissionDenied
+        self._cancel(request, [pull])
+        return HttpResponseRedirect(
+            reverse("admin:catalog_modelpull_change", args=[pull.pk])
+        )
+
+    @admin.action(description="Cancel the selected pulls", permissions=["change"])
+    def cancel_pulls(self, request, queryset) -> None:
+        self._cancel(request, list(queryset))
+
+    def _cancel(self, request, pulls: list[ModelPull]) -> None:
+        """pull_cancel each open pull; say which were asked to stop."""
+        open_pulls = [pull for pull in pulls if pull.status in PULL_OPEN]
+        for pull in open_pulls:
+            pull_cancel(pull=pull)
+            self.log_change(request, pull, "Cancel requested.")
+        if not open_pulls:
+            self.message_user(
+                request, "No open pull to cancel: they had ended.", messages.WARNING
+            )
+            return
+        self.message_user(
+            request,
+            f"Cancelled {', '.join(pull.name for pull in open_pulls)}: a running "
+            "pull stops at its next progress write and its partial files are "
+            "removed.",
+            messages.SUCCESS,
+        )
+
+    @admin.display(description="progress", ordering="done_bytes")
+    def progress_percent(self, pull: ModelPull) -> str:
+        return percent_text(pull)
+
+    @admin.display(description="rate")
+    def rate(self, pull: ModelPull) -> str:
+        return rate_text(pull.rate_bps) if pull.status in PULL_OPEN else "—"
+
+    @admin.display(description="time left")
+    def time_left(self, pull: ModelPull) -> str:
+        return left_text(pull.left_s) if pull.status in PULL_OPEN else "—"
+
+    @admin.display(description="status")
+    def status_live(self, pull: ModelPull) -> str:
+        """Its status and last message (the script keeps them current)."""
+        return format_html(
+            '<span id="pull-status">{}</span> <span id="pull-message">{}</span>',
+            pull.status,
+            pull.message,
+        )
+
+    @admin.display(description="downloaded")
+    def progress(self, pull: ModelPull) -> str:
+        """A bar and its figures; the script polls the progress URL."""
+        return format_html(
+            '<div id="pull-progress" data-url="{}">'
+            '<progress id="pull-bar" max="{}" value="{}"></progress> '
+            '<span id="pull-text">{}</span></div>',
+            reverse("admin:catalog_modelpull_progress", args=[pull.pk]),
+            max(pull.size_bytes, 1),
+            pull.done_bytes,
+            progress_text(pull),
+        )
+
+    @admin.display(description="model")
+    def model_link(self, pull: ModelPull) -> str:
+        url = _model_url(pull)
+        if not url:
+            return format_html('<span id="pull-model">{}</span>', "not yet: once done")
+        return format_html(
+            '<span id="pull-model"><a href="{}">{}</a></span>', url, pull.model.name
+        )
+
+    @admin.display(description="what it resolved to")
+    def plan_summary(self, pull: ModelPull) -> str:
+        return plan_text(pull.plan)
+
+
+def _model_url(pull: ModelPull) -> str:
+    """The pulled model's admin page ("" before it is done)."""
+    if pull.model_id is None:
+        return ""
+    return reverse("admin:catalog_modelconfig_change", args=[pull.model_id])

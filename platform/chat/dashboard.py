@@ -11,6 +11,11 @@ the in-memory defaults each process feeds its own sockets.
 Each update carries a sample per engine (tokens/s from the engine's token
 counter, queue depth, memory), kept for the last HISTORY_S seconds so that a
 dashboard opened now starts with the last minutes charted.
+
+Beside the engines, the fleet sent (dashboard_fleet) carries each node's disk
+for models (fleet/disk.py: from its heartbeat, or this host's own on one host,
+measured at most every 30 s) and the model pulls in progress: one more small
+query each, once a second.
 """
 
 import asyncio
@@ -27,6 +32,8 @@ from django.core.cache import cache
 
 from api.calls import spawn
 from api.parts import Part
+from catalog.models import PULL_OPEN, ModelPull
+from fleet.disk import disks_overview
 from fleet.selectors import fleet_overview
 
 log = logging.getLogger("roundhouse.chat")
@@ -38,6 +45,37 @@ HISTORY_S = 600
 LEASE_KEY = "dashboard:feed"
 LEASE_S = 3
 FORBIDDEN = 4403
+
+
+def pulls_in_progress() -> list[dict]:
+    """The model pulls queued or running, oldest first: name, node, status,
+    bytes done of the size, percent, rate (bytes/s) and seconds left."""
+    rows = ModelPull.objects.filter(status__in=PULL_OPEN).order_by("created_at")
+    return [
+        {
+            "name": pull.name,
+            "source": pull.source,
+            "node": pull.node,
+            "status": pull.status,
+            "done_bytes": pull.done_bytes,
+            "size_bytes": pull.size_bytes,
+            "percent": round(100 * pull.fraction, 1),
+            "rate_bps": pull.rate_bps,
+            "left_s": pull.left_s,
+        }
+        for pull in rows
+    ]
+
+
+def dashboard_fleet() -> dict:
+    """What the dashboard shows (JSON-ready): the fleet (fleet_overview), the
+    disks for models (each node's, or this host's) and the pulls in
+    progress."""
+    return {
+        **fleet_overview(),
+        "disks": disks_overview(),
+        "pulls": pulls_in_progress(),
+    }
 
 
 class FleetFeed:
@@ -81,7 +119,7 @@ class FleetFeed:
             try:
                 layer = get_channel_layer()
                 if await self._leased():
-                    fleet = await database_sync_to_async(fleet_overview)()
+                    fleet = await database_sync_to_async(dashboard_fleet)()
                     self.last = fleet
                     await layer.group_send(
                         GROUP,
@@ -156,7 +194,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         self.watching = True
         feed = fleet_feed()
         feed.watch()
-        fleet = feed.last or await database_sync_to_async(fleet_overview)()
+        fleet = feed.last or await database_sync_to_async(dashboard_fleet)()
         await self._send(
             {"type": "fleet", "fleet": fleet, "history": list(feed.samples)}
         )

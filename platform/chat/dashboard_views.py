@@ -25,14 +25,13 @@ from api.gateway import front_gateway
 from catalog.models import ModelConfig
 from engines.wire.client import AsyncEngineClient, EngineError, EngineUnreachable
 from fleet.models import EngineSpec
-from fleet.selectors import fleet_overview
 from fleet.services import (
     engine_model_load,
     engine_model_unload,
     engine_restart_request,
 )
 
-from .dashboard import dashboard_notice
+from .dashboard import dashboard_fleet, dashboard_notice
 
 # The permission each order needs: to change what it is recorded on.
 RESTART_PERMISSION = "fleet.change_enginespec"
@@ -49,7 +48,7 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "chat/dashboard.html",
-        {"fleet": fleet_overview(), "allowed": allowed},
+        {"fleet": dashboard_fleet(), "allowed": allowed},
     )
 
 

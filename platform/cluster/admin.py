@@ -7,7 +7,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.db import connection
 from django.http import HttpRequest
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.timezone import now
 
 from .models import ClusterSettings, Node
@@ -94,6 +94,15 @@ def join_command(node: Node, token: str) -> str:
     )
 
 
+def mib_text(mib: float) -> str:
+    """`312 MiB`, `1.2 GiB`, `0.5 MiB`."""
+    if mib < 1:
+        return f"{mib:.1f} MiB"
+    if mib < 1024:
+        return f"{mib:.0f} MiB"
+    return f"{mib / 1024:.1f} GiB"
+
+
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
     list_display = [
@@ -104,6 +113,7 @@ class NodeAdmin(admin.ModelAdmin):
         "engine_list",
         "heartbeat_age",
         "hardware_summary",
+        "disk_free",
         "version",
         "link_security",
     ]
@@ -120,6 +130,7 @@ class NodeAdmin(admin.ModelAdmin):
             "joined_at",
             "last_heartbeat",
             "hardware",
+            "disk",
             "copy_progress",
             "loop_error_list",
             "peer_links",
@@ -209,9 +220,57 @@ class NodeAdmin(admin.ModelAdmin):
         if not hw:
             return "—"
         text = f"{hw.get('cores', '?')} cores, {hw.get('ram_mib', 0) / 1024:.0f} GiB"
+        if "ram_free_mib" in hw:
+            text += f" ({hw['ram_free_mib'] / 1024:.1f} GiB free)"
         for gpu in hw.get("gpus", []):
             text += f", {gpu.get('vendor', 'gpu')} {gpu.get('memory_mib', 0)} MiB"
+            if "free_mib" in gpu:
+                text += f" ({gpu['free_mib']} MiB free)"
         return text
+
+    @admin.display(description="models disk free")
+    def disk_free(self, node: Node) -> str:
+        """The free room of its models directory's disk, from its heartbeat."""
+        disk = (node.hardware or {}).get("disk") or {}
+        if "free_mib" not in disk:
+            return "—"
+        return f"{mib_text(disk['free_mib'])} of {mib_text(disk['total_mib'])}"
+
+    @admin.display(description="models disk")
+    def disk(self, node: Node) -> str:
+        """Its models directory as its heartbeat last reported it (measured
+        there at most every 30 s): the disk used and free, and what each
+        model's files take there."""
+        disk = (node.hardware or {}).get("disk") or {}
+        if not disk:
+            return "not reported yet (the node's heartbeat sends it)"
+        if "free_mib" not in disk:
+            return disk.get("error") or "not readable"
+        summary = format_html(
+            "<p>{}: {} used, {} free of {}</p>",
+            disk.get("models_dir", "models directory"),
+            mib_text(disk["used_mib"]),
+            mib_text(disk["free_mib"]),
+            mib_text(disk["total_mib"]),
+        )
+        models = sorted((disk.get("models") or {}).items())
+        rows = format_html_join(
+            "", "<tr><td>{}</td><td>{}</td></tr>", ((n, mib_text(m)) for n, m in models)
+        )
+        table = (
+            format_html(
+                '<table class="node-disk"><tr><th>model</th><th>files</th></tr>{}'
+                "</table>",
+                rows,
+            )
+            if models
+            else format_html("<p>{}</p>", "No catalog model has files here.")
+        )
+        unreadable = sorted((disk.get("unreadable") or {}).items())
+        problems = format_html_join(
+            "", "<p>{} could not be measured: {}</p>", unreadable
+        )
+        return format_html("{}{}{}", summary, table, problems)
 
     @admin.display(description="model copies")
     def copy_progress(self, node: Node) -> str:

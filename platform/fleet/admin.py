@@ -11,7 +11,9 @@ from catalog.models import ModelConfig
 from catalog.selectors import model_pin_problem
 from routing.compat import pin_problem
 
+from .disk_admin import ModelFilesAdmin
 from .forms import EngineNameInput, EngineSpecForm
+from .hub_admin import hub_urls
 from .models import (
     ConcurrencyOverride,
     ConcurrencySettings,
@@ -149,14 +151,20 @@ admin.site.unregister(ModelConfig)
 
 
 @admin.register(ModelConfig)
-class PlacedModelConfigAdmin(ModelConfigAdmin):
+class PlacedModelConfigAdmin(ModelFilesAdmin, ModelConfigAdmin):
     """The catalog's model admin with placement: engine names suggested for the
     pin, pin status and owner engine columns, and a warning on save about a pin
-    the fleet cannot honour (unknown, disabled or incompatible engine)."""
+    the fleet cannot honour (unknown, disabled or incompatible engine); and
+    this host's disk (fleet/disk_admin.py): what each model's files take
+    here, and deleting them from this host."""
 
-    list_display = _inserted_after(
-        ModelConfigAdmin.list_display, "engine_pin", "pin_status", "owner"
-    )
+    list_display = [
+        *_inserted_after(
+            ModelConfigAdmin.list_display, "engine_pin", "pin_status", "owner"
+        ),
+        "files_here",
+    ]
+    actions = [*ModelConfigAdmin.actions, "files_delete_here"]
     readonly_fields = [
         *ModelConfigAdmin.readonly_fields,
         "owner_engine",
@@ -172,6 +180,10 @@ class PlacedModelConfigAdmin(ModelConfigAdmin):
         )
         for name, options in ModelConfigAdmin.fieldsets
     ]
+
+    def get_urls(self):
+        """Its own, and Add from Hugging Face (hub_admin: the fit reads engines)."""
+        return [*hub_urls(self), *super().get_urls()]
 
     def formfield_for_dbfield(self, db_field, request, **kwargs):
         if db_field.name == "engine_pin":

@@ -67,6 +67,7 @@ from engines.wire.client import EngineUnreachable, connection_file, read_connect
 from routing.placement import copy_sources
 from routing.select import Snapshot
 
+from .disk import disk_report
 from .loop_errors import LoopErrors
 from .model_copies import ModelCopies
 from .outages import OutageClock
@@ -89,24 +90,30 @@ UNAVAILABLE = (DatabaseError, InterfaceError)
 
 
 def hardware_now() -> dict:
-    """What this host has: cores, RAM, and GPUs with their memory (from the
-    probes the engines use: nvidia-smi, sysfs, or the test's file)."""
+    """What this host has: cores, RAM (and how much is available), GPUs with
+    their memory total and free (from the probes the engines use: nvidia-smi,
+    sysfs, or the test's file), and its disk for models (fleet/disk.py:
+    measured at most every 30 s; a model that cannot be read is left out)."""
     cards = [
         card
         for probe in default_memory_probes(settings.ROUNDHOUSE_DEVICE_MEMORY_FILE)
         for card in probe.read()
     ]
+    memory = psutil.virtual_memory()
     return {
         "cores": psutil.cpu_count() or 0,
-        "ram_mib": round(psutil.virtual_memory().total / 2**20),
+        "ram_mib": round(memory.total / 2**20),
+        "ram_free_mib": round(memory.available / 2**20),
         "gpus": [
             {
                 "names": sorted(card.names),
                 "vendor": card.vendor,
                 "memory_mib": round(card.total_mib),
+                "free_mib": round(card.free_mib),
             }
             for card in cards
         ],
+        "disk": disk_report(),
     }
 
 
@@ -304,6 +311,7 @@ class Membership:
             close_old_connections()
             node_heartbeat(
                 identity=self.identity,
+                hardware=hardware_now(),
                 copies=self.copies.report(),
                 loop_errors=self.errors.report(),
                 reaches=reckoning.failing_s if reckoning is not None else None,

@@ -6,13 +6,17 @@ Without /usr/bin/chromium these tests are skipped, unless
 ROUNDHOUSE_REQUIRE_BROWSER is set (CI sets it, and installs chromium)."""
 
 import re
+from datetime import timedelta
 
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
+from django.utils import timezone
 from playwright.sync_api import expect
 
 from api.models import Usage
+from catalog.leases import worker_identity
+from catalog.models import ModelPull
 from chat.models import Conversation, Message
 from fleet.models import EngineState
 from tests.platform import live_platform
@@ -194,3 +198,42 @@ def test_dashboard_shows_the_engine_and_restarts_it(page, live):
     )
     expect(card.locator("dd").first).to_have_text(str(new_pid))
     expect(card.locator(".badge")).to_have_text("ready")
+
+
+def test_dashboard_shows_this_hosts_disk_and_the_pulls_in_progress(
+    page, live, models_dir_path
+):
+    """One host: a Disk line with the models directory's used and free room
+    and the chat model's files with their size; a pull running shows with
+    its percent, and is gone once it is over (control: the list follows the
+    rows, it is not painted once)."""
+    gguf = models_dir_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    mib = int(round(gguf.stat().st_size / 2**20, 2) + 0.5)  # as the page rounds
+    pull = ModelPull.objects.create(
+        source="hf:org/repo-GGUF:Q4_K_M",
+        name="pulled-now",
+        status="running",
+        size_bytes=100 << 20,
+        done_bytes=45 << 20,
+        rate_bps=5 << 20,
+        left_s=11,
+        # Held by this live process: no worker of the platform resumes it.
+        lease_owner=worker_identity(),
+        lease_until=timezone.now() + timedelta(hours=1),
+    )
+    try:
+        page.goto(f"{live.base_url}/dashboard/")
+        expect(page.locator("#connection")).to_have_text("live")
+        disk = page.locator('p.disk[data-disk-node=""]')
+        expect(disk).to_contain_text("(this host)")
+        expect(disk).to_contain_text("free of")
+        expect(disk).to_contain_text(f"{CHAT} {mib} MiB")
+        row = page.locator('li.pull[data-pull="pulled-now"]')
+        expect(row).to_contain_text("running")
+        expect(row).to_contain_text("45% of 100 MiB")
+        expect(row).to_contain_text("5 MiB/s")
+        expect(row).to_contain_text("11 s left")
+        ModelPull.objects.filter(pk=pull.pk).update(status="done")
+        expect(row).to_have_count(0)
+    finally:
+        ModelPull.objects.filter(pk=pull.pk).delete()

@@ -1,6 +1,7 @@
 // The fleet dashboard: one card per engine, kept live by /ws/dashboard/
 // (the front pushes the fleet about once a second), with restart, load and
-// unload buttons (POSTs with the CSRF token; the admin's history records them).
+// unload buttons (POSTs with the CSRF token; the admin's history records them);
+// each node's disk for models (or this host's), and the model pulls in progress.
 "use strict";
 
 (function () {
@@ -35,6 +36,43 @@
     if (s < 60) return `${s} s`;
     if (s < 3600) return `${Math.floor(s / 60)} min ${s % 60} s`;
     return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+  }
+
+  function size(mib) {
+    if (mib == null) return "–";
+    if (mib < 1) return `${mib.toFixed(1)} MiB`;
+    if (mib < 1024) return `${Math.round(mib)} MiB`;
+    return `${(mib / 1024).toFixed(1)} GiB`;
+  }
+
+  // A disk for models, as fleet/disk.py reports it: {node, models_dir,
+  // total_mib, free_mib, used_mib, models: {name: MiB}}.
+  function diskLine(disk) {
+    const where = disk.node ? `node ${disk.node}` : "this host";
+    const line = el("p", { class: "disk", "data-disk-node": disk.node || "" }, el("strong", {}, "Disk "));
+    if (disk.total_mib == null) {
+      line.append(`(${where}): ${disk.error || "not reported yet"}`);
+      return line;
+    }
+    line.append(`(${where}): ${size(disk.used_mib)} used, ${size(disk.free_mib)} free of ${size(disk.total_mib)}`);
+    const models = Object.entries(disk.models || {}).sort(([a], [b]) => a.localeCompare(b));
+    line.append(models.length
+      ? ` · models: ${models.map(([name, mib]) => `${name} ${size(mib)}`).join(", ")}`
+      : " · no model's files here");
+    return line;
+  }
+
+  // The pulls queued or running (catalog ModelPull rows).
+  function pullsList() {
+    const pulls = fleet.pulls || [];
+    if (!pulls.length) return [];
+    const rows = pulls.map((pull) => el("li", { class: "pull", "data-pull": pull.name },
+      el("strong", {}, pull.name), ` ${pull.status}${pull.node ? ` on ${pull.node}` : ""} `,
+      el("progress", { max: 100, value: pull.percent }),
+      ` ${pull.percent}% of ${size(pull.size_bytes / 2 ** 20)}`,
+      pull.rate_bps ? ` · ${size(pull.rate_bps / 2 ** 20)}/s` : "",
+      pull.left_s != null ? ` · ${duration(pull.left_s)} left` : ""));
+    return [el("h2", { class: "pulls-heading" }, "Pulls in progress"), el("ul", { class: "pulls" }, ...rows)];
   }
 
   function flash(text, bad = false) {
@@ -162,19 +200,27 @@
 
   function draw() {
     const built = fleet.engines.map((engine) => ({ engine, ...card(engine) }));
-    const children = [];
+    const children = [...pullsList()];
     const clustered = (fleet.nodes || []).length > 0;
+    const disks = fleet.disks || [];
+    const diskOf = (name) => disks.find((d) => (d.node || "") === (name || ""));
+    if (!clustered && diskOf("")) children.push(diskLine(diskOf("")));
     let current = null;
     for (const b of built) {
       if (clustered && b.engine.node !== current) {
         current = b.engine.node;
         children.push(nodeHeading(current));
+        if (diskOf(current)) children.push(diskLine(diskOf(current)));
       }
       children.push(b.node);
     }
     if (clustered) {  // nodes without engines are shown too
       for (const node of fleet.nodes) {
-        if (!built.some((b) => b.engine.node === node.name)) children.push(nodeHeading(node.name), el("p", { class: "node-empty" }, "no engine configured on this node"));
+        if (!built.some((b) => b.engine.node === node.name)) {
+          children.push(nodeHeading(node.name));
+          if (diskOf(node.name)) children.push(diskLine(diskOf(node.name)));
+          children.push(el("p", { class: "node-empty" }, "no engine configured on this node"));
+        }
       }
     }
     cards.replaceChildren(...children);
