@@ -23,11 +23,16 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "is_revoked",
         "rpm_limit",
         "max_concurrent",
+        "manages_models",
         "request_count",
         "prompt_tokens_total",
         "completion_tokens_total",
     ]
-    list_filter = [("revoked_at", admin.EmptyFieldListFilter), "owner"]
+    list_filter = [
+        ("revoked_at", admin.EmptyFieldListFilter),
+        "manages_models",
+        "owner",
+    ]
     search_fields = ["name", "prefix", "owner__username"]
     list_select_related = ["owner"]
     filter_horizontal = ["allowed_models"]
@@ -39,6 +44,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "allowed_models",
         "rpm_limit",
         "max_concurrent",
+        "manages_models",
         "display_prefix",
         "created_at",
         "last_used_at",

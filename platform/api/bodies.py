@@ -302,6 +302,53 @@ class ModelList(Body):
     data: list[Model]
 
 
+class ModelDeleted(Body):
+    """A model deleted from the catalog (DELETE /v1/models/{name}), and the
+    bytes of its files freed on the host that answered."""
+
+    id: str
+    object: Literal["model"] = "model"
+    deleted: Literal[True] = True
+    bytes_freed: Count
+
+
+# -- /v1/pulls ----------------------------------------------------------------------
+
+PullState = Literal["queued", "running", "done", "failed", "cancelled"]
+
+
+class ModelPull(Body):
+    """A model being pulled from where models live (the Hugging Face Hub, an
+    https:// address) into the catalog: its progress, and once done the
+    model's name. Times are Unix seconds."""
+
+    id: int
+    object: Literal["model.pull"] = "model.pull"
+    source: str
+    name: str
+    node: str
+    status: PullState
+    size_bytes: Count
+    done_bytes: Count
+    rate_bytes_per_s: Annotated[float, Field(ge=0)]
+    seconds_left: Annotated[float, Field(ge=0)] | None
+    message: str
+    model: str | None
+    created_at: int
+    finished_at: int | None
+
+
+class ModelPullList(Body):
+    """A page of pulls, newest first: `has_more` says whether older ones
+    follow (ask again with `after` the page's `last_id`)."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelPull]
+    first_id: int | None
+    last_id: int | None
+    has_more: bool
+
+
 # -- errors -------------------------------------------------------------------------
 
 
@@ -329,5 +376,8 @@ RESPONSE_BODIES: tuple[type[Body], ...] = (
     CompletionChunk,
     CreateEmbeddingResponse,
     ModelList,
+    ModelDeleted,
+    ModelPull,
+    ModelPullList,
     ErrorResponse,
 )

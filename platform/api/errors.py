@@ -97,6 +97,17 @@ class ApiCode(enum.StrEnum):
     BATCH_RUN_FAILED = "batch_run_failed"
     KEY_REVOKED = "key_revoked"
     KEY_DELETED = "key_deleted"
+    # Managing models (/v1/pulls, DELETE /v1/models/{name}): a key without
+    # the right, a pull that does not exist, a source the Hub refused (by
+    # the Hub's status), a model still placed or loaded.
+    MODELS_NOT_MANAGED = "models_not_managed"
+    PULL_NOT_FOUND = "pull_not_found"
+    SOURCE_INVALID = "source_invalid"
+    SOURCE_GATED = "source_gated"
+    SOURCE_NOT_FOUND = "source_not_found"
+    MODEL_NAME_TAKEN = "model_name_taken"
+    HUB_FAILED = "hub_failed"
+    MODEL_IN_USE = "model_in_use"
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,10 @@ UNAUTHORIZED = Mapping(401, "invalid_request_error")
 NOT_FOUND = Mapping(404, "invalid_request_error")
 METHOD_NOT_ALLOWED = Mapping(405, "invalid_request_error")
 TOO_LARGE = Mapping(413, "invalid_request_error")
+FORBIDDEN = Mapping(403, "permission_error")
+CONFLICT = Mapping(409, "invalid_request_error")
+# The Hub failed (a pull's plan could not be read): not the caller's fault.
+HUB_FAILED = Mapping(502, "server_error")
 RATE_LIMITED = Mapping(429, "rate_limit_error", retry_after_s=1)
 # The database is unavailable: a key this process does not remember cannot be
 # checked, a fleet this process never read cannot be read.
@@ -167,6 +182,15 @@ STEP_ERRORS: dict[str, tuple[Mapping, ...]] = {
     "model": (NOT_FOUND, INVALID_REQUEST, DATABASE_UNAVAILABLE),
     "limits": (RATE_LIMITED,),
     "engine": (*ENGINE_ERRORS.values(), ENGINE_DIED, ENGINE_TIMEOUT, NO_ENGINE),
+    # Managing models: a key without the right to.
+    "manage": (FORBIDDEN,),
+    # A pull's source read before a byte (catalog.hub.HubError): a bad
+    # source, a gated repository, an unknown one, a name taken, the Hub failing.
+    "pull": (INVALID_REQUEST, UNAUTHORIZED, NOT_FOUND, CONFLICT, HUB_FAILED),
+    # A pull's id, or a model's name, that does not exist.
+    "lookup": (NOT_FOUND,),
+    # A model still placed or loaded somewhere.
+    "in_use": (CONFLICT,),
 }
 
 
@@ -248,4 +272,50 @@ def rate_limited(
         type=RATE_LIMITED.type,
         code=code,
         retry_after_s=max(1, int(retry_after_s)),
+    )
+
+
+def models_not_managed() -> ApiError:
+    """403: the key may not pull or delete models."""
+    return from_mapping(
+        FORBIDDEN,
+        "This API key may not manage models: an administrator can allow it "
+        "(the key's 'manages models' in the admin).",
+        code=ApiCode.MODELS_NOT_MANAGED,
+    )
+
+
+# A pull's refusal by the Hub's status (catalog.hub.HubError): the mapping and
+# the code; a status not listed is the Hub failing.
+HUB_REFUSALS: dict[int, tuple[Mapping, str]] = {
+    400: (INVALID_REQUEST, ApiCode.SOURCE_INVALID),
+    401: (UNAUTHORIZED, ApiCode.SOURCE_GATED),
+    404: (NOT_FOUND, ApiCode.SOURCE_NOT_FOUND),
+    409: (CONFLICT, ApiCode.MODEL_NAME_TAKEN),
+}
+
+
+def hub_refused(status: int, message: str) -> ApiError:
+    """The API error for a pull the Hub refused before a byte: its status
+    (400 a bad source, 401 gated, 404 unknown, 409 a name taken) with its
+    message; any other status is the Hub failing (502)."""
+    mapping, code = HUB_REFUSALS.get(status, (HUB_FAILED, ApiCode.HUB_FAILED))
+    param = "name" if status == 409 else "source"
+    return from_mapping(mapping, message, code=code, param=param)
+
+
+def pull_not_found(pull_id: str) -> ApiError:
+    return from_mapping(
+        NOT_FOUND, f"No such pull: {pull_id!r}.", code=ApiCode.PULL_NOT_FOUND
+    )
+
+
+def model_in_use(reason: str) -> ApiError:
+    """409: the model cannot be deleted while it is loaded or placed; the
+    reason says where."""
+    return from_mapping(
+        CONFLICT,
+        f"Not deleted: {reason}. Disable the model (or lower its replicas) and "
+        "delete it once no engine holds it.",
+        code=ApiCode.MODEL_IN_USE,
     )

@@ -41,6 +41,11 @@ class ApiKey(models.Model):
         default=0,
         help_text="Requests of this key in flight at once. 0: unlimited.",
     )
+    manages_models = models.BooleanField(
+        default=False,
+        help_text="May pull and delete models (the /v1/pulls and DELETE "
+        "/v1/models endpoints).",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(
         null=True,

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from . import bodies, errors
+from .pull_schemas import PullRequest
 from .schemas import ENDPOINT_SCHEMAS
 
 # Where a schema's references point: the document's components.
@@ -21,25 +22,76 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 
 # The steps of errors.STEP_ERRORS each endpoint runs, by path and method.
 GENERATION_STEPS = ("read", "method", "key", "body", "model", "limits", "engine")
+# Managing models (api.pulls): a key that may (403 otherwise); what changes
+# something is admitted in the key's limits.
+MANAGE_STEPS = ("read", "method", "key", "manage")
+PULL = "/v1/pulls/{pull_id}"
 ENDPOINT_STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     **{(path, "post"): GENERATION_STEPS for path in ENDPOINT_SCHEMAS},
     ("/v1/models", "get"): ("read", "method", "key"),
+    ("/v1/models/{name}", "delete"): (*MANAGE_STEPS, "limits", "lookup", "in_use"),
+    ("/v1/pulls", "post"): (*MANAGE_STEPS, "limits", "body", "pull"),
+    ("/v1/pulls", "get"): MANAGE_STEPS,
+    (PULL, "get"): (*MANAGE_STEPS, "lookup"),
+    (PULL, "delete"): (*MANAGE_STEPS, "limits", "lookup"),
+    (PULL + "/events", "get"): (*MANAGE_STEPS, "lookup"),
     ("/v1/openapi.json", "get"): ("read", "method"),
 }
+# The request bodies, by path and method.
+REQUEST_SCHEMAS: dict[tuple[str, str], type[BaseModel]] = {
+    **{(path, "post"): schema for path, schema in ENDPOINT_SCHEMAS.items()},
+    ("/v1/pulls", "post"): PullRequest,
+}
+# The parameters of paths and queries, by path and method.
+_PULL_ID = {
+    "name": "pull_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "integer", "minimum": 1},
+}
+PARAMETERS: dict[tuple[str, str], list[dict[str, Any]]] = {
+    ("/v1/models/{name}", "delete"): [
+        {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    ],
+    ("/v1/pulls", "get"): [
+        {
+            "name": "limit",
+            "in": "query",
+            "description": "Pulls per page (default 20).",
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+        },
+        {
+            "name": "after",
+            "in": "query",
+            "description": "The page after this pull id (a page's `last_id`).",
+            "schema": {"type": "integer", "minimum": 1},
+        },
+    ],
+    (PULL, "get"): [_PULL_ID],
+    (PULL, "delete"): [_PULL_ID],
+    (PULL + "/events", "get"): [_PULL_ID],
+}
+# A success status other than 200.
+SUCCESS_STATUS: dict[tuple[str, str], int] = {("/v1/pulls", "post"): 202}
 
 # What a status means, for its description. A status missing here is still
 # documented, under its standard phrase.
 STATUS_DESCRIPTIONS = {
     400: "Invalid request: the body (the message and `param` name the field), "
     "its Content-Length, or a model used on the wrong endpoint.",
-    401: "Missing, unknown or revoked API key.",
-    404: "Unknown model, or one the key may not use.",
+    401: "Missing, unknown or revoked API key (a pull: the repository is "
+    "gated and this host has no token for it).",
+    403: "The API key may not manage models (its 'manages models' is off).",
+    404: "Unknown model, or one the key may not use; an unknown pull, or a "
+    "pull's repository, file or revision.",
     405: "Wrong method; the Allow header names the right one.",
+    409: "A pull's model name is taken, or the model to delete is still "
+    "placed or loaded (the message says where).",
     413: "The body is over the size cap (ROUNDHOUSE_MAX_REQUEST_BYTES).",
     429: "The key is over its requests per minute or concurrent requests, the "
     "client over its requests with invalid keys, or the engine's queue is full.",
     500: "The engine failed to serve the request.",
-    502: "The engine failed mid-request.",
+    502: "The engine failed mid-request (a pull: the Hub failed).",
     503: "Unavailable for now (Retry-After says when to try again): no engine "
     "can serve the model (none serves its format, or all that do are down, "
     "cooling or short of memory), or the database is down and the API key is "
@@ -78,7 +130,32 @@ def _stream(chunk: type[bodies.Body]) -> dict[str, Any]:
     }
 
 
-RESULTS: dict[str, dict[str, Any]] = {
+def _progress_stream() -> dict[str, Any]:
+    """Server-Sent Events: each event's data is the pull as it is now."""
+    return {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "data": {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": _ref(bodies.ModelPull),
+                    }
+                },
+                "required": ["data"],
+            }
+        }
+    }
+
+
+def _json(body: type[bodies.Body]) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(body)}}
+
+
+# Each endpoint's answer when it succeeds (by path, and by path and method
+# where a path answers several).
+RESULTS: dict[str | tuple[str, str], dict[str, Any]] = {
     "/v1/chat/completions": {
         "description": "The completion (JSON), or with `stream` its chunks (SSE).",
         "content": {
@@ -106,6 +183,34 @@ RESULTS: dict[str, dict[str, Any]] = {
     "/v1/openapi.json": {
         "description": "This document.",
         "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+    ("/v1/models/{name}", "delete"): {
+        "description": "The model was deleted from the catalog, and its files "
+        "from this host.",
+        "content": _json(bodies.ModelDeleted),
+    },
+    ("/v1/pulls", "post"): {
+        "description": "The pull is queued (its source was read: it exists, "
+        "the name is free); follow it at /v1/pulls/{pull_id}/events.",
+        "content": _json(bodies.ModelPull),
+    },
+    ("/v1/pulls", "get"): {
+        "description": "A page of pulls, newest first.",
+        "content": _json(bodies.ModelPullList),
+    },
+    (PULL, "get"): {
+        "description": "The pull and its progress.",
+        "content": _json(bodies.ModelPull),
+    },
+    (PULL, "delete"): {
+        "description": "The pull, cancelled (a running one stops within a "
+        "second; a finished one is left as it is).",
+        "content": _json(bodies.ModelPull),
+    },
+    (PULL + "/events", "get"): {
+        "description": "The pull each time it changes, until it ends (done, "
+        "failed or cancelled).",
+        "content": _progress_stream(),
     },
 }
 
@@ -163,20 +268,21 @@ def _error_response(status: int, mappings: list[errors.Mapping]) -> dict[str, An
 
 
 def _operation(path: str, method: str) -> dict[str, Any]:
-    operation: dict[str, Any] = {
-        "operationId": path.strip("/").replace("/", "_").replace(".", "_"),
-    }
+    operation: dict[str, Any] = {"operationId": _operation_id(path, method)}
     steps = ENDPOINT_STEPS[(path, method)]
     if "key" in steps:
         operation["security"] = [{"bearer": []}]
-    schema = ENDPOINT_SCHEMAS.get(path)
+    if (path, method) in PARAMETERS:
+        operation["parameters"] = PARAMETERS[(path, method)]
+    schema = REQUEST_SCHEMAS.get((path, method))
     if schema is not None:
         operation["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": _ref(schema)}},
         }
+    success = str(SUCCESS_STATUS.get((path, method), 200))
     operation["responses"] = {
-        "200": RESULTS[path],
+        success: RESULTS.get((path, method)) or RESULTS[path],
         **{
             str(status): _error_response(status, mappings)
             for status, mappings in sorted(endpoint_errors(path, method).items())
@@ -185,11 +291,20 @@ def _operation(path: str, method: str) -> dict[str, Any]:
     return operation
 
 
+def _operation_id(path: str, method: str) -> str:
+    """The path's words joined by _ (the endpoints that share a path: with
+    their method first, get_v1_pulls)."""
+    words = path.strip("/").replace("{", "").replace("}", "")
+    name = words.replace("/", "_").replace(".", "_")
+    shared = sum(1 for other, _ in ENDPOINT_STEPS if other == path) > 1
+    return f"{method}_{name}" if shared else name
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The document (built once; callers must not change it)."""
     components: dict[str, Any] = {}
-    for schema in ENDPOINT_SCHEMAS.values():
+    for schema in REQUEST_SCHEMAS.values():
         _add_components(components, model_schemas(schema))
     for body in bodies.RESPONSE_BODIES:
         _add_components(components, body_schemas(body))

@@ -2,13 +2,17 @@
 
 from django.urls import path, re_path
 
-from . import views
+from . import pulls, views
 
 urlpatterns = [
     path("models", views.models),
+    path("models/<path:name>", pulls.model),
     path("chat/completions", views.chat_completions),
     path("completions", views.completions),
     path("embeddings", views.embeddings),
+    path("pulls", pulls.pulls),
+    path("pulls/<str:pull_id>", pulls.pull),
+    path("pulls/<str:pull_id>/events", pulls.pull_stream),
     path("openapi.json", views.openapi),
     re_path(r"^(?P<path>.*)$", views.not_found),
 ]

@@ -12,7 +12,6 @@ from asgiref.sync import sync_to_async
 from pydantic import BaseModel, ValidationError
 
 from api import bodies, errors, openapi
-from api.schemas import ENDPOINT_SCHEMAS
 from engines.wire.client import write_connection_file
 from routing.select import EngineStatus, ModelRoute, Snapshot
 from tests.engines.conftest import EMBEDDER, embedder_spec, start_engine
@@ -69,7 +68,7 @@ def test_the_response_schemas_are_the_models():
             assert schemas[name] == schema, name
             from_bodies.add(name)
     from_requests: set[str] = set()
-    for request in ENDPOINT_SCHEMAS.values():
+    for request in openapi.REQUEST_SCHEMAS.values():
         generated = request.model_json_schema(ref_template=openapi.REF_TEMPLATE)
         from_requests |= {request.__name__, *generated.get("$defs", {})}
     assert set(schemas) == from_bodies | from_requests

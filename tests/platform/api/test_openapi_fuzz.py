@@ -116,6 +116,12 @@ def test_the_document_loads_and_lists_every_endpoint(schema):
     assert operations == {
         *((path, "POST") for path in MODEL_ENDPOINTS),
         ("/v1/models", "GET"),
+        ("/v1/models/{name}", "DELETE"),
+        ("/v1/pulls", "POST"),
+        ("/v1/pulls", "GET"),
+        ("/v1/pulls/{pull_id}", "GET"),
+        ("/v1/pulls/{pull_id}", "DELETE"),
+        ("/v1/pulls/{pull_id}/events", "GET"),
     }
 
 
