@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from django import db
+from django.http import HttpRequest, HttpResponse
 from node_link.client import NodeUnreachable
 
 from engines.wire.client import (
@@ -187,6 +188,41 @@ async def admission_hold(
         raise errors.rate_limited(
             over.message, over.retry_after_s, code=over.code
         ) from None
+
+
+KeyedHandler = Callable[[HttpRequest, ApiKey], Awaitable[HttpResponse]]
+
+
+async def keyed_request(
+    request: HttpRequest,
+    handlers: dict[str, KeyedHandler],
+    *,
+    check: Callable[[ApiKey], None] | None = None,
+    refused: Callable[[errors.ApiError], HttpResponse] = errors.ApiError.response,
+) -> HttpResponse:
+    """The way in of an endpoint over resources (files, batches, pulls): the
+    method's check, the API key (and `check` of it, which raises an ApiError
+    for a key that may not), admission of anything but a GET, then the
+    method's handler; any failure as the API's error, framed by `refused`."""
+    handler = handlers.get(request.method or "")
+    if handler is None:
+        allowed = ", ".join(handlers)
+        response = errors.method_not_allowed(allowed, request.path).response()
+        response["Allow"] = allowed
+        return response
+    try:
+        key = await authenticate(
+            authorization=request.headers.get("Authorization"),
+            client=request.META.get("REMOTE_ADDR") or "unknown",
+        )
+        if check is not None:
+            check(key)
+        async with contextlib.AsyncExitStack() as held:
+            if request.method != "GET":
+                await admission_hold(held, Allowance.of_key(key))
+            return await handler(request, key)
+    except Exception as error:
+        return refused(api_error(error, what=f"{request.method} {request.path}"))
 
 
 async def with_engine(call: Call, attempt: Callable[[Any], Awaitable[Any]]) -> Any:

@@ -13,7 +13,6 @@ database reads share (api.selectors.in_db_thread), which a slow Hub would
 hold up. The pull itself runs in a worker (catalog.pull_jobs)."""
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import ParamSpec, TypeVar
@@ -29,9 +28,8 @@ from cluster.models import Node
 from fleet.model_removal import ModelInUse, model_delete
 
 from . import bodies, errors
-from .limits import Allowance
 from .models import ApiKey
-from .pipeline import admission_hold, api_error, authenticate, database_failed
+from .pipeline import database_failed, keyed_request
 from .pull_schemas import PullRequest
 from .schemas import parse
 from .selectors import in_db_thread
@@ -72,28 +70,14 @@ def off_loop(function: Callable[P, R]) -> Callable[P, Awaitable[R]]:
 
 
 async def _managed(request: HttpRequest, handlers: dict[str, Handler]) -> HttpResponse:
-    """Method check, a key that manages models (401 without a live key, 403
-    for one that may not), then the method's handler; refusals in OpenAI's
-    error shape."""
-    handler = handlers.get(request.method or "")
-    if handler is None:
-        allowed = ", ".join(handlers)
-        response = errors.method_not_allowed(allowed, request.path).response()
-        response["Allow"] = allowed
-        return response
-    try:
-        key = await authenticate(
-            authorization=request.headers.get("Authorization"),
-            client=request.META.get("REMOTE_ADDR") or "unknown",
-        )
-        if not key.manages_models:
-            raise errors.models_not_managed()
-        async with contextlib.AsyncExitStack() as held:
-            if request.method != "GET":
-                await admission_hold(held, Allowance.of_key(key))
-            return await handler(request, key)
-    except Exception as error:
-        return api_error(error, what=f"{request.method} {request.path}").response()
+    """The pipeline's way in for resources, for a key that manages models
+    (401 without a live key, 403 for one that may not)."""
+    return await keyed_request(request, handlers, check=_manages_models)
+
+
+def _manages_models(key: ApiKey) -> None:
+    if not key.manages_models:
+        raise errors.models_not_managed()
 
 
 # -- reads ----------------------------------------------------------------------------

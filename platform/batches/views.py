@@ -6,7 +6,6 @@ rate and concurrency budget, as its REST requests are (429 over); reads are
 not, so that polling a batch never uses up a key's requests."""
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
@@ -16,9 +15,8 @@ from django.views.decorators.csrf import csrf_exempt
 from pydantic import Field, StringConstraints
 
 from api import errors
-from api.limits import Allowance
 from api.models import ApiKey
-from api.pipeline import admission_hold, api_error, authenticate
+from api.pipeline import api_error, authenticate, keyed_request
 from api.schema_base import Strict
 from api.schemas import parse
 from api.selectors import in_db_thread
@@ -57,25 +55,8 @@ Handler = Callable[[HttpRequest, ApiKey], Awaitable[HttpResponse]]
 
 
 async def _api(request: HttpRequest, handlers: dict[str, Handler]) -> HttpResponse:
-    """Method check, key, then the method's handler; refusals in OpenAI's
-    error shape."""
-    handler = handlers.get(request.method or "")
-    if handler is None:
-        allowed = ", ".join(handlers)
-        response = errors.method_not_allowed(allowed, request.path).response()
-        response["Allow"] = allowed
-        return response
-    try:
-        key = await authenticate(
-            authorization=request.headers.get("Authorization"),
-            client=request.META.get("REMOTE_ADDR") or "unknown",
-        )
-        async with contextlib.AsyncExitStack() as held:
-            if request.method != "GET":
-                await admission_hold(held, Allowance.of_key(key))
-            return await handler(request, key)
-    except Exception as error:
-        return _refused(api_error(error, what=f"{request.method} {request.path}"))
+    """The pipeline's way in for resources; refusals framed by _refused."""
+    return await keyed_request(request, handlers, refused=_refused)
 
 
 def _refused(error: errors.ApiError) -> HttpResponse:
