@@ -18,13 +18,13 @@ from celery import current_app
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from api import errors
 from api.models import ApiKey
-from catalog.leases import owner_gone
+from catalog.leases import lease_claim, owner_gone
 
 from . import quotas
 from .lines import count_lines
@@ -245,29 +245,9 @@ def batch_cancel(*, batch: Batch) -> Batch:
 
 def batch_claim(*, batch_id: str, owner: str) -> bool:
     """Take the batch for this worker (True), unless another live worker
-    holds it. Atomic: of two workers that try at once, one gets it. Taking
-    it from another owner whose lease expired counts a crash (that run died
-    holding it, or stopped for longer than its lease). Leases are stamped and
-    judged by the database's clock: workers on hosts whose clocks differ agree
-    on when one expires."""
+    holds it (catalog.leases.lease_claim)."""
     open_batch = Batch.objects.filter(pk=batch_id, status__in=OPEN_STATUSES)
-    lease = {
-        "lease_owner": owner,
-        "lease_until": Now() + timedelta(seconds=LEASE_S),
-        "queued_at": None,
-    }
-    taken_over = (
-        open_batch.exclude(lease_owner="")
-        .exclude(lease_owner=owner)
-        .filter(lease_until__lt=Now())
-        .update(crashes=F("crashes") + 1, **lease)
-    )
-    return bool(
-        taken_over
-        or open_batch.filter(
-            Q(lease_owner="") | Q(lease_until__isnull=True) | Q(lease_owner=owner)
-        ).update(**lease)
-    )
+    return lease_claim(open_batch, owner=owner, lease_s=LEASE_S)
 
 
 def batch_start(*, batch: Batch, total: int) -> None:

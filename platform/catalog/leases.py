@@ -1,13 +1,18 @@
 """Who holds a background job's lease: a run of a job in one process of one
 host, named so that another worker on the same host can tell the process is
 gone (a worker killed mid-job) while one on another host waits for the lease
-to expire. Used by the Batch API's batches and the catalog's pulls."""
+to expire; and how a run takes a job's row. Used by the Batch API's batches
+and the catalog's pulls (rows with lease_owner, lease_until, crashes and
+queued_at)."""
 
 import os
 import secrets
 import socket
+from datetime import timedelta
 
 import psutil
+from django.db.models import F, Q, QuerySet
+from django.db.models.functions import Now
 
 
 def worker_identity() -> str:
@@ -33,3 +38,29 @@ def owner_gone(owner: str) -> bool:
         return int(psutil.Process(pid_number).create_time()) != started_at
     except psutil.NoSuchProcess:
         return True
+
+
+def lease_claim(open_job: QuerySet, *, owner: str, lease_s: float) -> bool:
+    """Take the job (`open_job`: its row, while it may still run) for this
+    run (True), unless another live run holds it. Atomic: of two runs that
+    try at once, one gets it. Taking it from another owner whose lease
+    expired counts a crash (that run died holding it, or stopped for longer
+    than its lease). Leases are stamped and judged by the database's clock:
+    runs on hosts whose clocks differ agree on when one expires."""
+    lease = {
+        "lease_owner": owner,
+        "lease_until": Now() + timedelta(seconds=lease_s),
+        "queued_at": None,
+    }
+    taken_over = (
+        open_job.exclude(lease_owner="")
+        .exclude(lease_owner=owner)
+        .filter(lease_until__lt=Now())
+        .update(crashes=F("crashes") + 1, **lease)
+    )
+    return bool(
+        taken_over
+        or open_job.filter(
+            Q(lease_owner="") | Q(lease_until__isnull=True) | Q(lease_owner=owner)
+        ).update(**lease)
+    )

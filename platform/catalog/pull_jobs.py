@@ -19,11 +19,10 @@ from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q
 from django.db.models.functions import Now
 
 from .hub import HubError
-from .leases import owner_gone, worker_identity
+from .leases import lease_claim, owner_gone, worker_identity
 from .models import PULL_OPEN, ModelPull, PullStatus
 from .pull import STAGING, Progress, PullPlan, model_folder, pull_files, pull_plan
 
@@ -124,26 +123,10 @@ def pull_cancel(*, pull: ModelPull) -> ModelPull:
 
 
 def pull_claim(*, pull_id: int, owner: str) -> bool:
-    """Take the pull for this run (True) unless another live run holds it;
-    atomic. Taking it from an owner whose lease expired counts a crash."""
+    """Take the pull for this run (True) unless another live run holds it
+    (leases.lease_claim)."""
     open_pull = ModelPull.objects.filter(pk=pull_id, status__in=PULL_OPEN)
-    lease = {
-        "lease_owner": owner,
-        "lease_until": Now() + timedelta(seconds=LEASE_S),
-        "queued_at": None,
-    }
-    taken_over = (
-        open_pull.exclude(lease_owner="")
-        .exclude(lease_owner=owner)
-        .filter(lease_until__lt=Now())
-        .update(crashes=F("crashes") + 1, **lease)
-    )
-    return bool(
-        taken_over
-        or open_pull.filter(
-            Q(lease_owner="") | Q(lease_until__isnull=True) | Q(lease_owner=owner)
-        ).update(**lease)
-    )
+    return lease_claim(open_pull, owner=owner, lease_s=LEASE_S)
 
 
 def pull_run(pull_id: int) -> str:
