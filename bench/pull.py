@@ -17,9 +17,6 @@ the file into a fresh destination each of these ways, their order rotating:
 - manage.py pull: what an operator runs, `manage.py pull hf:ORG/REPO:Q4_1` as a
   child process with HF_ENDPOINT set (Python and Django starting, the plan read
   from the file's header, the download, the check, the catalog row);
-- sketch: hash as written: the change bench/README.md suggests for
-  catalog.pull.pull_file (the digest taken as the bytes are written, no second
-  pass), to show what it buys;
 - hf download: huggingface_hub's own command line, the anchor for a command
   (left out when the venv has no `hf`).
 Reported: seconds and MiB/s per run (the file's size over the whole call), the
@@ -65,21 +62,6 @@ def serve(model: Path) -> None:
     with LocalHub({REPO: {model.name: model}}) as hub:
         print(hub.url, flush=True)
         sys.stdin.read()
-
-
-class HashingWriter:
-    """A file that hashes what is written to it (SHA-256), in order."""
-
-    def __init__(self, out) -> None:
-        self.out = out
-        self.digest = hashlib.sha256()
-
-    def write(self, data: bytes) -> int:
-        self.digest.update(data)
-        return self.out.write(data)
-
-    def __getattr__(self, name: str):
-        return getattr(self.out, name)
 
 
 class Bench:
@@ -163,26 +145,6 @@ class Bench:
             "check": ended - downloaded[0],
         }
 
-    def hashed_as_written(self, dest: Path) -> tuple[Path, dict]:
-        """A sketch of the change suggested for catalog.pull.pull_file: the
-        same download (huggingface_hub's URL, metadata and http_get into a
-        partial file, one rename), its SHA-256 taken from the bytes as they
-        are written instead of a second pass over the file after."""
-        from huggingface_hub import get_hf_file_metadata, hf_hub_url
-        from huggingface_hub.file_download import http_get
-
-        file = self.plan.files[0]
-        url = hf_hub_url(REPO, file.name, revision=self.plan.commit, endpoint=self.url)
-        location = get_hf_file_metadata(url, token=False, endpoint=self.url).location
-        partial = dest / (file.name + ".partial")
-        with open(partial, "ab") as out:
-            writer = HashingWriter(out)
-            http_get(location, writer, expected_size=file.size)
-        if writer.digest.hexdigest() != file.sha256:
-            raise SystemExit(f"{file.name}: its SHA-256 is not the Hub's")
-        os.replace(partial, dest / file.name)
-        return dest / file.name, {}
-
     def startup(self) -> float:
         """Seconds `manage.py pull --help` takes: Python, Django set up and
         the command's imports, no pull."""
@@ -234,7 +196,6 @@ class Bench:
             ANCHOR: self.hub_download,
             "pull_files": self.pull_files,
             "manage.py pull": self.command,
-            "sketch: hash as written": self.hashed_as_written,
         }
         if self.hf_cli.exists():
             ways["hf download"] = self.hf_command

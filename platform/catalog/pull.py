@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -122,8 +123,7 @@ def pull_file(
                 repo, file, endpoint=endpoint, token=token
             )
         try:
-            with open(fetched, "ab") as out:
-                hashed = _Hashing(out, fetched)
+            with open(fetched, "ab") as out, _Hashing(out, fetched) as hashed:
                 if done < file.size:
                     http_get(
                         location,
@@ -164,17 +164,29 @@ def pull_file(
 class _Hashing:
     """The partial file as the client writes it, hashed as the bytes go by
     (what an earlier pull left is hashed first), so that the SHA-256 check
-    needs no second read of the file. A server that answers a range request
-    with the whole file makes the client truncate it: what is kept is hashed
-    again (nothing, then)."""
+    needs no second read of the file. A chunk is hashed in a thread of its
+    own while it is written and the next one is read (hashlib lets go of the
+    GIL), so the check costs the download next to no time. A server that
+    answers a range request with the whole file makes the client truncate
+    it: what is kept is hashed again (nothing, then). A context manager: its
+    thread ends with it."""
 
     def __init__(self, out: BinaryIO, path: Path) -> None:
         self.out = out
         self.path = path
         self.digest = _sha256_of(path, path.stat().st_size)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="pull-sha256")
+        self._pending: Future | None = None
+
+    def __enter__(self) -> "_Hashing":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._hasher.shutdown(wait=True)
 
     def write(self, data: bytes) -> int:
-        self.digest.update(data)
+        self._settle()  # chunks are hashed in their order
+        self._pending = self._hasher.submit(self.digest.update, data)
         return self.out.write(data)
 
     def tell(self) -> int:
@@ -184,6 +196,7 @@ class _Hashing:
         return self.out.seek(offset, whence)
 
     def truncate(self, size: int | None = None) -> int:
+        self._settle()
         kept = self.out.truncate(size)
         self.out.flush()
         self.digest = _sha256_of(self.path, kept)
@@ -193,7 +206,14 @@ class _Hashing:
         self.out.flush()
 
     def hexdigest(self) -> str:
+        self._settle()
         return self.digest.hexdigest()
+
+    def _settle(self) -> None:
+        """The chunk being hashed, hashed."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
 
 def _sha256_of(path: Path, length: int) -> "hashlib._Hash":

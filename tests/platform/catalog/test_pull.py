@@ -140,8 +140,7 @@ def test_the_hash_kept_while_writing_follows_a_restart_from_the_first_byte(tmp_p
 
     path = tmp_path / "f.partial"
     path.write_bytes(b"old-part")
-    with open(path, "ab") as out:
-        hashed = _Hashing(out, path)
+    with open(path, "ab") as out, _Hashing(out, path) as hashed:
         hashed.write(b"-more")
         out.flush()
         assert hashed.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
