@@ -306,7 +306,12 @@ class Membership:
         counted here; `follow` acts on the view."""
         if self.revoked.is_set():
             return None  # the supervisor is stopping
-        reckoning = self.peers.reckoning if self.peers is not None else None
+        if self._unavailable and self.peers is not None:
+            # Back from an outage (this node may have been the one cut off):
+            # its links' failures so far say nothing of its peers; they are
+            # reported once a round has tried them again.
+            self.peers.count_from_now()
+        reaches = self.peers.reported() if self.peers is not None else None
         try:
             close_old_connections()
             node_heartbeat(
@@ -314,7 +319,7 @@ class Membership:
                 hardware=hardware_now(),
                 copies=self.copies.report(),
                 loop_errors=self.errors.report(),
-                reaches=reckoning.failing_s if reckoning is not None else None,
+                reaches=reaches,
             )
             self._beat_ok = time.monotonic()
             snapshot = routing_snapshot(heartbeat_grace_s=self._outages.grace_s())

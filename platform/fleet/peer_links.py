@@ -40,6 +40,7 @@ class Reckoning:
     failing_s: dict[str, float] = field(default_factory=dict)
     database: frozenset[str] = frozenset()
     counted: frozenset[str] = frozenset()  # the peers that count (serving)
+    started_at: float = -float("inf")  # time.monotonic() when the round began
 
     def peers_reached(self) -> PeersReached:
         linked = {
@@ -69,12 +70,35 @@ class PeerLinks:
         self._peers: dict[str, Peer] = {}
         # The peers of the last view (replaced whole by want()).
         self._wanted: tuple[tuple[Peer, ...], frozenset[str]] = ((), frozenset())
+        # Links failing before this (time.monotonic()) are not counted: this
+        # node could not reach the database then, so its own network was in
+        # doubt (set by count_from_now()).
+        self._counting_since = -float("inf")
         self.reckoning = Reckoning()
 
     def want(self, peers: list[Peer], counted: set[str]) -> None:
         """The peers to link to from now on (`counted`: those of them that
         were serving); kept through a database outage."""
         self._wanted = (tuple(peers), frozenset(counted))
+
+    def count_from_now(self) -> None:
+        """Count links failing from now on only (from the heartbeat thread,
+        when this node reaches the database again after an outage). A node
+        cut off from the network fails to link to everyone; once back, what
+        it reports of its peers must be what it finds from then on, not the
+        time it was cut off: else it takes its healthy peers for unreachable
+        (the cluster counts a node every other node fails to link to as
+        unreachable) until its links are made again."""
+        self._counting_since = time.monotonic()
+
+    def reported(self) -> dict[str, float]:
+        """What this node says of its links now (its heartbeat's `reaches`):
+        the last round's failures, or nothing while that round began before
+        count_from_now()."""
+        reckoning = self.reckoning
+        if reckoning.started_at < self._counting_since:
+            return {}
+        return reckoning.failing_s
 
     async def run(
         self,
@@ -101,6 +125,7 @@ class PeerLinks:
         """Try every peer at once (each for TRY_S at most)."""
         # A peer gone from the view, or back under its name as another node
         # (a new address or certificate: it joined again), starts anew.
+        started = time.monotonic()
         current = {peer.node: peer for peer in peers}
         for name in set(self._first_tried):
             if self._peers.get(name) != current.get(name):
@@ -115,6 +140,7 @@ class PeerLinks:
                 since = max(
                     self._linked_at.get(peer.node, -float("inf")),
                     self._first_tried[peer.node],
+                    self._counting_since,
                 )
                 failing[peer.node] = round(max(now - since, 0.001), 3)
             else:
@@ -122,7 +148,10 @@ class PeerLinks:
                 if outcome:
                     database.add(peer.node)
         return Reckoning(
-            failing_s=failing, database=frozenset(database), counted=counted
+            failing_s=failing,
+            database=frozenset(database),
+            counted=counted,
+            started_at=started,
         )
 
     async def _try(self, peer: Peer) -> bool | None:

@@ -249,6 +249,37 @@ def node_status(name: str) -> str:
     return str(nodes_now()[name].status)
 
 
+def fleet_view() -> str:
+    """The fleet as routing reads it now, for a failing test's message: each
+    node's status, heartbeat age and what it says of its links, and each
+    engine's status, heartbeat age and whether routing takes it for up."""
+    from django.db.models.functions import Now
+
+    from cluster.selectors import nodes_now
+    from fleet.selectors import routing_snapshot
+
+    lines = []
+    rows = {node.name: node for node in Node.objects.all()}
+    for name, view in nodes_now().items():
+        lines.append(
+            f"node {name}: {view.status}, beat {view.heartbeat_age_s} s ago, "
+            f"reaches {rows[name].reaches}"
+        )
+    up = routing_snapshot().engines
+    for state in EngineState.objects.select_related("spec").annotate(now=Now()):
+        age = (
+            (state.now - state.heartbeat_at).total_seconds()
+            if state.heartbeat_at
+            else None
+        )
+        name = state.spec.name
+        lines.append(
+            f"engine {name}: {state.status}, beat {age} s ago, "
+            f"up {up[name].up if name in up else None}"
+        )
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
 def open_cluster(tmp: Path, django_db_blocker, *, models=models_rows, node_env=None):
     """An empty cluster (network, database rows, Redis database) whose nodes

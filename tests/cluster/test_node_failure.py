@@ -18,6 +18,7 @@ from tests.cluster.cluster_setup import (
     GRACE_S,
     EventStream,
     chat,
+    fleet_view,
     http,
     model_row,
     node_status,
@@ -125,13 +126,30 @@ def test_a_node_cut_off_is_routed_around_and_stops_serving(cluster, orm):
         assert body["error"]["code"] == "cluster_unconfirmed", body
     finally:
         b.host.reconnect()
-    wait_for(lambda: node_status("b") == "ready", timeout=30, what="b ready again")
+    # Back, b must not take a for unreachable: what b failed to link to while
+    # it was cut off itself says nothing of a. a's status is read all along,
+    # until both nodes report their links to each other made again.
+    a_seen = Counter()
+
+    def status_of(name: str) -> str:
+        a_seen[node_status("a")] += 1
+        return node_status(name)
+
+    wait_for(lambda: status_of("b") == "ready", timeout=30, what="b ready again")
     status, node, body = wait_for(
-        lambda: _served(ask(a, "smol-b", cluster.key)),
+        lambda: status_of("b") and _served(ask(a, "smol-b", cluster.key)),
         timeout=30,
         what="smol-b served again",
     )
     assert node == "b"
+
+    def relinked() -> bool:
+        status_of("a")
+        reaches = dict(Node.objects.values_list("name", "reaches"))
+        return reaches["a"].get("b") == 0 and reaches["b"].get("a") == 0
+
+    wait_for(relinked, timeout=30, what="a and b linked to each other again")
+    assert set(a_seen) == {"ready"}, f"{a_seen}\n{fleet_view()}"
     status, body = ask_inside(b, "smol", cluster.key)
     assert status == 200, body
 
@@ -175,7 +193,7 @@ def test_a_drained_node_finishes_its_streams_and_takes_no_new_requests(cluster, 
         assert body["error"]["code"] == "no_engine", body
         for n in range(4):
             status, node, body = ask(a, "smol", cluster.key, f"Say {n}.")
-            assert (status, node) == (200, "a"), body
+            assert (status, node) == (200, "a"), f"{body}\n{fleet_view()}"
     finally:
         node_drain(node=Node.objects.get(name="b"), draining=False)
     outcomes = []

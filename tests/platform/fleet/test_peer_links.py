@@ -157,6 +157,49 @@ async def test_a_node_back_under_its_name_is_failing_from_its_return():
         links.close()
 
 
+async def test_links_failing_count_from_the_node_reaching_the_database_again():
+    """A node that was cut off itself failed to link to every peer meanwhile:
+    once it reaches the database again (count_from_now), a peer it still
+    cannot link to is failing since then, not since the cut. Control: without
+    it, the same peer keeps counting from its first try."""
+    closed = free_port()
+    peers = [Peer(node="c", host="127.0.0.1", port=closed)]
+    links = PeerLinks(LinkPool(node="a", secret=SECRET, plain_tcp=True))
+    try:
+        first = (await a_round(links, peers, {"c"})).failing_s["c"]
+        cut = await rounds_until(
+            links,
+            peers,
+            {"c"},
+            lambda r: r.failing_s["c"] > first + 0.5,
+            what="c failing a while (the cut)",
+        )
+        links.reckoning = cut
+        assert links.reported() == cut.failing_s
+        links.count_from_now()
+        # The last round began before: nothing is reported until the next.
+        assert links.reported() == {}
+        links.reckoning = await a_round(links, peers, {"c"})
+        back = links.reported()["c"]
+        assert 0 < back < cut.failing_s["c"] - 0.4, (back, cut.failing_s)
+        # Control: another node's links, never told, count from the first try.
+        other = PeerLinks(LinkPool(node="a", secret=SECRET, plain_tcp=True))
+        try:
+            start = (await a_round(other, peers, {"c"})).failing_s["c"]
+            later = await rounds_until(
+                other,
+                peers,
+                {"c"},
+                lambda r: r.failing_s["c"] > start + 0.5,
+                what="c failing longer without count_from_now",
+            )
+            assert later.failing_s["c"] > start + 0.5
+        finally:
+            other.close()
+    finally:
+        links.close()
+
+
 def test_only_the_counted_peers_linked_now_make_the_reckoning():
     """peers_reached counts the peers that were serving (`counted`), those
     of them linked now, and those of these whose relay reaches the database:
