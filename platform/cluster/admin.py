@@ -132,6 +132,7 @@ class NodeAdmin(admin.ModelAdmin):
             "hardware",
             "disk",
             "copy_progress",
+            "file_removal_list",
             "loop_error_list",
             "peer_links",
             "version",
@@ -286,6 +287,26 @@ class NodeAdmin(admin.ModelAdmin):
             if copy.get("error"):
                 text += f"; last error: {copy['error']}"
             lines.append(text)
+        return "; ".join(lines) or "—"
+
+    @admin.display(description="file removals")
+    def file_removal_list(self, node: Node) -> str:
+        """The model files the operator asked it to delete (the model admin's
+        "Delete files from a node…"): each pending until its supervisor
+        answers that request, then done with the room freed, or refused."""
+        lines = []
+        for removal in node.file_removal_states():
+            if removal.state == "pending":
+                lines.append(f"{removal.model}: pending (asked {removal.requested_at})")
+            elif removal.state == "refused":
+                lines.append(
+                    f"{removal.model}: refused ({removal.refused}) at {removal.at}"
+                )
+            else:
+                freed = mib_text(removal.freed / 2**20)
+                lines.append(
+                    f"{removal.model}: deleted, {freed} freed, at {removal.at}"
+                )
         return "; ".join(lines) or "—"
 
     @admin.display(description="loop errors")

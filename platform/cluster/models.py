@@ -4,6 +4,7 @@ heartbeats through the database, and is drained or revoked from the admin.
 Its status is derived from those facts when read (`Node.status_at`), never
 written by one host about another: no coordinator decides who is down."""
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.core.validators import MaxValueValidator, MinValueValidator
@@ -28,6 +29,21 @@ class NodeStatus(models.TextChoices):
     UNREACHABLE = "unreachable"
     DOWN = "down"
     REVOKED = "revoked"
+
+
+@dataclass(frozen=True)
+class FileRemoval:
+    """One model's file removal on a node (fleet/file_removals.py), as the
+    front shows it: `state` is "pending" (asked, not answered yet), "done"
+    (`freed` bytes) or "refused" (`refused`: why); `at`: when the node
+    answered ("" while pending)."""
+
+    model: str
+    requested_at: str
+    state: str
+    freed: int = 0
+    refused: str = ""
+    at: str = ""
 
 
 class Node(models.Model):
@@ -89,6 +105,24 @@ class Node(models.Model):
         "(0: linked). A node that every other node fails to link to for "
         "6 s is unreachable, whatever its heartbeat.",
     )
+    file_removals = models.JSONField(
+        "file removals asked",
+        default=dict,
+        blank=True,
+        editable=False,
+        help_text="Models whose files the operator asked this node to delete "
+        "(the admin's action Delete files from a node): each model's path as "
+        "the catalog had it and when it was asked. Written by the front.",
+    )
+    files_removed = models.JSONField(
+        "file removals carried out",
+        default=dict,
+        blank=True,
+        editable=False,
+        help_text="What this node's supervisor did with each removal asked: "
+        "the request it answers (when it was asked), the bytes freed or why it "
+        "refused, and when. Written by the node.",
+    )
     version = models.CharField(max_length=64, blank=True, editable=False)
     tls_fingerprint = models.CharField(
         "TLS certificate SHA-256",
@@ -142,6 +176,35 @@ class Node(models.Model):
         if self.draining:
             return NodeStatus.DRAINING
         return NodeStatus.READY
+
+    def file_removal_states(self) -> list[FileRemoval]:
+        """The file removals asked of this node and their outcomes, by model
+        name: the last request of each model (pending until the node answers
+        that one), and an outcome whose request is gone shown as it was."""
+        requests = self.file_removals if isinstance(self.file_removals, dict) else {}
+        done = self.files_removed if isinstance(self.files_removed, dict) else {}
+        removals = []
+        for name in sorted(set(requests) | set(done)):
+            request = requests.get(name) if isinstance(requests.get(name), dict) else {}
+            outcome = done.get(name) if isinstance(done.get(name), dict) else {}
+            asked = request.get("requested_at") or outcome.get("requested_at") or ""
+            if request and outcome.get("requested_at") != asked:
+                removals.append(
+                    FileRemoval(model=name, requested_at=asked, state="pending")
+                )
+                continue
+            refused = str(outcome.get("refused") or "")
+            removals.append(
+                FileRemoval(
+                    model=name,
+                    requested_at=asked,
+                    state="refused" if refused else "done",
+                    freed=int(outcome.get("freed") or 0),
+                    refused=refused,
+                    at=str(outcome.get("at") or ""),
+                )
+            )
+        return removals
 
 
 class ClusterSettings(models.Model):

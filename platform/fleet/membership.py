@@ -68,6 +68,7 @@ from routing.placement import copy_sources
 from routing.select import Snapshot
 
 from .disk import disk_report
+from .file_removals import files_removals_follow
 from .loop_errors import LoopErrors
 from .model_copies import ModelCopies
 from .outages import OutageClock
@@ -358,13 +359,16 @@ class Membership:
     def follow(self, snapshot: Snapshot) -> None:
         """Act on the cluster's view: the peers to link to, revocations
         (another node's: drop its links), this node's placement, the model
-        files to copy here and the digests to record."""
+        files to copy here, the digests to record and the model files the
+        operator asked this node to delete (file_removals.py)."""
         if self.peers is not None:
             self.peers.want(*self._peers_of(snapshot))
         self._recheck_links(snapshot)
         self.placed = self._placed_here(snapshot)
         self._copy_missing(snapshot)
         self._record_digests()
+        with self.errors.guard("file removals"):
+            files_removals_follow(node_name=self.name)
 
     async def _close_peers(self) -> None:
         """End the rounds of the peer links (waited for: no task is left

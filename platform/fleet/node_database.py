@@ -10,11 +10,15 @@ model_copies.py) touches, and so all its role is granted:
   call its relay), the cluster settings, the engine specs and states (its own
   engines to run; everyone's residency, for placement and for whom to copy a
   model from), the server, thermal and concurrency settings with their
-  overrides (each engine's configuration), and the catalog's models;
+  overrides (each engine's configuration), the catalog's models, and the
+  model pulls (a model's files are not deleted from the node while a pull
+  writes into their folder: file_removals.py);
 - writes, its own node's row only, while it is not revoked: the heartbeat
   columns (last_heartbeat, updated_at, hardware, version, tls_fingerprint,
-  copies, loop_errors, reaches) and the join's (secret_hash, join_token_hash,
-  join_token_expires_at, joined_at);
+  copies, loop_errors, reaches), the outcome of the file removals asked of it
+  (files_removed; never the removals asked, file_removals, which the front
+  writes) and the join's (secret_hash, join_token_hash, join_token_expires_at,
+  joined_at);
 - writes, its own engines' states only (EngineState rows whose spec is on its
   node): INSERT and UPDATE of every column;
 - writes, any catalog model: the memory a load measured (measured_memory_mib,
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 from django.db import DatabaseError, connection, transaction
 
-from catalog.models import ModelConfig
+from catalog.models import ModelConfig, ModelPull
 from cluster.models import ClusterSettings, Node
 
 from .models import (
@@ -52,7 +56,8 @@ from .models import (
     ThermalSettings,
 )
 
-# The heartbeat's columns (cluster.services.node_heartbeat) and the join's
+# The heartbeat's columns (cluster.services.node_heartbeat), the outcome of
+# the file removals asked of the node (file_removals.py) and the join's
 # (node_join), of the node's own row.
 NODE_COLUMNS = (
     "last_heartbeat",
@@ -63,6 +68,7 @@ NODE_COLUMNS = (
     "copies",
     "loop_errors",
     "reaches",
+    "files_removed",
     "secret_hash",
     "join_token_hash",
     "join_token_expires_at",
@@ -115,6 +121,7 @@ def node_reads() -> list[str]:
             ConcurrencySettings,
             ConcurrencyOverride,
             ModelConfig,
+            ModelPull,
         )
     ]
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -27,6 +28,7 @@ from django.utils import timezone
 from catalog.models import ModelConfig
 from cluster.models import Node
 from cluster.services import node_create, node_join_token_issue, node_revoke
+from fleet.file_removals import files_removal_request
 from fleet.models import EngineSpec, EngineState, ServerSettings
 from fleet.node_database import node_role_drop
 from tests.conftest import ROOT
@@ -390,8 +392,9 @@ def test_a_supervisor_runs_on_its_node_role_alone(
 ):
     """`supervise --node a` with the role's DATABASE_URL joins with its token,
     beats, runs its engine, writes its state and the measured memory of the
-    model it loads, and logs no refused write (a refused one would show as
-    the database 'unavailable' and keep the state unwritten)."""
+    model it loads, carries out a file removal asked of it (and refuses one
+    of the model it holds), and logs no refused write (a refused one would
+    show as the database 'unavailable' and keep the state unwritten)."""
     for spec in EngineSpec.objects.exclude(name="a-cpu"):
         spec.delete()
     ModelConfig.objects.all().delete()
@@ -433,6 +436,8 @@ def test_a_supervisor_runs_on_its_node_role_alone(
         "SECRET_KEY": "node-role-tests-not-secret",
     }
     fleet = Fleet(run_dir=run_dir, env=env, base_port=port, temperatures=temperatures)
+    scratch = Path(settings.MODELS_DIR) / f"removal-{uuid.uuid4().hex}.gguf"
+    scratch.write_bytes(b"\0" * 4096)
     log_path = run_dir / "supervisor-test.log"
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
@@ -464,9 +469,39 @@ def test_a_supervisor_runs_on_its_node_role_alone(
             lambda: Node.objects.get(pk=node.pk).last_heartbeat > beat,
             what="a later heartbeat",
         )
+        # A file removal asked of the node (fleet/file_removals.py): carried
+        # out by its supervisor on its role alone, and one for the model it
+        # holds loaded refused by the node itself (asked behind the front's
+        # own check, which would refuse it first).
+        spare = ModelConfig.objects.create(  # placed nowhere: no node has the label
+            name="spare",
+            format="gguf",
+            task="chat",
+            path=scratch.name,
+            node_labels=["elsewhere"],
+        )
+        files_removal_request(node=node, model=spare)
+        Node.objects.filter(pk=node.pk).update(
+            file_removals={
+                **Node.objects.get(pk=node.pk).file_removals,
+                EMBEDDER: {"path": "all-MiniLM-L6-v2", "requested_at": "now"},
+            }
+        )
+
+        def answered():
+            states = Node.objects.get(pk=node.pk).file_removal_states()
+            return None if any(s.state == "pending" for s in states) else states
+
+        states = {s.model: s for s in wait_for(answered, what="removals answered")}
+        assert states["spare"].state == "done" and states["spare"].freed == 4096
+        assert not scratch.exists()
+        assert states[EMBEDDER].state == "refused", states
+        assert "loaded on a-cpu" in states[EMBEDDER].refused
+        assert (Path(settings.MODELS_DIR) / "all-MiniLM-L6-v2").is_dir()
         process.send_signal(signal.SIGTERM)
         assert process.wait(90) == 0, fleet.supervisor_log()
     finally:
+        scratch.unlink(missing_ok=True)
         stop_leftovers(fleet)
     text = fleet.supervisor_log()
     assert "permission denied" not in text
