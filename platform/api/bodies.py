@@ -327,6 +327,9 @@ class ModelPull(Body):
     source: str
     name: str
     node: str
+    # Why it runs on that node when none was asked for ("" when one was, or
+    # on one host): where the model's first replica is placed.
+    node_reason: str = ""
     status: PullState
     size_bytes: Count
     done_bytes: Count

@@ -51,7 +51,8 @@ class PullRequest(Strict):
             max_length=64,
             pattern=r"^[-a-zA-Z0-9_]*$",
             description="The node that pulls it (a cluster). Default: the "
-            "first worker that takes it.",
+            "node where the model's first replica is placed (would be, for a "
+            "new one); on one host, its worker.",
         ),
     ] = ""
     sha256: Annotated[

@@ -10,7 +10,11 @@ uses up a key's requests. Starting a pull reads the Hub (the source, its
 files, the GGUF header) and deleting a model removes files: both run in a
 thread of their own, never on the event loop nor in the thread the front's
 database reads share (api.selectors.in_db_thread), which a slow Hub would
-hold up. The pull itself runs in a worker (catalog.pull_jobs)."""
+hold up. The pull itself runs in a worker (catalog.pull_jobs); on a cluster,
+one that names no node runs where the model's first replica is placed
+(fleet.pull_node). A pull whose Hub has stalled reads as such: its rate 0,
+its time left unknown, its message "no bytes for 7 s" (catalog.pull_progress,
+by the database's clock)."""
 
 import asyncio
 import logging
@@ -24,8 +28,10 @@ from django.views.decorators.csrf import csrf_exempt
 from catalog.hub import HubError
 from catalog.models import ModelConfig, ModelPull, PullStatus
 from catalog.pull_jobs import pull_cancel, pull_start
+from catalog.pull_progress import pulls_with_db_now, rate_now, stalled_s, stalled_text
 from cluster.models import Node
 from fleet.model_removal import ModelInUse, model_delete
+from fleet.pull_node import pull_node_default
 
 from . import bodies, errors
 from .models import ApiKey
@@ -88,19 +94,26 @@ def _unix(moment) -> int | None:
 
 
 def pull_body(pull: ModelPull) -> bodies.ModelPull:
-    """The API's body of a pull (its model read with it: select_related)."""
-    left = pull.left_s
+    """The API's body of a pull (its model read with it: select_related;
+    the database's clock too: pulls_with_db_now): while it has stalled, its
+    rate is 0, its time left unknown, and its message says for how long."""
+    rate, left = rate_now(pull)
+    quiet = stalled_s(pull)
+    message = pull.message
+    if quiet is not None:
+        message = "; ".join(filter(None, [stalled_text(quiet), message]))
     return bodies.ModelPull(
         id=pull.pk,
         source=pull.source,
         name=pull.name,
         node=pull.node,
+        node_reason=pull.node_reason,
         status=pull.status,
         size_bytes=max(0, pull.size_bytes),
         done_bytes=max(0, pull.done_bytes),
-        rate_bytes_per_s=max(0.0, pull.rate_bps),
+        rate_bytes_per_s=max(0.0, rate),
         seconds_left=None if left is None else max(0.0, left),
-        message=pull.message,
+        message=message,
         model=pull.model.name if pull.model is not None else None,
         created_at=_unix(pull.created_at),
         finished_at=_unix(pull.finished_at),
@@ -109,13 +122,13 @@ def pull_body(pull: ModelPull) -> bodies.ModelPull:
 
 def pull_read(*, pull_id: int) -> bodies.ModelPull | None:
     """The pull's body, or None when there is no such pull."""
-    pull = ModelPull.objects.select_related("model").filter(pk=pull_id).first()
+    pull = pulls_with_db_now().select_related("model").filter(pk=pull_id).first()
     return None if pull is None else pull_body(pull)
 
 
 def pull_page(*, after: int | None, limit: int) -> bodies.ModelPullList:
     """Up to `limit` pulls older than `after` (None: the newest), newest first."""
-    rows = ModelPull.objects.select_related("model").order_by("-pk")
+    rows = pulls_with_db_now().select_related("model").order_by("-pk")
     if after is not None:
         rows = rows.filter(pk__lt=after)
     found = list(rows[: limit + 1])
@@ -166,8 +179,10 @@ def _json(body: bodies.Body, status: int = 200) -> JsonResponse:
 
 def pull_begin(*, key: ApiKey, payload: PullRequest) -> bodies.ModelPull:
     """Start the pull (catalog.pull_jobs.pull_start: the source read before a
-    byte of weights); ApiError for a node that does not exist, and for what
-    the Hub refused, with its status and reason. Blocking."""
+    byte of weights) on its node, or with none on a cluster where the model's
+    first replica is placed (fleet.pull_node); ApiError for a node that does
+    not exist, and for what the Hub refused, with its status and reason.
+    Blocking."""
     if payload.node and not Node.objects.filter(name=payload.node).exists():
         raise errors.invalid_request(
             f"No node is named {payload.node!r}.", param="node"
@@ -179,6 +194,7 @@ def pull_begin(*, key: ApiKey, payload: PullRequest) -> bodies.ModelPull:
             revision=payload.revision,
             sha256=payload.sha256,
             node=payload.node,
+            node_default=pull_node_default,
             user=key.owner,
         )
     except HubError as refused:

@@ -24,6 +24,8 @@ from .pull_progress import (
     plan_text,
     progress_text,
     pull_progress,
+    pulls_with_db_now,
+    rate_now,
     rate_text,
 )
 from .selectors import model_config_problems
@@ -432,6 +434,7 @@ class ModelPullAdmin(admin.ModelAdmin):
         "source",
         "revision",
         "node",
+        "node_reason",
         "status_live",
         "progress",
         "model_link",
@@ -448,6 +451,10 @@ class ModelPullAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request) -> bool:
         return False
+
+    def get_queryset(self, request):
+        """With the database's clock, which a stall is judged by."""
+        return pulls_with_db_now(super().get_queryset(request))
 
     def get_urls(self):
         view = self.admin_site.admin_view
@@ -484,7 +491,7 @@ class ModelPullAdmin(admin.ModelAdmin):
     def progress_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
         """The pull's progress as JSON, for its page's script."""
         pull = get_object_or_404(
-            ModelPull.objects.select_related("model"), pk=object_id
+            pulls_with_db_now(ModelPull.objects.select_related("model")), pk=object_id
         )
         if not self.has_view_permission(request, pull):
             raise PermissionDenied
@@ -529,11 +536,11 @@ class ModelPullAdmin(admin.ModelAdmin):
 
     @admin.display(description="rate")
     def rate(self, pull: ModelPull) -> str:
-        return rate_text(pull.rate_bps) if pull.status in PULL_OPEN else "—"
+        return rate_text(rate_now(pull)[0]) if pull.status in PULL_OPEN else "—"
 
     @admin.display(description="time left")
     def time_left(self, pull: ModelPull) -> str:
-        return left_text(pull.left_s) if pull.status in PULL_OPEN else "—"
+        return left_text(rate_now(pull)[1]) if pull.status in PULL_OPEN else "—"
 
     @admin.display(description="status")
     def status_live(self, pull: ModelPull) -> str:

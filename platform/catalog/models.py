@@ -354,6 +354,13 @@ class ModelPull(models.Model):
         blank=True,
         help_text="The node that pulls it. Empty: the first worker that takes it.",
     )
+    node_reason = models.CharField(
+        max_length=300,
+        blank=True,
+        editable=False,
+        help_text="Why it pulls on its node when none was asked for (a "
+        "cluster's default: where the model's first replica is placed).",
+    )
     status = models.CharField(
         max_length=16, choices=PullStatus.choices, default=PullStatus.QUEUED
     )
@@ -369,6 +376,13 @@ class ModelPull(models.Model):
     done_bytes = models.BigIntegerField(default=0, editable=False)
     rate_bps = models.FloatField(default=0.0, editable=False)
     left_s = models.FloatField(null=True, blank=True, editable=False)
+    progress_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="When bytes last came (or its run started), by the "
+        "database's clock: a pull quiet for long has stalled.",
+    )
     message = models.TextField(blank=True, editable=False)
     model = models.ForeignKey(
         ModelConfig,

@@ -1,17 +1,22 @@
 """Pulls as background jobs (the catalog's Celery tasks): a pull is planned
 where it is asked for (the source read, its name checked, before a byte of
 weights), kept as a ModelPull row with its plan, and run by a worker that
-holds its lease: progress written every PROGRESS_EVERY_S (bytes, rate, time
-left), a cancel seen at the next write, a Hub that fails or stalls mid-file
-continued from what was fetched (TRANSIENT_TRIES times), and a worker killed
-mid-pull resumed by the next worker to start (or by beat, once its lease
-expired) from the partial file it left. On a cluster a pull may name its
-node: it goes to that node's queue (pull_queue_name), which the node's own
-worker takes. Leases are stamped and judged by the database's clock."""
+holds its lease: progress written every PROGRESS_EVERY_S while bytes come
+(bytes, rate, time left, and when they came: a stall shows, as
+catalog.pull_progress reads it), a cancel seen at the next write, a Hub that
+fails or stalls mid-file continued from what was fetched (TRANSIENT_TRIES
+times), and a worker killed mid-pull resumed by the next worker to start (or
+by beat, once its lease expired) from the partial file it left. On a cluster
+a pull may name its node: it goes to that node's queue (pull_queue_name),
+which the node's own worker takes; one that names none goes where its
+caller's `node_default` says (the fleet's: where the model's first replica is
+placed, fleet.pull_node), the reason kept on the row. Leases are stamped and
+judged by the database's clock."""
 
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -42,6 +47,11 @@ REQUEUE_AFTER_S = 900.0
 TRANSIENT_TRIES = 5
 TRANSIENT_WAIT_S = 2.0
 
+# Where a pull that names no node runs, from its plan: (node, why), node ""
+# for the first worker to take it. The catalog knows nothing of nodes and
+# engines: the fleet gives it (fleet.pull_node.pull_node_default).
+NodeDefault = Callable[[PullPlan], tuple[str, str]]
+
 
 class PullCancelled(Exception):
     """The pull was cancelled while it ran."""
@@ -63,11 +73,17 @@ def pull_start(
     revision: str = "main",
     sha256: str = "",
     node: str = "",
+    node_default: NodeDefault | None = None,
     user=None,
 ) -> ModelPull:
     """Plan the pull (HubError: 400 a bad source, 404, 401, 409 a name taken,
-    all before a byte of weights) and queue it. Blocking: reads the Hub."""
+    all before a byte of weights) and queue it: on `node`, else where
+    `node_default` says from the plan (its reason kept: `node_reason`), else
+    to the first worker that takes it. Blocking: reads the Hub."""
     plan = pull_plan(source, name=name, revision=revision, sha256=sha256)
+    node_reason = ""
+    if not node and node_default is not None:
+        node, node_reason = node_default(plan)
     try:
         with transaction.atomic():
             pull = ModelPull.objects.create(
@@ -76,6 +92,7 @@ def pull_start(
                 revision=revision,
                 sha256=sha256,
                 node=node,
+                node_reason=node_reason[:300],
                 plan=plan.model_dump(mode="json"),
                 size_bytes=plan.size,
                 queued_at=Now(),
@@ -136,7 +153,9 @@ def pull_run(pull_id: int) -> str:
         return "held elsewhere"
     pull = ModelPull.objects.get(pk=pull_id)
     held = ModelPull.objects.filter(pk=pull_id, lease_owner=owner)
-    held.update(status=PullStatus.RUNNING, message="")
+    # Its stall clock starts with the run: a Hub that sends nothing at all
+    # shows as stalled too.
+    held.update(status=PullStatus.RUNNING, message="", progress_at=Now())
     ModelPull.objects.filter(pk=pull_id, started_at__isnull=True).update(
         started_at=Now()
     )
@@ -210,14 +229,17 @@ def _discard_partials(plan: PullPlan) -> None:
 
 
 class _Reporter:
-    """The download's progress onto the pull's row, every PROGRESS_EVERY_S:
-    it renews the lease, and raises PullCancelled once a cancel is asked for
-    and LeaseLost when another run took the pull."""
+    """The download's progress onto the pull's row, every PROGRESS_EVERY_S
+    while bytes come (`progress_at`: when, by the database's clock; a stall
+    writes nothing, which is how it shows): it renews the lease, and raises
+    PullCancelled once a cancel is asked for and LeaseLost when another run
+    took the pull."""
 
     def __init__(self, pull_id: int, owner: str) -> None:
         self.held = ModelPull.objects.filter(pk=pull_id, lease_owner=owner)
         self.written = 0.0
         self.rate = 0.0
+        self.done = -1  # the bytes last written
 
     def __call__(self, progress: Progress) -> None:
         self.rate = progress.rate
@@ -225,11 +247,15 @@ class _Reporter:
         if now - self.written < PROGRESS_EVERY_S and progress.done < progress.size:
             return
         self.written = now
+        # Stamped only when bytes came since the last write.
+        came = {"progress_at": Now()} if progress.done != self.done else {}
+        self.done = progress.done
         self._write(
             done_bytes=progress.done,
             size_bytes=progress.size,
             rate_bps=progress.rate,
             left_s=progress.left_s,
+            **came,
         )
 
     def note(self, message: str) -> None:

@@ -33,6 +33,7 @@ from django.core.cache import cache
 from api.calls import spawn
 from api.parts import Part
 from catalog.models import PULL_OPEN, ModelPull
+from catalog.pull_progress import pulls_with_db_now, rate_now, stalled_s
 from fleet.disk import disks_overview
 from fleet.selectors import fleet_overview
 
@@ -49,22 +50,28 @@ FORBIDDEN = 4403
 
 def pulls_in_progress() -> list[dict]:
     """The model pulls queued or running, oldest first: name, node, status,
-    bytes done of the size, percent, rate (bytes/s) and seconds left."""
-    rows = ModelPull.objects.filter(status__in=PULL_OPEN).order_by("created_at")
-    return [
-        {
-            "name": pull.name,
-            "source": pull.source,
-            "node": pull.node,
-            "status": pull.status,
-            "done_bytes": pull.done_bytes,
-            "size_bytes": pull.size_bytes,
-            "percent": round(100 * pull.fraction, 1),
-            "rate_bps": pull.rate_bps,
-            "left_s": pull.left_s,
-        }
-        for pull in rows
-    ]
+    bytes done of the size, percent, rate (bytes/s) and seconds left as they
+    are now, and for how long no bytes came once it has stalled (else None)."""
+    rows = pulls_with_db_now(ModelPull.objects.filter(status__in=PULL_OPEN))
+    pulls = []
+    for pull in rows.order_by("created_at"):
+        rate, left = rate_now(pull)
+        quiet = stalled_s(pull)
+        pulls.append(
+            {
+                "name": pull.name,
+                "source": pull.source,
+                "node": pull.node,
+                "status": pull.status,
+                "done_bytes": pull.done_bytes,
+                "size_bytes": pull.size_bytes,
+                "percent": round(100 * pull.fraction, 1),
+                "rate_bps": rate,
+                "left_s": left,
+                "stalled_s": None if quiet is None else round(quiet),
+            }
+        )
+    return pulls
 
 
 def dashboard_fleet() -> dict:

@@ -2,7 +2,9 @@
 files at a pinned commit, its GGUF quantizations side by side with what each
 needs (read from its header over range requests, before a byte of weights)
 and whether it fits on each engine (fit.py), and a Pull button per
-quantization that starts the pull's background job and opens its page.
+quantization that starts the pull's background job and opens its page. On
+a cluster the pull runs on the node chosen, by default where the model's
+first replica would be placed (pull_node), which the message after says.
 
 It lives in the fleet app because the fit reads engines and nodes, which the
 catalog may not import; PlacedModelConfigAdmin serves its URL (`hub_urls`).
@@ -37,6 +39,7 @@ from catalog.pull_progress import bytes_text
 from cluster.models import Node
 
 from .fit import Place, fit_lines, fit_places, size_text
+from .pull_node import pull_node_default
 
 TEMPLATE = "admin/catalog/modelconfig/add_from_hub.html"
 REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+$"
@@ -75,7 +78,7 @@ class HubRepoForm(forms.Form):
 
 class PullForm(forms.Form):
     """One GGUF file of a repository at its commit, pulled under a name, on a
-    node (empty: the first worker that takes it)."""
+    node (empty: where its first replica would be placed, pull_node)."""
 
     repo = forms.RegexField(regex=REPO_ID, max_length=200, widget=forms.HiddenInput)
     # Its GGUF file; empty: the repository is a transformers model's folder.
@@ -90,7 +93,7 @@ class PullForm(forms.Form):
         super().__init__(*args, **kwargs)
         if nodes:
             self.fields["node"].choices = [
-                ("", "the first worker to take it"),
+                ("", "where its first replica is placed"),
                 *((name, f"node {name}") for name in nodes),
             ]
         else:
@@ -279,14 +282,18 @@ def _pull(request: HttpRequest, nodes: list[str]) -> HttpResponse:
             name=data["name"],
             revision=data["commit"],
             node=data.get("node") or "",
+            node_default=pull_node_default,
             user=request.user,
         )
     except HubError as error:
         messages.error(request, f"The pull was not started: {error.message}")
         query = urlencode({"repo": data["repo"], "revision": data["commit"]})
         return HttpResponseRedirect(f"{request.path}?{query}")
+    where = pull.node_reason or (f"node {pull.node}" if pull.node else "")
     messages.success(
-        request, f"Pulling {pull.name}: {bytes_text(pull.size_bytes)} to download."
+        request,
+        f"Pulling {pull.name}: {bytes_text(pull.size_bytes)} to download"
+        + (f", on {where}." if where else "."),
     )
     return HttpResponseRedirect(
         reverse("admin:catalog_modelpull_change", args=[pull.pk])

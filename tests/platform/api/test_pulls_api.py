@@ -5,7 +5,9 @@ manages models is answered 202 and, run by catalog.pull_jobs.pull_run as a
 worker runs it, followed over its event stream to "done" with the model's
 name; the Hub's refusals come back as the API's errors before anything is
 queued; a pull held mid-file is cancelled; a model is deleted unless it is
-loaded or placed. Every other key gets 403."""
+loaded or placed. A pull the Hub holds reads stalled; on a cluster, one that
+names no node runs where its first replica would be placed. Every other key
+gets 403."""
 
 import asyncio
 import json
@@ -20,6 +22,7 @@ from django.conf import settings
 from django.db import connections
 from django.urls import reverse
 from django.utils import timezone
+from huggingface_hub import constants as hf_constants
 
 from api import bodies, errors, openapi
 from api.models import ApiKey
@@ -30,6 +33,7 @@ from cluster.models import Node
 from fleet.models import EngineSpec, EngineState
 from tests.factories import ApiKeyFactory, EngineSpecFactory, ModelConfigFactory
 from tests.hub import LocalHub
+from tests.waiting import await_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -335,6 +339,57 @@ async def test_a_pull_held_mid_file_is_cancelled(hub, manager):
     assert not await ModelConfig.objects.filter(name=started["name"]).aexists()
     staging = Path(settings.MODELS_DIR) / STAGING
     assert not [p for p in staging.rglob("*") if p.is_file()]
+
+
+async def test_a_pull_the_hub_holds_reads_stalled(hub, manager, monkeypatch):
+    """Held mid-file (the client's read deadline far off): once no bytes came
+    for a few seconds by the database's clock, the pull reads running with
+    rate 0, no time left and a message saying for how long; control: once
+    released, it ends done with its rate and an empty message."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_DOWNLOAD_TIMEOUT", 300)
+    started = (await manager.post("/v1/pulls", json={"source": SOURCE})).json()
+    stall = hub.stall(REPO, FILE)
+    running = asyncio.create_task(run_pull(started["id"]))
+    try:
+        assert await asyncio.to_thread(stall.reached.wait, 60), "never stalled"
+
+        async def stalled():
+            now = (await manager.get(f"/v1/pulls/{started['id']}")).json()
+            return now["message"].startswith("no bytes for ") and now
+
+        seen = await await_for(stalled, what="the pull read as stalled")
+        assert (seen["status"], seen["rate_bytes_per_s"]) == ("running", 0.0)
+        assert seen["seconds_left"] is None and seen["done_bytes"] > 0
+        fits(bodies.ModelPull, seen)
+    finally:
+        stall.release.set()
+    assert await asyncio.wait_for(running, 120) == PullStatus.DONE
+    done = (await manager.get(f"/v1/pulls/{started['id']}")).json()
+    assert done["message"] == "" and done["rate_bytes_per_s"] > 0
+
+
+async def test_a_pull_without_a_node_on_a_cluster_goes_where_it_is_placed(hub, manager):
+    """Two ready nodes and this host's engine disabled: a pull that names no
+    node runs on the node where its first replica would be placed (b, the
+    roomier), the reason kept on its row. Control: one that names a, on a."""
+
+    def cluster() -> None:
+        EngineSpec.objects.filter(node=None).update(enabled=False)
+        for name, ram_mib in (("a", 4096), ("b", 65536)):
+            spec = node_with_engine(name, f"cpu-{name}")
+            Node.objects.filter(pk=spec.node_id).update(hardware={"ram_mib": ram_mib})
+
+    await sync_to_async(cluster)()
+    response = await manager.post("/v1/pulls", json={"source": SOURCE})
+    assert response.status_code == 202, response.text
+    assert response.json()["node"] == "b"
+    row = await ModelPull.objects.aget(pk=response.json()["id"])
+    assert row.node_reason == "node b: where its first replica would be placed (cpu-b)"
+    asked = await manager.post(
+        "/v1/pulls", json={"source": SOURCE, "name": "smol-a", "node": "a"}
+    )
+    assert asked.status_code == 202, asked.text
+    assert asked.json()["node"] == "a"
 
 
 async def test_a_queued_pull_is_cancelled_at_once(hub, manager):

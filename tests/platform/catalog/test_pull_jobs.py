@@ -1,8 +1,9 @@
 """Pulls as background jobs (catalog/pull_jobs.py) against the local hub
 (tests/hub.py), found through HF_ENDPOINT as a mirror would be: a pull planned
-before a byte, run with its progress on its row, cancelled mid-file, continued
-after a Hub that stalls, and resumed by the next worker after one is
-SIGKILLed mid-file, fetching only the rest."""
+before a byte, run with its progress on its row, cancelled mid-file, shown
+stalled while the Hub sends nothing, continued after a Hub that stalls, and
+resumed by the next worker after one is SIGKILLed mid-file, fetching only the
+rest."""
 
 import hashlib
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 from django.db.models.functions import Now
+from django.utils import timezone
 from huggingface_hub import constants as hf_constants
 
 from catalog.hub import HubError
@@ -22,6 +24,12 @@ from catalog.leases import worker_identity
 from catalog.models import ModelConfig, ModelPull, PullStatus
 from catalog.pull import PARTIAL, STAGING
 from catalog.pull_jobs import pull_cancel, pull_run, pull_start, pulls_resume
+from catalog.pull_progress import (
+    STALLED_AFTER_S,
+    progress_text,
+    pull_progress,
+    pulls_with_db_now,
+)
 from tests.hub import LocalHub
 from tests.platform.catalog.conftest import start_worker, stop_worker
 from tests.waiting import wait_for
@@ -112,6 +120,88 @@ def test_a_pull_cancelled_mid_file_stops_and_leaves_nothing(hub):
     assert (pull.status, pull.message) == ("cancelled", "cancelled")
     assert not partial().exists()
     assert not ModelConfig.objects.filter(name="cancelled").exists()
+
+
+def progress_now(pull_id: int) -> dict:
+    """The pull's progress as its page reads it, by the database's clock."""
+    return pull_progress(pulls_with_db_now().get(pk=pull_id))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pull_the_hub_holds_reads_stalled_then_moving_again(hub, monkeypatch):
+    """Held mid-file by the hub (its client's read deadline far off): once no
+    bytes came for STALLED_AFTER_S by the database's clock, its progress says
+    so, its rate nothing and its time left unknown. Released, bytes come and
+    it reads as moving (control: the same reading as before the stall), then
+    stalls again at a second hold, and ends done."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_DOWNLOAD_TIMEOUT", 300)
+    first = hub.stall(REPO, FILE)
+    pull = pull_start(source=f"hf:{REPO}:{FILE}", name="quiet")
+    thread, ended = in_thread(pull.pk)
+    second = None
+    try:
+        assert first.reached.wait(timeout=60), "the download never reached the stall"
+        stalled = wait_for(
+            lambda: (now := progress_now(pull.pk))["stalled_s"] is not None and now,
+            what="the pull read as stalled while the hub held it",
+        )
+        assert stalled["status"] == PullStatus.RUNNING
+        assert stalled["stalled_s"] >= STALLED_AFTER_S
+        assert (stalled["rate"], stalled["left"]) == ("—", "—")
+        assert f"no bytes for {stalled['stalled_s']} s" in stalled["text"]
+        assert "MiB/s" not in stalled["text"]
+        held_at = ModelPull.objects.get(pk=pull.pk).done_bytes
+
+        second = hub.stall(REPO, FILE, fraction=0.8)
+        first.release.set()
+        moving = wait_for(
+            lambda: (
+                (now := progress_now(pull.pk))["done_bytes"] > held_at
+                and now["stalled_s"] is None
+                and now
+            ),
+            what="the pull read as moving once bytes came again",
+        )
+        assert moving["rate"].endswith("/s") and "left" in moving["text"]
+        assert "no bytes" not in moving["text"]
+        assert second.reached.wait(timeout=60), "never reached the second stall"
+        wait_for(
+            lambda: progress_now(pull.pk)["stalled_s"] is not None,
+            what="the pull read as stalled again at the second hold",
+        )
+    finally:
+        first.release.set()
+        if second is not None:
+            second.release.set()
+        thread.join(timeout=120)
+    assert ended == [PullStatus.DONE]
+    done = progress_now(pull.pk)
+    assert done["stalled_s"] is None and done["text"].startswith("done: ")
+
+
+def test_progress_text_says_a_running_pull_with_old_bytes_has_stalled():
+    """Bytes last came 7 s ago by the database's clock: stalled, no rate.
+    Control: 1 s ago, it reads its rate and time left; a queued pull (no
+    run yet) and a finished one never read stalled."""
+    now = timezone.now()
+    pull = ModelPull(
+        name="smol",
+        status=PullStatus.RUNNING,
+        size_bytes=100 << 20,
+        done_bytes=40 << 20,
+        rate_bps=10 << 20,
+        left_s=6.0,
+        progress_at=now - timedelta(seconds=7),
+    )
+    pull.db_now = now
+    assert progress_text(pull) == "40.0%: 40.0 MiB of 100.0 MiB, no bytes for 7 s"
+    pull.progress_at = now - timedelta(seconds=1)
+    assert progress_text(pull) == ("40.0%: 40.0 MiB of 100.0 MiB, 10.0 MiB/s, 6 s left")
+    pull.progress_at = now - timedelta(seconds=7)
+    pull.status = PullStatus.QUEUED
+    assert progress_text(pull).endswith("10.0 MiB/s, 6 s left")
+    pull.status = PullStatus.DONE
+    assert progress_text(pull) == "done: 40.0 MiB of 100.0 MiB"
 
 
 @pytest.mark.django_db(transaction=True)

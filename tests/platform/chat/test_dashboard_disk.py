@@ -4,8 +4,10 @@ pulls in progress; on the page as it opens and in every update."""
 
 import json
 import re
+from datetime import timedelta
 
 import pytest
+from django.db.models.functions import Now
 
 from catalog.models import ModelConfig, ModelPull
 from chat.dashboard import dashboard_fleet
@@ -52,6 +54,34 @@ def test_the_fleet_carries_this_hosts_disk_and_the_open_pulls(models_dir):
     running = fleet["pulls"][0]
     assert (running["node"], running["percent"], running["left_s"]) == ("b", 25.0, 15)
     assert running["rate_bps"] == 10 * MIB
+    assert running["stalled_s"] is None
+
+
+def test_a_pull_with_no_bytes_lately_shows_stalled(models_dir):
+    """Its last bytes 8 s ago by the database's clock: no rate, no time left,
+    and for how long. Control: bytes just now read as written."""
+    pull = ModelPull.objects.create(
+        source="hf:org/a-GGUF:Q4_K_M",
+        name="a",
+        status="running",
+        size_bytes=200 * MIB,
+        done_bytes=50 * MIB,
+        rate_bps=10 * MIB,
+        left_s=15.0,
+    )
+    ModelPull.objects.filter(pk=pull.pk).update(
+        progress_at=Now() - timedelta(seconds=8)
+    )
+    (stalled,) = dashboard_fleet()["pulls"]
+    assert (stalled["rate_bps"], stalled["left_s"]) == (0.0, None)
+    assert 8 <= stalled["stalled_s"] < 60
+    ModelPull.objects.filter(pk=pull.pk).update(progress_at=Now())
+    (moving,) = dashboard_fleet()["pulls"]
+    assert (moving["rate_bps"], moving["left_s"], moving["stalled_s"]) == (
+        10 * MIB,
+        15.0,
+        None,
+    )
 
 
 def test_on_a_cluster_each_nodes_disk_is_its_heartbeats(models_dir):

@@ -70,6 +70,7 @@
       el("strong", {}, pull.name), ` ${pull.status}${pull.node ? ` on ${pull.node}` : ""} `,
       el("progress", { max: 100, value: pull.percent }),
       ` ${pull.percent}% of ${size(pull.size_bytes / 2 ** 20)}`,
+      pull.stalled_s != null ? ` · no bytes for ${duration(pull.stalled_s)}` : "",
       pull.rate_bps ? ` · ${size(pull.rate_bps / 2 ** 20)}/s` : "",
       pull.left_s != null ? ` · ${duration(pull.left_s)} left` : ""));
     return [el("h2", { class: "pulls-heading" }, "Pulls in progress"), el("ul", { class: "pulls" }, ...rows)];

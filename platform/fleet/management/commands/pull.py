@@ -5,7 +5,9 @@ needs before the download, a progress line while it comes, its catalog row
 after. Here, it downloads in this process: Ctrl-C stops it and the next run
 continues where it stopped. With --node, the pull is a job on that node's
 queue (its worker downloads): the command follows its progress, and Ctrl-C
-stops following, not the pull; a second run follows the same pull."""
+stops following, not the pull; a second run follows the same pull. On a
+cluster without --node, it is such a job on the node where the model's first
+replica is placed (fleet.pull_node), which the command says."""
 
 import sys
 import time
@@ -19,7 +21,9 @@ from catalog.hub import HubError
 from catalog.models import PULL_OPEN, ModelPull, PullStatus
 from catalog.pull import Progress, PullPlan, pull_files, pull_plan, pull_record
 from catalog.pull_jobs import pull_start
+from catalog.pull_progress import pulls_with_db_now, rate_now, stalled_s, stalled_text
 from cluster.models import Node
+from fleet.pull_node import cluster_joined, pull_node_default
 
 MIB = 1 << 20
 # A pull on a node is looked at this often while it is followed.
@@ -48,7 +52,8 @@ class Command(BaseCommand):
             "--node",
             default="",
             help="Pull on this node of the cluster (its worker downloads); "
-            "the other nodes copy it from there when it is placed on them.",
+            "the other nodes copy it from there when it is placed on them. "
+            "Default on a cluster: the node where its first replica is placed.",
         )
 
     def handle(
@@ -62,7 +67,7 @@ class Command(BaseCommand):
         **options,
     ) -> None:
         try:
-            if node:
+            if node or cluster_joined():
                 model = self.on_node(
                     source, name=name, revision=revision, node=node, sha256=sha256
                 )
@@ -104,15 +109,19 @@ class Command(BaseCommand):
     def on_node(
         self, source: str, *, name: str, revision: str, node: str, sha256: str = ""
     ):
-        """Start the pull on the node (or follow the one under way there with
-        this source and name), and follow it to its end."""
-        if not Node.objects.filter(name=node, revoked_at__isnull=True).exists():
+        """Start the pull on the node, or without one where the model's first
+        replica is placed (or follow the one under way with this source and
+        name), and follow it to its end."""
+        if (
+            node
+            and not Node.objects.filter(name=node, revoked_at__isnull=True).exists()
+        ):
             raise HubError(404, f"no node named {node} (Fleet > Nodes)")
         pull = (
             ModelPull.objects.filter(
                 source=source,
-                node=node,
                 status__in=PULL_OPEN,
+                **({"node": node} if node else {}),
                 **({"name": name} if name else {}),
             )
             .order_by("-created_at")
@@ -120,20 +129,36 @@ class Command(BaseCommand):
         )
         if pull is None:
             pull = pull_start(
-                source=source, name=name, revision=revision, sha256=sha256, node=node
+                source=source,
+                name=name,
+                revision=revision,
+                sha256=sha256,
+                node=node,
+                node_default=pull_node_default,
             )
+            if pull.node_reason:
+                self.stdout.write(f"pulling on {pull.node_reason}")
         else:
-            self.stdout.write(f"following pull {pull.pk}, under way on {node}")
+            self.stdout.write(f"following pull {pull.pk}, under way on {_on(pull)}")
         self.describe(PullPlan.model_validate(pull.plan))
+        followed = pulls_with_db_now(ModelPull.objects.filter(pk=pull.pk))
         try:
             while pull.status in PULL_OPEN:
                 time.sleep(FOLLOW_EVERY_S)
-                pull.refresh_from_db()
-                self.show(pull.done_bytes, pull.size_bytes, pull.rate_bps, pull.left_s)
+                pull = followed.get()
+                rate, left = rate_now(pull)
+                quiet = stalled_s(pull)
+                self.show(
+                    pull.done_bytes,
+                    pull.size_bytes,
+                    rate,
+                    left,
+                    quiet=stalled_text(quiet) if quiet is not None else "",
+                )
         except KeyboardInterrupt:
             raise CommandError(
-                f"stopped following: pull {pull.pk} goes on on node {node}; run the "
-                "same command to follow it again, or cancel it in the admin"
+                f"stopped following: pull {pull.pk} goes on on {_on(pull)}; run "
+                "the same command to follow it again, or cancel it in the admin"
             ) from None
         sys.stderr.write("\n")
         if pull.status != PullStatus.DONE:
@@ -143,8 +168,21 @@ class Command(BaseCommand):
     def progress(self, progress: Progress) -> None:
         self.show(progress.done, progress.size, progress.rate, progress.left_s)
 
-    def show(self, done: int, size: int, rate: float, left_s: float | None) -> None:
+    def show(
+        self,
+        done: int,
+        size: int,
+        rate: float,
+        left_s: float | None,
+        *,
+        quiet: str = "",
+    ) -> None:
+        """The progress line, redrawn: `quiet` says it has stalled."""
         left = f", {left_s:.0f} s left" if left_s is not None else ""
-        sys.stderr.write(
-            f"\r{done / MIB:.0f}/{size / MIB:.0f} MiB ({rate / MIB:.1f} MiB/s{left})   "
-        )
+        how = quiet or f"{rate / MIB:.1f} MiB/s{left}"
+        sys.stderr.write(f"\r{done / MIB:.0f}/{size / MIB:.0f} MiB ({how})   ")
+
+
+def _on(pull: ModelPull) -> str:
+    """Where a pull runs, as the command says it."""
+    return f"node {pull.node}" if pull.node else "a worker"
