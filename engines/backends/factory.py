@@ -1,16 +1,81 @@
-"""Which models an engine holds: loading (once, whoever asks), leases, making
-room by evicting idle models (memory and models-max), drains, keep-alive expiry,
-and the one decode thread the generation models share."""
+"""A model's backend made as a load makes it: its slot plan, and on a GPU
+engine where its weights go (a GGUF model's layers over the cards and the
+CPU: offload.py; a transformers model's precision and device map:
+hf_placement.py, planned where it loads)."""
 
-from engines.backends.memory import plan_slots
+from collections.abc import Sequence
+
+from engines.backends.ggufmeta import read_header
+from engines.backends.memory import SlotPlan, gguf_layer_sizes, plan_slots
+from engines.backends.offload import Card, OffloadPlan, plan_offload
 from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec
+from engines.launch.devices import CardMemory, DeviceMemory
 from engines.wire.errors import ErrorCode, ProtocolError
 
 
-def load_backend(spec: ModelSpec, backend: str, limits: Limits):
+def card_label(card: CardMemory, place: int) -> str:
+    """How a card is named in plans: `gpu-N` by its index where a probe
+    gives one (nvidia-smi, sysfs), else its name (a UUID, a file's id)."""
+    index = sorted(name for name in card.names if name.isdigit())
+    if index:
+        return f"gpu-{index[0]}"
+    return min(card.names, default=f"gpu-{place}")
+
+
+def offload_cards(memory: DeviceMemory) -> list[Card]:
+    """The cards an engine owns as offload planning sees them: a label, the
+    free memory, and the card's device number in llama.cpp (its place among
+    every card the probes see: nvidia-smi's PCI bus order, which CUDA follows
+    with CUDA_DEVICE_ORDER=PCI_BUS_ID or when it owns every card). Runs the
+    probes (nvidia-smi may be slow): call it off the event loop."""
+    every = [card for probe in memory.probes for card in probe.read()]
+    return [
+        Card(card_label(card, place), card.free_mib, place)
+        for place, card in enumerate(every)
+        if not memory.devices or card.names & memory.devices
+    ]
+
+
+def plan_gguf_offload(
+    spec: ModelSpec,
+    slots: SlotPlan,
+    backend: str,
+    limits: Limits,
+    cards: Sequence[Card] | None,
+    host_free_mib: float | None = None,
+) -> OffloadPlan:
+    """The offload plan of a GGUF model served as `slots` says: none of its
+    layers on a CPU engine; on a GPU engine, over `cards` as the model's
+    settings say (cards None: their memory unknown, as for a probe of the
+    files: one card taken to hold the whole model)."""
+    sizes = gguf_layer_sizes(read_header(spec.path), slots)
+    if backend not in GPU_BACKENDS:
+        cards = []
+    elif cards is None:
+        cards = [Card("gpu", sizes.total_mib + limits.memory_margin_mib)]
+    return plan_offload(
+        sizes,
+        cards,
+        margin_mib=limits.memory_margin_mib,
+        gpu_layers=spec.gpu_layers,
+        tensor_split=spec.tensor_split,
+        host_free_mib=host_free_mib,
+    )
+
+
+def load_backend(
+    spec: ModelSpec,
+    backend: str,
+    limits: Limits,
+    *,
+    cards: Sequence[Card] | None = None,
+    host_free_mib: float | None = None,
+):
     """Construct a model backend with its slot plan, as a load does (imports
     the ML library on first use); engines.inspection.probe measures a model
-    through it."""
+    through it. A GGUF model on a GPU engine gets its offload plan from
+    `cards` (offload_cards) and is refused before it loads when the plan
+    fits nowhere (`host_free_mib`: the host's available memory)."""
     if spec.format == "embedding":
         from engines.backends.embedding import EmbeddingBackend
 
@@ -27,17 +92,26 @@ def load_backend(spec: ModelSpec, backend: str, limits: Limits):
         "prompt_cache": spec.prompt_cache,
     }
     if spec.format == "gguf":
+        offload = plan_gguf_offload(spec, plan, backend, limits, cards, host_free_mib)
+        if not offload.fits:
+            raise ProtocolError(
+                ErrorCode.INSUFFICIENT_MEMORY, f"{spec.name}: {offload.reason}"
+            )
         from engines.backends.gguf import LlamaBackend
 
-        gpu = backend in GPU_BACKENDS
         loaded = LlamaBackend(
-            spec.path, gpu=gpu, kv_groups=plan.kv_groups, **generation
+            spec.path, offload=offload, kv_groups=plan.kv_groups, **generation
         )
     elif spec.format == "transformers":
         from engines.backends.hf import TransformersBackend
 
-        device = "cuda" if backend in ("cuda", "rocm") else "cpu"
-        loaded = TransformersBackend(spec.path, device=device, **generation)
+        loaded = TransformersBackend(
+            spec.path,
+            backend=backend,
+            dtype=spec.dtype,
+            max_gpu_percent=spec.max_gpu_percent,
+            **generation,
+        )
     else:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,

@@ -23,6 +23,7 @@ from llguidance.llamacpp import lltokenizer_from_vocab
 
 from engines.backends.llama import init_llama_cpp
 from engines.backends.memory import BATCH_TOKENS
+from engines.backends.offload import OffloadPlan
 from engines.generation.sampling import SamplingParams
 from engines.generation.slot import Slot
 from engines.generation.slot_pool import SlotBackend
@@ -75,7 +76,7 @@ class LlamaBackend(SlotBackend):
         n_slots: int,
         context_length: int | None = None,
         n_threads: int | None = None,
-        gpu: bool = False,
+        offload: OffloadPlan | None = None,
         chat_template: str = "",
         prompt_cache: bool = True,
         pool_tokens: int | None = None,
@@ -88,19 +89,18 @@ class LlamaBackend(SlotBackend):
         self.model = None
         self.groups: list[_Group] = []
         self.slots: list[Slot] = []
+        # Where the layers go (engines/backends/offload.py); none: the CPU.
+        self.offload = offload or OffloadPlan(0, 0)
         try:
-            self._create(
-                path, context_length, n_threads, gpu, chat_template, pool_tokens
-            )
+            self._create(path, context_length, n_threads, chat_template, pool_tokens)
         except Exception:
             self.close()  # release whatever was created before the failure
             raise
 
     def _create(
-        self, path, context_length, n_threads, gpu, chat_template, pool_tokens
+        self, path, context_length, n_threads, chat_template, pool_tokens
     ) -> None:
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 999 if gpu else 0
+        params = self._model_params()
         self.model = llama_cpp.llama_model_load_from_file(
             str(path).encode("utf-8"), params
         )
@@ -137,6 +137,25 @@ class LlamaBackend(SlotBackend):
         self.chat_template = chat_template or (own.decode("utf-8") if own else "")
         self.bos_text = self._token_text(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos_text = self._token_text(llama_cpp.llama_vocab_eos(self.vocab))
+
+    def _model_params(self):
+        """llama.cpp's model parameters for the offload plan: its layers on
+        the cards (0: every layer on the CPU, whatever the build); over
+        several cards split by layer in the plan's proportions (a float per
+        device llama.cpp may have, kept alive on `self` while it loads);
+        one card as the main one (the one with the most free memory). A CPU
+        build takes them and runs everything on the CPU."""
+        plan = self.offload
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = plan.n_gpu_layers
+        split, params.main_gpu = plan.llama_split(llama_cpp.LLAMA_MAX_DEVICES)
+        if len(plan.devices) > 1:
+            params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
+            self._tensor_split = (ctypes.c_float * len(split))(*split)
+            params.tensor_split = self._tensor_split
+        else:  # one card (main_gpu), or none
+            params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_NONE
+        return params
 
     # -- prompts -----------------------------------------------------------------
 

@@ -53,6 +53,12 @@ class GGUFHeader:
     metadata: dict[str, object]
     parameters: int
     vocabulary: int = 0  # tokens, from the token embedding's shape (0: none)
+    # Bytes of the weights by where llama.cpp places them (offload planning,
+    # engines/backends/offload.py): each repeating layer's `blk.N.*` tensors,
+    # the token embedding (the input layer), and the rest (the output layer).
+    layer_bytes: tuple[int, ...] = ()
+    input_bytes: int = 0
+    output_bytes: int = 0
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
@@ -174,17 +180,53 @@ def _walk(data: _Bytes, name: str) -> GGUFHeader:
         if value is not None:
             metadata[key] = value
     parameters = vocabulary = 0
+    offsets: list[tuple[int, str]] = []
     for _ in range(tensors):
         tensor = cursor.string()
         dims = cursor.take("I", 4)
         if dims > 8:
             raise GGUFFormatError(f"a tensor with {dims} dimensions")
         shape = [cursor.take("Q", 8) for _ in range(dims)]
-        cursor.at += 4 + 8  # its type and data offset
+        cursor.at += 4  # its type
+        offsets.append((cursor.take("Q", 8), tensor))
         parameters += math.prod(shape)
         if tensor == "token_embd.weight" and len(shape) == 2:
             vocabulary = shape[1]  # [embedding width, tokens]
-    return GGUFHeader(metadata, parameters, vocabulary)
+    alignment = int(metadata.get("general.alignment", 32) or 32)
+    data_start = -(-cursor.at // alignment) * alignment
+    return GGUFHeader(
+        metadata,
+        parameters,
+        vocabulary,
+        *_placed_bytes(offsets, len(data) - data_start),
+    )
+
+
+def _placed_bytes(
+    offsets: list[tuple[int, str]], data_bytes: int
+) -> tuple[tuple[int, ...], int, int]:
+    """Each repeating layer's bytes, the input layer's and the output
+    layer's, from the tensors' data offsets (a tensor's size: up to the next
+    one's offset, padding included; the last one's, up to the file's end). A
+    model without an `output.weight` ties it to the token embedding, which
+    llama.cpp then also places with the output layer."""
+    layers: dict[int, int] = {}
+    input_bytes = output_bytes = 0
+    ordered = sorted(offsets)
+    ends = [offset for offset, _ in ordered[1:]] + [data_bytes]
+    for (offset, tensor), end in zip(ordered, ends, strict=True):
+        size = max(end - offset, 0)
+        number = tensor.split(".")[1] if tensor.startswith("blk.") else ""
+        if number.isdigit():
+            layers[int(number)] = layers.get(int(number), 0) + size
+        elif tensor == "token_embd.weight":
+            input_bytes += size
+        else:
+            output_bytes += size
+    if "output.weight" not in {tensor for _, tensor in offsets}:
+        output_bytes += input_bytes
+    blocks = tuple(layers.get(n, 0) for n in range(max(layers, default=-1) + 1))
+    return blocks, input_bytes, output_bytes
 
 
 def _read(path: Path) -> GGUFHeader:

@@ -2,14 +2,28 @@
 dequantized by transformers), with continuous batching of our own: each slot
 keeps its own KV cache; every step stacks the running slots' caches (left-padded
 to a common length, masked) into one batched forward pass and splits the new
-entries back. Prompts are prefilled alone, in chunks, between decode steps."""
+entries back. Prompts are prefilled alone, in chunks, between decode steps.
 
+Where the weights go and in what precision is planned by
+engines/backends/hf_placement.py: the CPU, one card, or sharded over the
+engine's cards by accelerate's device map (offloading what they cannot hold).
+Inputs go to the input embedding's device; each layer's KV stays on that
+layer's device; sampling runs on the device the logits come out on."""
+
+import gc
 from pathlib import Path
 
 import torch
 from llguidance.hf import from_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from engines.backends.hf_placement import (
+    TORCH_GPU_BACKENDS,
+    Card,
+    Placement,
+    plan_placement,
+    read_checkpoint,
+)
 from engines.generation.sampling import SamplingParams
 from engines.generation.slot import Slot
 from engines.generation.slot_pool import SlotBackend
@@ -32,13 +46,71 @@ class _Kv:
 class _SlotState:
     def __init__(self, params: SamplingParams, kv: _Kv) -> None:
         self.kv = kv  # the slot's: it outlives the request (the prompt cache)
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self.seed = params.seed
+        self._generator: torch.Generator | None = None
         self.ids: list[int] = []  # generated so far, for penalties and detokenizing
         self.text = ""  # decoded text of `ids`
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The request's random generator, made on the device its logits are
+        on (torch samples only with a generator of the tensor's device)."""
+        if self._generator is None:
+            self._generator = torch.Generator(device=device)
+            if self.seed is not None:
+                self._generator.manual_seed(self.seed)
+            else:
+                self._generator.seed()
+        return self._generator
+
+
+def torch_cards() -> list[Card]:
+    """The cards torch sees (CUDA_VISIBLE_DEVICES applied), with their free
+    memory now; bfloat16 from the compute capability (8.0 or later) on
+    NVIDIA, on every card torch supports under ROCm."""
+    cards = []
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        free, total = torch.cuda.mem_get_info(index)
+        bf16 = bool(torch.version.hip) or properties.major >= 8
+        cards.append(Card(index, properties.name, total / 2**20, free / 2**20, bf16))
+    return cards
+
+
+def penalized(
+    logits: torch.Tensor, ids: list[int], params: SamplingParams
+) -> torch.Tensor:
+    """The logits after the repeat, frequency and presence penalties over the
+    last 64 generated tokens, computed on the logits' device without reading
+    them back (no boolean indexing)."""
+    seen = torch.tensor(ids[-64:], dtype=torch.long, device=logits.device)
+    counts = torch.zeros_like(logits).scatter_add_(
+        0, seen, torch.ones_like(seen, dtype=logits.dtype)
+    )
+    present = counts > 0
+    repeated = torch.where(
+        logits > 0, logits / params.repeat_penalty, logits * params.repeat_penalty
+    )
+    logits = torch.where(present, repeated, logits)
+    return logits - (
+        counts * params.frequency_penalty + present * params.presence_penalty
+    )
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k, temperature, min-p and top-p: the probabilities to draw from
+    (not normalized), on the logits' device."""
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(probs, descending=True)
+        outside = ordered.cumsum(-1) - ordered > params.top_p
+        ordered = ordered.masked_fill(outside, 0)
+        probs = torch.zeros_like(probs).scatter(0, order, ordered)
+    return probs
 
 
 class TransformersBackend(SlotBackend):
@@ -55,13 +127,19 @@ class TransformersBackend(SlotBackend):
         context_length: int | None = None,
         n_threads: int | None = None,
         device: str = "cpu",
+        backend: str = "",
+        dtype: str = "auto",
+        max_gpu_percent: int = 90,
+        cards: list[Card] | None = None,
         chat_template: str = "",
         prompt_cache: bool = True,
         pool_tokens: int | None = None,
     ) -> None:
+        """`backend`: the engine's (engines/launch/config.py; empty: "cuda"
+        for a cuda `device`, else "cpu"); `dtype` and `max_gpu_percent`: the
+        model's settings; `cards`: the engine's cards (None: torch's now)."""
         self.n_slots = n_slots
         self.prompt_cache = prompt_cache
-        self.device = torch.device(device)
         if n_threads:
             torch.set_num_threads(n_threads)
         path = Path(path)
@@ -73,10 +151,26 @@ class TransformersBackend(SlotBackend):
         self.tokenizer = AutoTokenizer.from_pretrained(
             source, local_files_only=True, **extra
         )
+        backend = backend or ("cuda" if str(device).startswith("cuda") else "cpu")
+        if cards is None:
+            gpu = backend in TORCH_GPU_BACKENDS and torch.cuda.is_available()
+            cards = torch_cards() if gpu else []
+        checkpoint = read_checkpoint(path)
+        self.placement: Placement = plan_placement(
+            backend=backend,
+            cards=cards,
+            checkpoint=checkpoint,
+            dtype=dtype,
+            max_gpu_percent=max_gpu_percent,
+            kv_tokens=pool_tokens or (context_length or 0) * n_slots,
+        )
         self.model = AutoModelForCausalLM.from_pretrained(
-            source, local_files_only=True, dtype=torch.float32, **extra
-        ).to(self.device)
+            source, local_files_only=True, **self.placement.load_kwargs(), **extra
+        )
         self.model.eval()
+        # Under a device map the layers may sit on several devices: inputs
+        # go where the input embedding is.
+        self.device = self.model.get_input_embeddings().weight.device
         trained = getattr(self.model.config, "max_position_embeddings", None)
         # The KV the slots may hold together (each slot's own tensors here).
         self.size_context(context_length, trained, pool_tokens)
@@ -273,7 +367,7 @@ class TransformersBackend(SlotBackend):
 
     def _sample_row(self, slot: Slot, row: torch.Tensor) -> None:
         params = slot.request.params
-        raw = row.float()
+        raw = row.float()  # a half-precision model's logits sampled in float32
         if not bool(torch.isfinite(raw).all()):
             raise ValueError("the model produced non-finite logits (NaN or inf)")
         entry_logprobs = None
@@ -292,38 +386,36 @@ class TransformersBackend(SlotBackend):
         """Penalties, then greedy or temperature / top-k / top-p / min-p sampling
         with the slot's own random generator."""
         state: _SlotState = slot.state
-        logits = logits.clone()
         if state.ids and (
             params.repeat_penalty != 1.0
             or params.frequency_penalty
             or params.presence_penalty
         ):
-            seen = torch.tensor(state.ids[-64:])
-            counts = torch.bincount(seen, minlength=logits.shape[-1]).float()
-            present = counts > 0
-            scored = logits[present]
-            logits[present] = torch.where(
-                scored > 0,
-                scored / params.repeat_penalty,
-                scored * params.repeat_penalty,
-            )
-            logits -= (
-                counts * params.frequency_penalty + present * params.presence_penalty
-            )
+            logits = penalized(logits, state.ids, params)
         if params.temperature <= 0:
             return int(torch.argmax(logits))
-        if params.top_k > 0:
-            kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-            logits[logits < kth] = -float("inf")
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.min_p > 0:
-            probs[probs < params.min_p * probs.max()] = 0
-        if params.top_p < 1.0:
-            ordered, order = torch.sort(probs, descending=True)
-            outside = ordered.cumsum(-1) - ordered > params.top_p
-            ordered[outside] = 0
-            probs = torch.zeros_like(probs).scatter(0, order, ordered)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=state.generator))
+        probs = sampling_probs(logits, params)
+        generator = state.generator(probs.device)
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+    @property
+    def placement_text(self) -> str:
+        """The load's plan in one line (its reason and warnings)."""
+        return self.placement.text
+
+    def describe_placement(self) -> dict:
+        """The plan, the dtype loaded, and where the modules landed (under a
+        device map: its count of modules per device)."""
+        described = self.placement.describe()
+        if self.model is not None:
+            described["loaded_dtype"] = str(self.model.dtype).removeprefix("torch.")
+            landed = getattr(self.model, "hf_device_map", None) or {}
+            counts: dict[str, int] = {}
+            for where in landed.values():
+                counts[str(where)] = counts.get(str(where), 0) + 1
+            if counts:
+                described["modules_per_device"] = counts
+        return described
 
     def close(self) -> None:
         self.cancel_all()
@@ -331,3 +423,9 @@ class TransformersBackend(SlotBackend):
         if self._grammars is not None:
             self._grammars.close()
         self.model = None
+        self._kvs = []
+        if self.placement.on_gpu and torch.cuda.is_initialized():
+            # Hand the cards' memory back (torch caches what it freed): the
+            # next load's plan and the residency's measures read it as free.
+            gc.collect()
+            torch.cuda.empty_cache()

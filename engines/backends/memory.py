@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.backends.ggufmeta import GGUFHeader, read_header
+from engines.backends.offload import LayerSizes
 from engines.launch.config import Limits, ModelSpec
 
 MIB = 2**20
@@ -60,16 +61,17 @@ def _kv_mib(shape: dict, tokens: int) -> float:
     return 2 * shape["layers"] * shape["kv_width"] * tokens * KV_BYTES / MIB
 
 
-def gguf_compute_mib(shape: dict, kv_tokens: int) -> float:
+def gguf_compute_mib(shape: dict, kv_tokens: int, *, logits: bool = True) -> float:
     """llama.cpp's compute buffer (float32 scratch) for one context holding
     `kv_tokens` of KV, without flash attention: a step of BATCH_TOKENS needs
     the larger of its attention scores over the whole KV and its output
     logits (Ollama's graph-size rule; measured here within 2% of what
     llama.cpp reserves: SmolLM2-135M 99.4 MiB at 4,096 tokens and 326.4 MiB
-    at 16,384, Gemma 3 270M 514.5 MiB at 4,096)."""
+    at 16,384, Gemma 3 270M 514.5 MiB at 4,096). Without `logits`: the
+    attention's alone (a card that holds layers but not the output one)."""
     embd, heads = shape.get("embedding", 0), shape.get("heads", 1)
     attention = 1 + 4 * embd + kv_tokens * (1 + heads)
-    output = embd + shape.get("vocabulary", 0)
+    output = embd + shape.get("vocabulary", 0) if logits else 0
     return 4 * BATCH_TOKENS * max(attention, output) / MIB
 
 
@@ -118,12 +120,16 @@ def transformers_estimate_mib(
     context: int = 0,
     slots: int = 1,
     pool_tokens: int = 0,
+    loaded_dtype: str = "float32",
 ) -> float:
-    """What a transformers model takes served: its weights as loaded (16-bit
-    ones as float32) plus its KV cache (_served_kv_mib). From a config and
+    """What a transformers model takes served: its weights as loaded (in
+    `loaded_dtype`: hf_placement.planned_dtype; float32 by default, as a CPU
+    engine loads them) plus its KV cache (_served_kv_mib). From a config and
     the weights' size read anywhere: on disk, or on the Hub before a pull."""
     stored = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    loaded = weight_bytes * 2 if "16" in stored else weight_bytes
+    stored_bytes = 2 if "16" in stored else 4
+    loaded_bytes = 2 if "16" in loaded_dtype else 4
+    loaded = weight_bytes * loaded_bytes / stored_bytes
     kv = _served_kv_mib(config_shape(config), context, slots, pool_tokens)
     return loaded / MIB + kv
 
@@ -188,10 +194,11 @@ def plan_slots(spec: ModelSpec, limits: Limits) -> SlotPlan:
 
 
 def estimate_model_mib(
-    spec: ModelSpec, *, slots: int = 1, pool_tokens: int = 0
+    spec: ModelSpec, *, slots: int = 1, pool_tokens: int = 0, backend: str = "cpu"
 ) -> float:
     """Weights plus the KV cache: `pool_tokens` (a SlotPlan's), else the
-    configured context on every slot."""
+    configured context on every slot. A transformers model's weights in the
+    precision a load on an engine of `backend` takes (hf_placement)."""
     path = Path(spec.path)
     if spec.format == "embedding":
         return _files_mib(path, (".safetensors", ".bin"))  # an embedder's weights
@@ -207,12 +214,19 @@ def estimate_model_mib(
         shape = _shape(spec)
         kv = _served_kv_mib(shape, spec.context_length, slots, pool_tokens)
         return shape["parameters"] * 4 / MIB + kv
+    from engines.backends.hf_placement import planned_dtype  # it imports this
+
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    stored = config.get("dtype") or config.get("torch_dtype")
     return transformers_estimate_mib(
-        json.loads((path / "config.json").read_text(encoding="utf-8")),
+        config,
         int(_files_mib(path, (".safetensors", ".bin")) * MIB),
         context=spec.context_length,
         slots=slots,
         pool_tokens=pool_tokens,
+        loaded_dtype=planned_dtype(
+            backend=backend, dtype=spec.dtype, checkpoint_dtype=stored
+        ),
     )
 
 
@@ -234,3 +248,23 @@ def gguf_estimate_mib(
     kv = _served_kv_mib(shape, context, slots, pool_tokens)
     tokens = _served_kv_tokens(shape, context, slots, pool_tokens)
     return file_bytes / MIB + kv + gguf_compute_mib(shape, tokens)
+
+
+def gguf_layer_sizes(header: GGUFHeader, plan: SlotPlan) -> LayerSizes:
+    """A GGUF model's memory by where llama.cpp places it (offload planning,
+    engines/backends/offload.py), served as `plan` says: each repeating
+    layer's weights and its share of the KV pool, the input and output
+    layers, and one compute buffer per KV group's context (each holds its
+    share of the pool)."""
+    shape = gguf_shape(header)
+    layers = shape["layers"] or len(header.layer_bytes) or 1
+    group_tokens = max(plan.pool_tokens // max(plan.kv_groups, 1), 1)
+    return LayerSizes(
+        blocks=tuple(size / MIB for size in header.layer_bytes),
+        input_mib=header.input_bytes / MIB,
+        output_mib=header.output_bytes / MIB,
+        kv_per_layer_mib=_kv_mib(shape, plan.pool_tokens) / layers,
+        compute_mib=plan.kv_groups * gguf_compute_mib(shape, group_tokens),
+        layer_compute_mib=plan.kv_groups
+        * gguf_compute_mib(shape, group_tokens, logits=False),
+    )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from engines.backends.factory import load_backend
+from engines.backends.factory import load_backend, offload_cards
 from engines.backends.memory import estimate_model_mib
 from engines.inspection.messages import MIB, ProbeRequest, ProbeResult, inspection_main
 from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec
@@ -72,7 +72,10 @@ def probe(request: ProbeRequest) -> ProbeResult:
     device_before = cards.used_mib() if cards else None
     started = time.perf_counter()
     try:
-        backend = load_backend(spec, request.backend, limits)
+        # A GGUF model on cards: offloaded as a load would be, over their
+        # free memory now.
+        offload = offload_cards(cards) if cards is not None else None
+        backend = load_backend(spec, request.backend, limits, cards=offload)
     except ProtocolError as error:
         return ProbeResult(problem=error.message)
     except Exception as error:  # whatever the library raises for a bad model
@@ -86,7 +89,7 @@ def probe(request: ProbeRequest) -> ProbeResult:
     plan = getattr(backend, "plan", None)
     try:
         estimated = estimate_model_mib(
-            spec, pool_tokens=plan.pool_tokens if plan else 0
+            spec, pool_tokens=plan.pool_tokens if plan else 0, backend=request.backend
         )
     except (OSError, ValueError, KeyError):
         estimated = None  # files that do not tell; the measurement stands

@@ -32,6 +32,38 @@ JSON_FORM = {"form": "json"}
 
 # What a chat longer than a model's context gets (engines/generation/context.py).
 CONTEXT_OVERFLOW = ("refuse", "drop_oldest")
+# A model's weights on the engine's GPUs (GGUF): planned from the cards' free
+# memory ("auto"), every layer ("all"), none ("none"), or a number of layers.
+GPU_LAYERS_WORDS = ("auto", "all", "none")
+# A transformers model's precision: its own ("auto": the checkpoint's dtype,
+# bfloat16/float16 on a GPU that has it, float32 on the CPU) or this one.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def gpu_layers_problem(value: str) -> str | None:
+    """Why `value` is not a GPU layers setting, or None."""
+    if value in GPU_LAYERS_WORDS or (value.isdigit() and int(value) <= 100_000):
+        return None
+    return f"must be one of {', '.join(GPU_LAYERS_WORDS)} or a number of layers"
+
+
+def tensor_split_problem(value: str) -> str | None:
+    """Why `value` is not a split over cards ("" or shares such as "3,1",
+    one per card in order), or None."""
+    if not value:
+        return None
+    try:
+        shares = [float(part) for part in value.split(",")]
+    except ValueError:
+        shares = []
+    if (
+        not shares
+        or len(shares) > 16
+        or any(not share >= 0 for share in shares)
+        or not sum(shares) > 0
+    ):
+        return "must be shares per card, e.g. 3,1 (up to 16, not all 0)"
+    return None
 
 
 def usable_cores() -> int:
@@ -103,12 +135,43 @@ class ModelSpec(Schema):
     # A chat longer than the context: "refuse" or "drop_oldest" turns
     # (engines/generation/context.py).
     context_overflow: str = "refuse"
+    # GGUF on a GPU engine: layers on its cards (GPU_LAYERS_WORDS or a
+    # number), and how they are split over several cards ("": by free memory).
+    gpu_layers: str = "auto"
+    tensor_split: str = ""
+    # Transformers: the precision (DTYPES), and the share of each card's
+    # memory the model may take (accelerate's max_memory).
+    dtype: str = "auto"
+    max_gpu_percent: int = Field(default=90, ge=1, le=100)
 
     @field_validator("context_overflow")
     @classmethod
     def _known_overflow(cls, value: str) -> str:
         if value not in CONTEXT_OVERFLOW:
             raise ValueError(f"must be one of {CONTEXT_OVERFLOW}, not {value!r}")
+        return value
+
+    @field_validator("gpu_layers")
+    @classmethod
+    def _known_gpu_layers(cls, value: str) -> str:
+        problem = gpu_layers_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("tensor_split")
+    @classmethod
+    def _known_split(cls, value: str) -> str:
+        problem = tensor_split_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"must be one of {DTYPES}, not {value!r}")
         return value
 
 

@@ -1,18 +1,28 @@
 """Device (GPU) memory: what each card has and uses, read without torch.
 
-NVIDIA cards through `nvidia-smi --query-gpu`, AMD cards through sysfs
-(`mem_info_vram_total` / `mem_info_vram_used`). Machines without a GPU read
-nothing; tests drive the same interface from a JSON file whose path the engine
-gets in ROUNDHOUSE_DEVICE_MEMORY_FILE (see engines/launch/environment.py).
+NVIDIA cards through NVML (nvidia-ml-py's `pynvml`, imported on first use),
+falling back to `nvidia-smi --query-gpu` where the binding is missing or NVML
+does not start; AMD cards through sysfs (`mem_info_vram_total` /
+`mem_info_vram_used`). Each NVIDIA card answers to its UUID and its index
+(NVML's and nvidia-smi's, in PCI bus order), so an engine's spec may name its
+cards either way. Machines without a GPU read nothing; tests drive the same
+interface from a JSON file whose path the engine gets in
+ROUNDHOUSE_DEVICE_MEMORY_FILE (see engines/launch/environment.py).
 """
 
+import atexit
 import json
+import logging
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from types import ModuleType
+from typing import Any, Protocol
+
+log = logging.getLogger("roundhouse.engine.devices")
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,8 @@ class CardMemory:
     vendor: str
     total_mib: float
     used_mib: float
+    # The card's product name where the probe knows it ("NVIDIA H100 80GB HBM3").
+    product: str = ""
 
     @property
     def free_mib(self) -> float:
@@ -67,6 +79,93 @@ def amd_cards() -> list[tuple[str, Path]]:
     return cards
 
 
+class Nvml:
+    """NVIDIA's management library, started once per process on first use and
+    shut down at exit. `library()` is None where nvidia-ml-py is not installed
+    or NVML does not start (no driver, no card): the probes then read
+    nvidia-smi. A failed start is not retried: a machine does not grow a driver
+    while an engine runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = False
+        self._library: ModuleType | None = None
+
+    def library(self) -> ModuleType | None:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                self._library = self._start()
+            return self._library
+
+    @staticmethod
+    def _start() -> ModuleType | None:
+        try:
+            import pynvml
+        except ImportError:
+            return None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as error:
+            log.info("NVML did not start (%s): reading nvidia-smi instead", error)
+            return None
+        atexit.register(_shutdown, pynvml)
+        return pynvml
+
+
+def _shutdown(pynvml: ModuleType) -> None:
+    try:
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        pass
+
+
+# The process's NVML session (nothing is imported or started until a probe reads).
+NVML = Nvml()
+
+
+@dataclass(frozen=True)
+class NvmlCard:
+    """One card NVML lists: its index, UUID and the handle to query it with."""
+
+    index: int
+    uuid: str
+    handle: Any
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset({self.uuid, str(self.index)})
+
+
+def _text(value: str | bytes) -> str:
+    """NVML strings: str in current nvidia-ml-py, bytes in old releases."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def nvml_cards(nvml: Nvml | None = None) -> tuple[ModuleType, list[NvmlCard]] | None:
+    """The library and every card NVML lists (a card NVML cannot name is left
+    out); None when NVML is not there or cannot count the cards, so that the
+    caller falls back to nvidia-smi."""
+    library = (nvml or NVML).library()
+    if library is None:
+        return None
+    try:
+        count = library.nvmlDeviceGetCount()
+    except library.NVMLError as error:
+        log.debug("NVML cannot count the cards (%s): reading nvidia-smi", error)
+        return None
+    cards = []
+    for index in range(count):
+        try:
+            handle = library.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(library.nvmlDeviceGetUUID(handle))
+        except library.NVMLError as error:
+            log.debug("NVML cannot read card %d: %s", index, error)
+            continue
+        cards.append(NvmlCard(index, uuid, handle))
+    return library, cards
+
+
 class NvidiaMemoryProbe:
     """NVIDIA cards through nvidia-smi (absent: no cards)."""
 
@@ -78,6 +177,41 @@ class NvidiaMemoryProbe:
             except (IndexError, ValueError):
                 continue
             cards.append(CardMemory(frozenset(row[:2]), "nvidia", total, used))
+        return cards
+
+
+class NvmlMemoryProbe:
+    """NVIDIA cards through NVML; through `fallback` (nvidia-smi) where NVML
+    is not there. A card whose memory NVML cannot read is left out."""
+
+    def __init__(
+        self, nvml: Nvml | None = None, fallback: MemoryProbe | None = None
+    ) -> None:
+        self.nvml = nvml
+        self.fallback = fallback if fallback is not None else NvidiaMemoryProbe()
+
+    def read(self) -> list[CardMemory]:
+        found = nvml_cards(self.nvml)
+        if found is None:
+            return self.fallback.read()
+        library, listed = found
+        cards = []
+        for card in listed:
+            try:
+                memory = library.nvmlDeviceGetMemoryInfo(card.handle)
+            except library.NVMLError as error:
+                log.debug("NVML cannot read card %s's memory: %s", card.uuid, error)
+                continue
+            try:
+                product = _text(library.nvmlDeviceGetName(card.handle))
+            except library.NVMLError:
+                product = ""
+            # Used is total less free, so that free is NVML's own figure
+            # (whether `used` counts the driver's reserved memory has changed
+            # between driver releases; free never counts it).
+            total_mib = memory.total / 2**20
+            used_mib = (memory.total - memory.free) / 2**20
+            cards.append(CardMemory(card.names, "nvidia", total_mib, used_mib, product))
         return cards
 
 
@@ -122,9 +256,10 @@ class FileMemoryProbe:
 
 
 def default_memory_probes(memory_file: str | None) -> list[MemoryProbe]:
+    """The file's cards in tests; else NVIDIA's (NVML, else nvidia-smi) and AMD's."""
     if memory_file:
         return [FileMemoryProbe(memory_file)]
-    return [NvidiaMemoryProbe(), AmdMemoryProbe()]
+    return [NvmlMemoryProbe(fallback=NvidiaMemoryProbe()), AmdMemoryProbe()]
 
 
 class DeviceMemory:

@@ -4,6 +4,7 @@ and the one decode thread the generation models share."""
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -13,7 +14,8 @@ from typing import Any
 
 import psutil
 
-from engines.backends.factory import load_backend
+from engines.backends.factory import load_backend, offload_cards
+from engines.backends.hf_placement import TORCH_GPU_BACKENDS
 from engines.backends.memory import SlotPlan, estimate_model_mib, plan_slots
 from engines.generation.runner import (
     DecodeThread,
@@ -84,21 +86,28 @@ class ResidentModel:
             plan = getattr(backend, "plan", None)
             if plan is not None:  # slots, context, and the KV pool's size
                 described.update(plan.describe())
+            offload = getattr(backend, "offload", None)
+            if offload is not None and offload.devices:
+                # A GGUF model's layers on the engine's cards (none: a CPU engine).
+                described["offload"] = offload.describe()
+            placement = getattr(backend, "placement_text", "")
+            if placement:  # a transformers model's precision and device map
+                described["placement"] = placement
             described["copied_tokens"] = getattr(backend, "copied_tokens", 0)
         return described
 
 
 def _estimate(
-    spec: ModelSpec, limits: Limits, plan: SlotPlan | None = None
+    spec: ModelSpec, limits: Limits, plan: SlotPlan | None = None, backend: str = "cpu"
 ) -> float | None:
-    """The model's estimated memory, its slots' KV pool included (the plan it
-    was loaded with, else a new one; None: its files do not tell). Reads file
-    headers: run it off the event loop."""
+    """The model's estimated memory on an engine of `backend`, its slots' KV
+    pool included (the plan it was loaded with, else a new one; None: its
+    files do not tell). Reads file headers: run it off the event loop."""
     try:
         if spec.format == "embedding":
             return estimate_model_mib(spec)
         plan = plan or plan_slots(spec, limits)
-        return estimate_model_mib(spec, pool_tokens=plan.pool_tokens)
+        return estimate_model_mib(spec, pool_tokens=plan.pool_tokens, backend=backend)
     except (OSError, ValueError, KeyError) as error:
         log.warning("no memory estimate for %s: %s", spec.name, error)
         return None
@@ -246,11 +255,30 @@ class Residency:
         on_device = device_free is not None
         estimate = None
         if not spec.measured_mib or (on_device and not spec.measured_device_mib):
-            estimate = await loop.run_in_executor(None, _estimate, spec, limits) or 0.0
+            estimate = (
+                await loop.run_in_executor(
+                    None, _estimate, spec, limits, None, self.config.backend
+                )
+                or 0.0
+            )
         # On a GPU engine the weights and KV cache go to the cards: the host
         # needs only what an earlier load measured there.
         need = spec.measured_mib or (0.0 if on_device else estimate)
         need_device = (spec.measured_device_mib or estimate) if on_device else 0.0
+        # A GGUF model that cannot have the cards to itself (or is told to
+        # stay off them) loads partly offloaded: its layers take the cards'
+        # free memory as it is (engines/backends/offload.py plans them) and
+        # the host must hold the rest, at worst the whole model.
+        partial = on_device and self._partly_offloaded(spec, need_device, device_free)
+        if partial:
+            if estimate is None:
+                estimate = (
+                    await loop.run_in_executor(
+                        None, _estimate, spec, limits, None, self.config.backend
+                    )
+                    or 0.0
+                )
+            need, need_device = max(spec.measured_mib or 0.0, estimate), 0.0
         deadline = time.monotonic() + limits.queue_timeout_s
         async with self._room:
             while True:
@@ -265,6 +293,16 @@ class Residency:
                     device.held = sum(m.device_mib for m in self.models.values())
                     budgets.append(device)
                 for budget in budgets:
+                    if partial and budget.need > budget.room + budget.held:
+                        raise ProtocolError(
+                            ErrorCode.INSUFFICIENT_MEMORY,
+                            f"{spec.name} fits nowhere: it needs about "
+                            f"{budget.need:.0f} MiB; the GPU cards cannot hold "
+                            "it, and the host can make at most "
+                            f"{max(budget.room + budget.held, 0):.0f} MiB free "
+                            "for the layers that would run on the CPU (margin "
+                            f"{limits.memory_margin_mib} MiB)",
+                        )
                     if budget.need > budget.room + budget.held:
                         raise ProtocolError(
                             ErrorCode.INSUFFICIENT_MEMORY,
@@ -310,6 +348,29 @@ class Residency:
                     continue
                 device_free = await self._device_free() if on_device else None
 
+    def _partly_offloaded(
+        self, spec: ModelSpec, need_device: float, device_free: float
+    ) -> bool:
+        """Whether a model on this GPU engine is planned to run partly on the
+        CPU: a GGUF model whose `gpu_layers` say none, or (auto or a number)
+        that needs more than the cards can hold with every other model gone;
+        a transformers model that needs more than that (its device map
+        offloads the rest), or on an engine whose cards torch does not use."""
+        if spec.format == "transformers":
+            if self.config.backend not in TORCH_GPU_BACKENDS:
+                return True  # torch runs it on the CPU (a Vulkan engine)
+            # Offloaded by accelerate's device map past each card's cap.
+            held = sum(m.device_mib for m in self.models.values())
+            room = device_free - self.config.limits.memory_margin_mib + held
+            return need_device > room
+        if spec.format != "gguf" or spec.gpu_layers == "all":
+            return False
+        if spec.gpu_layers == "none":
+            return True
+        held = sum(m.device_mib for m in self.models.values())
+        room = device_free - self.config.limits.memory_margin_mib + held
+        return need_device > room
+
     async def _device_free(self) -> float | None:
         """Free memory on this engine's cards (None: not a GPU engine, or no
         cards seen). Read off the loop: nvidia-smi may be slow."""
@@ -333,10 +394,25 @@ class Residency:
             if on_device
             else None
         )
+        # The cards' free memory now (after any eviction) plans the offload.
+        cards = (
+            await loop.run_in_executor(None, offload_cards, self._device_memory)
+            if on_device
+            else None
+        )
+        host_free = psutil.virtual_memory().available / 2**20
         log.info("loading %s from %s", spec.name, spec.path)
         try:
             backend = await loop.run_in_executor(
-                executor, load_backend, spec, self.config.backend, self.config.limits
+                executor,
+                functools.partial(
+                    load_backend,
+                    spec,
+                    self.config.backend,
+                    self.config.limits,
+                    cards=cards,
+                    host_free_mib=host_free if on_device else None,
+                ),
             )
         except ProtocolError:
             executor.shutdown(wait=False)
@@ -358,7 +434,12 @@ class Residency:
             # earlier, or a card we cannot read) holds what we expected.
             model.device_mib = grown or spec.measured_device_mib or 0.0
         model.estimated_mib = await loop.run_in_executor(
-            None, _estimate, spec, self.config.limits, getattr(backend, "plan", None)
+            None,
+            _estimate,
+            spec,
+            self.config.limits,
+            getattr(backend, "plan", None),
+            self.config.backend,
         )
         if device_before is not None and not model.device_mib:
             model.device_mib = model.estimated_mib or 0.0
@@ -369,7 +450,13 @@ class Residency:
             executor.shutdown(wait=False)
             raise
         self.models[spec.name] = model
-        log.info("loaded %s (%.0f MiB)", spec.name, memory_mib)
+        offload = getattr(backend, "offload", None)
+        log.info(
+            "loaded %s (%.0f MiB)%s",
+            spec.name,
+            memory_mib,
+            f": {offload.reason}" if offload and on_device else "",
+        )
         return model
 
     def _serve(self, model: ResidentModel) -> None:

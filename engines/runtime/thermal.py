@@ -5,8 +5,9 @@ the engine that owns it (each engine judges only its own cards). Each card is
 judged by its vendor's thresholds (engines/launch/config.py Thresholds). Work
 pauses at `high` and resumes only below `resume` (hysteresis), so an engine does
 not flap around one temperature.
-Sensors are read without torch: psutil, nvidia-smi, sysfs; tests drive the same
-interface from a JSON file (ROUNDHOUSE_THERMAL_FILE, see engines/launch/environment.py).
+Sensors are read without torch: psutil, NVML (nvidia-smi where NVML is not
+there), sysfs; tests drive the same interface from a JSON file
+(ROUNDHOUSE_THERMAL_FILE, see engines/launch/environment.py).
 """
 
 import json
@@ -20,7 +21,7 @@ from typing import Protocol
 import psutil
 
 from engines.launch.config import Thresholds
-from engines.launch.devices import amd_cards, nvidia_smi_rows
+from engines.launch.devices import Nvml, amd_cards, nvidia_smi_rows, nvml_cards
 
 log = logging.getLogger("roundhouse.engine.thermal")
 
@@ -69,6 +70,38 @@ class NvidiaProbe:
         return readings
 
 
+class NvmlProbe:
+    """NVIDIA cards through NVML, one reading by UUID and one by index per
+    card; through `fallback` (nvidia-smi) where NVML is not there. A card whose
+    temperature NVML cannot read is left out; the others are still read."""
+
+    def __init__(self, nvml: Nvml | None = None, fallback: Probe | None = None) -> None:
+        self.nvml = nvml
+        self.fallback = fallback if fallback is not None else NvidiaProbe()
+
+    def read(self) -> list[Reading]:
+        found = nvml_cards(self.nvml)
+        if found is None:
+            return self.fallback.read()
+        library, cards = found
+        readings = []
+        for card in cards:
+            try:
+                celsius = float(
+                    library.nvmlDeviceGetTemperature(
+                        card.handle, library.NVML_TEMPERATURE_GPU
+                    )
+                )
+            except library.NVMLError as error:
+                log.debug(
+                    "NVML cannot read card %s's temperature: %s", card.uuid, error
+                )
+                continue
+            readings.append(Reading("gpu", card.uuid, "nvidia", celsius))
+            readings.append(Reading("gpu", str(card.index), "nvidia", celsius))
+        return readings
+
+
 class AmdProbe:
     """AMD cards through sysfs hwmon (edge temperature)."""
 
@@ -112,7 +145,7 @@ class FileProbe:
 def default_probes(thermal_file: str | None) -> list[Probe]:
     if thermal_file:
         return [FileProbe(thermal_file)]
-    return [CpuProbe(), NvidiaProbe(), AmdProbe()]
+    return [CpuProbe(), NvmlProbe(fallback=NvidiaProbe()), AmdProbe()]
 
 
 class ThermalGate:

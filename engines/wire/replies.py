@@ -72,6 +72,18 @@ class PingReply(OkReply):
     phase: Phase
 
 
+class OffloadState(Part):
+    """A GGUF model's layers on the engine's cards (OffloadPlan.describe):
+    `gpu_layers` of `layers` (llama.cpp's count, the output layer included),
+    the MiB planned on each card and on the CPU, and why, in one line."""
+
+    gpu_layers: int
+    layers: int
+    cards_mib: dict[str, float]
+    cpu_mib: float
+    reason: str
+
+
 class ModelState(Part):
     """One resident model as the engine describes it (ResidentModel.describe)."""
 
@@ -98,6 +110,10 @@ class ModelState(Part):
     kv_mib: float | None = None
     kv_groups: int | None = None
     copied_tokens: int | None = None
+    offload: OffloadState | None = None
+    # A transformers model: its precision and where its weights went
+    # (engines/backends/hf_placement.py), in one line.
+    placement: str | None = None
 
 
 class Temperature(Part):

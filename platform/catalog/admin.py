@@ -114,6 +114,10 @@ class ModelConfigAdmin(admin.ModelAdmin):
                 ]
             },
         ),
+        (
+            "GPUs",
+            {"fields": ["gpu_layers", "tensor_split", "dtype", "max_gpu_percent"]},
+        ),
         ("Measured", {"fields": [*readonly_fields, *MEMORY_JOB_FIELDS]}),
         ("Files", {"fields": ["inspection_summary", "inspected_at"]}),
         ("Requantized", {"fields": [*VARIANT_FIELDS, "variants_compared"]}),

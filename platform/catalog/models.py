@@ -9,6 +9,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 
 from engines.inspection.messages import QUANTIZATIONS
+from engines.launch.config import gpu_layers_problem, tensor_split_problem
 from engines.wire.bounds import check_sampling
 from engines.wire.errors import ProtocolError
 from routing.placement import label_problem
@@ -110,6 +111,26 @@ class ContextOverflow(models.TextChoices):
     # The values engines know (engines.launch.config.CONTEXT_OVERFLOW).
     REFUSE = "refuse", "Refuse with the counts"
     DROP_OLDEST = "drop_oldest", "Drop the oldest turns"
+
+
+class Dtype(models.TextChoices):
+    # The values engines know (engines.launch.config.DTYPES).
+    AUTO = "auto", "Its own (bfloat16/float16 on a GPU, float32 on the CPU)"
+    FLOAT32 = "float32", "float32"
+    BFLOAT16 = "bfloat16", "bfloat16"
+    FLOAT16 = "float16", "float16"
+
+
+def validate_gpu_layers(value: object) -> None:
+    problem = gpu_layers_problem(str(value))
+    if problem:
+        raise ValidationError(problem)
+
+
+def validate_tensor_split(value: object) -> None:
+    problem = tensor_split_problem(str(value))
+    if problem:
+        raise ValidationError(problem)
 
 
 class JobState(models.TextChoices):
@@ -224,6 +245,35 @@ class ModelConfig(models.Model):
         help_text="A chat longer than the context: refused with the counts "
         "(context_length_exceeded), or answered with its oldest turns left out "
         "(the system prompt and the latest message always stay).",
+    )
+    gpu_layers = models.CharField(
+        "GPU layers",
+        max_length=8,
+        default="auto",
+        validators=[validate_gpu_layers],
+        help_text="GGUF on a GPU engine: auto (as many layers as its cards' free "
+        "memory holds, the rest on the CPU), all, none, or a number of layers.",
+    )
+    tensor_split = models.CharField(
+        max_length=100,
+        blank=True,
+        validators=[validate_tensor_split],
+        help_text="GGUF on an engine with several cards: each card's share of the "
+        "layers, in the engine's card order, e.g. 3,1. Empty: by their free memory.",
+    )
+    dtype = models.CharField(
+        "precision",
+        max_length=16,
+        choices=Dtype.choices,
+        default=Dtype.AUTO,
+        help_text="Transformers models: the precision the weights load in.",
+    )
+    max_gpu_percent = models.PositiveSmallIntegerField(
+        "max GPU %",
+        default=90,
+        validators=[MinValueValidator(1), MaxValueValidator(100)],
+        help_text="Transformers models: the share of each card's memory the model "
+        "may take; what does not fit is offloaded to the CPU.",
     )
     enabled = models.BooleanField(default=True)
     measured_memory_mib = models.PositiveIntegerField(

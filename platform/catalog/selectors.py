@@ -120,6 +120,10 @@ def models_servable_by(*, capabilities: frozenset[str]) -> list[dict]:
             "chat_template": model.chat_template,
             "prompt_cache": model.prompt_cache,
             "context_overflow": model.context_overflow,
+            "gpu_layers": model.gpu_layers,
+            "tensor_split": model.tensor_split,
+            "dtype": model.dtype,
+            "max_gpu_percent": model.max_gpu_percent,
         }
         for model in rows.order_by("name")
         if (path := _path_or_none(model)) is not None

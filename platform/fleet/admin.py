@@ -251,7 +251,9 @@ class PlacedModelConfigAdmin(ModelFilesAdmin, ModelConfigAdmin):
 
 def _residence_text(where) -> str:
     """`cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB)
-    in 2 groups, up to 2,048 tokens per conversation`."""
+    in 2 groups, up to 2,048 tokens per conversation`, then a GGUF model's
+    offload plan on a GPU engine (`; 18 of 31 layers on 1 card (gpu-0 6.1
+    GiB), 13 on the CPU`)."""
     text = f"{where.engine} ({where.memory_mib:.0f} MiB)"
     if where.slots:
         text += f": {where.slots} slot{'s' if where.slots > 1 else ''}"
@@ -264,6 +266,8 @@ def _residence_text(where) -> str:
             if where.kv_groups > 1:
                 text += f" in {where.kv_groups} groups"
             text += f", up to {where.context:,} tokens per conversation"
+    if where.offload:
+        text += f"; {where.offload}"
     return text
 
 

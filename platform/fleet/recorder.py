@@ -57,6 +57,8 @@ def resident_models_of(state: StateReply) -> list[dict]:
                 for field in SLOT_PLAN_FIELDS
                 if getattr(item, field) is not None
             },
+            # A GGUF model's layers on the engine's cards (OffloadState).
+            **({"offload": item.offload.model_dump()} if item.offload else {}),
         }
         for item in state.models
     ]

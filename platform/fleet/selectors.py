@@ -407,6 +407,9 @@ class Residence:
     kv_mib: float | None = None
     context: int | None = None
     kv_groups: int = 1
+    # A GGUF model's offload plan there: the one-line reason (layers on the
+    # cards, MiB per card, the rest on the CPU), "" when none was recorded.
+    offload: str = ""
 
 
 def model_residence(*, name: str) -> list[Residence]:
@@ -425,6 +428,7 @@ def model_residence(*, name: str) -> list[Residence]:
                         kv_mib=item.get("kv_mib"),
                         context=item.get("context"),
                         kv_groups=item.get("kv_groups") or 1,
+                        offload=(item.get("offload") or {}).get("reason", ""),
                     )
                 )
     return held

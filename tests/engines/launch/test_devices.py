@@ -84,7 +84,9 @@ def gpu_engine(tmp_path, monkeypatch):
         devices=["GPU-1"],
         limits={"memory_margin_mib": 10, "models_max": 5, "queue_timeout_s": 2},
         models=[smollm("a", 400), smollm("b", 400), smollm("c", 400)]
-        + [smollm("huge", 5000)],
+        # Every layer asked on the card: too large, refused (auto would load
+        # it partly offloaded, tests/engines/runtime/test_offload_engine.py).
+        + [{**smollm("huge", 5000), "gpu_layers": "all"}],
     )
     engine.card = card
     engine.set_used = lambda used: card.write_text(

@@ -167,12 +167,24 @@ def cards_file(tmp_path, *, total_mib: float, used_mib: float):
     return path
 
 
-async def test_a_gpu_engine_needs_room_on_its_cards(make, tiny_llama, tmp_path):
+async def test_a_gpu_engine_needs_room_on_its_cards(make, tmp_path, models_dir):
     """On a GPU engine the model's measured card memory must fit the cards'
-    free memory (less the margin): 500 MiB on a card with 100 free is refused
-    naming the GPU shortfall. The control: a card with room loads it (a Vulkan
-    engine runs transformers models on the CPU: no card is needed here)."""
-    spec = tiny("a", tiny_llama, measured_device_mib=500)
+    free memory (less the margin): a GGUF model told to go all on the cards
+    (gpu_layers all: never partly offloaded), 500 MiB on a card with 100 free,
+    is refused naming the GPU shortfall. The control: a card with room loads
+    it (this llama.cpp build runs the layers on the CPU: the card shows no
+    growth)."""
+    spec = ModelSpec(
+        name="a",
+        format="gguf",
+        task="chat",
+        path=str(models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        context_length=128,
+        slots=1,
+        measured_mib=MEASURED_MIB,
+        measured_device_mib=500,
+        gpu_layers="all",
+    )
     full = cards_file(tmp_path, total_mib=8192, used_mib=8092)
     residency = make(spec, backend="vulkan", cards=full, memory_margin_mib=0)
     with pytest.raises(ProtocolError) as error:
@@ -184,6 +196,19 @@ async def test_a_gpu_engine_needs_room_on_its_cards(make, tiny_llama, tmp_path):
     residency = make(spec, backend="vulkan", cards=roomy, memory_margin_mib=0)
     model = await residency.ensure_loaded("a")
     assert model.device_mib == 500  # the card showed no growth: as measured
+
+
+async def test_a_transformers_model_needs_no_card_where_torch_uses_none(
+    make, tiny_llama, tmp_path
+):
+    """A Vulkan engine runs a transformers model on the CPU (torch has no
+    Vulkan device): a full card does not refuse it, the host holds it. The
+    control is the GGUF model above, refused on the same full card."""
+    spec = tiny("a", tiny_llama, measured_device_mib=500)
+    full = cards_file(tmp_path, total_mib=8192, used_mib=8092)
+    residency = make(spec, backend="vulkan", cards=full, memory_margin_mib=0)
+    model = await residency.ensure_loaded("a")
+    assert model.spec.name == "a" and "a" in residency.models
 
 
 async def test_keep_alive_unloads_idle_models_only(make, tiny_llama):

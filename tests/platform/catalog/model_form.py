@@ -23,6 +23,10 @@ def model_post(**fields) -> dict:
         "sampling": "{}",
         "chat_template": "",
         "context_overflow": "refuse",
+        "gpu_layers": "auto",
+        "tensor_split": "",
+        "dtype": "auto",
+        "max_gpu_percent": "90",
     }
     data.update(fields)
     return data

@@ -316,3 +316,18 @@ def test_model_change_form_shows_owner_engine_and_memory_where_resident(
         "cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB) "
         "in 2 groups, up to 2,048 tokens per conversation"
     ) in body
+    # A GGUF model on a GPU engine: its offload plan there.
+    offload = {
+        "gpu_layers": 18,
+        "layers": 31,
+        "cards_mib": {"gpu-0": 6246.4},
+        "cpu_mib": 2900.0,
+        "reason": "18 of 31 layers on 1 card (gpu-0 6.1 GiB), 13 on the CPU",
+    }
+    EngineState.objects.filter(spec=engine).update(
+        resident_models=[{"name": "chatty", "memory_mib": 312.4, "offload": offload}]
+    )
+    body = admin_client.get(url).content.decode()
+    assert (
+        "cpu0 (312 MiB); 18 of 31 layers on 1 card (gpu-0 6.1 GiB), 13 on the CPU"
+    ) in body
