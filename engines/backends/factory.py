@@ -92,7 +92,14 @@ def load_backend(
         "prompt_cache": spec.prompt_cache,
     }
     if spec.format == "gguf":
-        offload = plan_gguf_offload(spec, plan, backend, limits, cards, host_free_mib)
+        try:
+            offload = plan_gguf_offload(
+                spec, plan, backend, limits, cards, host_free_mib
+            )
+        except (OSError, ValueError) as error:  # its header: not a GGUF file
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"llama.cpp cannot load {spec.path}: {error}"
+            ) from None
         if not offload.fits:
             raise ProtocolError(
                 ErrorCode.INSUFFICIENT_MEMORY, f"{spec.name}: {offload.reason}"
