@@ -124,6 +124,20 @@ class Endpoint(models.TextChoices):
     COMPLETIONS = "completions", "/v1/completions"
     EMBEDDINGS = "embeddings", "/v1/embeddings"
     WS_CHAT = "ws.chat", "WebSocket /ws/chat/"
+    # The other dialects (issue 35): each a translation onto the same pipeline;
+    # the endpoint says which dialect a usage row was asked in.
+    RESPONSES = "responses", "OpenAI /v1/responses"
+    MESSAGES = "messages", "Anthropic /v1/messages"
+    MESSAGES_COUNT_TOKENS = (
+        "messages.count_tokens",
+        "Anthropic /v1/messages/count_tokens",
+    )
+    OLLAMA_CHAT = "ollama.chat", "Ollama /api/chat"
+    OLLAMA_GENERATE = "ollama.generate", "Ollama /api/generate"
+    OLLAMA_EMBED = "ollama.embed", "Ollama /api/embed"
+    RERANK = "rerank", "/v1/rerank, /v2/rerank"
+    TOKENIZE = "tokenize", "/tokenize"
+    DETOKENIZE = "detokenize", "/detokenize"
 
 
 class Usage(models.Model):

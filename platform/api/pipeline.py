@@ -65,9 +65,26 @@ ENDPOINT_TASKS = {
     "completions": ("chat", "completion"),
     "embeddings": ("embedding",),
     "ws.chat": ("chat",),
+    "responses": ("chat",),
+    "messages": ("chat",),
+    "messages.count_tokens": ("chat",),
+    "ollama.chat": ("chat",),
+    "ollama.generate": ("chat", "completion"),
+    "ollama.embed": ("embedding",),
+    # Cross-encoders, and embedding models by cosine similarity.
+    "rerank": ("rerank", "embedding"),
+    "tokenize": ("chat", "completion"),
+    "detokenize": ("chat", "completion"),
 }
 # Where an endpoint's task mismatch sends the caller, in its error message.
-_ENDPOINT_PATHS = {"ws.chat": "/ws/chat/"}
+_ENDPOINT_PATHS = {
+    "ws.chat": "/ws/chat/",
+    "ollama.chat": "/api/chat",
+    "ollama.generate": "/api/generate",
+    "ollama.embed": "/api/embed",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
 # An engine that cannot be reached (the request never reached it) is skipped
 # and the next choice tried, this many engines at most. An engine that died
 # with the request is not (with_engine).
