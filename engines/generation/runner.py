@@ -198,6 +198,37 @@ class DecodeThread:
                 self.allowed.wait(0.5)  # cooling: cancels are still handled
 
 
+class DecodeRate:
+    """A model's measured speed: the tokens it generated per second of its
+    decode steps (prompt evaluation included) over the last `window_s` seconds
+    of steps; None before its first token. Tokens are counted and steps timed
+    on the decode thread; any thread reads `per_s`."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self._tokens = 0  # since the last step ended
+        # (when a step ended, its seconds, the tokens it generated)
+        self._steps: deque[tuple[float, float, int]] = deque()
+
+    def counted(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def stepped(self, seconds: float) -> None:
+        now = time.monotonic()
+        self._steps.append((now, seconds, self._tokens))
+        self._tokens = 0
+        while self._steps and now - self._steps[0][0] > self.window_s:
+            self._steps.popleft()
+
+    def per_s(self) -> float | None:
+        steps = list(self._steps)  # a copy: the decode thread appends
+        tokens = sum(step[2] for step in steps)
+        seconds = sum(step[1] for step in steps)
+        if not tokens or seconds <= 0:
+            return None
+        return tokens / seconds
+
+
 class GenerationRunner:
     """Admission and stepping for one generation model: FIFO admission of queued
     requests into free slots, cancels, then one decode step of its running slots;
@@ -228,6 +259,7 @@ class GenerationRunner:
         self._stopping = False
         self._closed = threading.Event()
         self.steps = 0
+        self.rate = DecodeRate()
         decoder.add(self)
 
     # -- called from the event loop ------------------------------------------
@@ -258,6 +290,7 @@ class GenerationRunner:
                     ErrorCode.OVERLOADED,
                     f"{len(self._pending)} requests already wait for {self.name}",
                 )
+            request.emit = self._counting(request.emit)
             self._pending.append(request)
             self._known.add(request.id)
             self._wake.notify_all()
@@ -369,6 +402,7 @@ class GenerationRunner:
                     {"event": "admitted", "prompt_tokens": len(request.prompt_tokens)}
                 )
         if step and self.backend.active():
+            started = time.perf_counter()
             try:
                 self.backend.step()
             except Exception as error:
@@ -378,12 +412,25 @@ class GenerationRunner:
                     f"the decode step failed: {describe_error(error)}",
                 )
             self.steps += 1
+            self.rate.stepped(time.perf_counter() - started)
         self._forget_finished()
         if self._stopping and not self.backend.active():
             self.backend.close()
             self._closed.set()
             return True
         return False
+
+    def _counting(
+        self, emit: Callable[[dict[str, Any]], None]
+    ) -> Callable[[dict[str, Any]], None]:
+        """`emit`, counting the tokens its events carry into the model's rate."""
+
+        def counted(event: dict[str, Any]) -> None:
+            if event.get("event") == "token":
+                self.rate.counted(int(event.get("tokens") or 1))
+            emit(event)
+
+        return counted
 
     def _take_admissible(self) -> list[GenerationRequest]:
         """Refuse every queued interactive request past its queue timeout

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from engines.backends.factory import load_backend, offload_cards
+from engines.backends.factory import card_label, load_backend, offload_cards
 from engines.backends.hf_placement import TORCH_GPU_BACKENDS
 from engines.backends.memory import SlotPlan, estimate_model_mib, plan_slots
 from engines.generation.runner import (
@@ -23,7 +23,7 @@ from engines.generation.runner import (
     GenerationRunner,
 )
 from engines.launch.config import GPU_BACKENDS, EngineConfig, Limits, ModelSpec
-from engines.launch.devices import DeviceMemory
+from engines.launch.devices import CardMemory, DeviceMemory
 from engines.runtime.batching import MicroBatcher
 from engines.wire.errors import ErrorCode, ProtocolError
 
@@ -45,6 +45,9 @@ class ResidentModel:
     memory_mib: float
     estimated_mib: float | None = None
     device_mib: float = 0.0  # on the engine's GPUs (measured after the load)
+    # What the load took on each card (by its label in offload plans), as
+    # measured; empty where no card showed growth.
+    device_cards_mib: dict[str, float] = field(default_factory=dict)
     inflight: int = 0  # requests holding this model: it is never evicted then
     batcher: MicroBatcher | None = None
     runner: GenerationRunner | None = None
@@ -82,7 +85,11 @@ class ResidentModel:
             )
         if self.runner is not None:
             backend = self.runner.backend
-            described.update(slots=backend.n_slots, steps=self.runner.steps)
+            described.update(
+                slots=backend.n_slots,
+                steps=self.runner.steps,
+                tokens_per_s=_rounded(self.runner.rate.per_s()),
+            )
             plan = getattr(backend, "plan", None)
             if plan is not None:  # slots, context, and the KV pool's size
                 described.update(plan.describe())
@@ -90,11 +97,25 @@ class ResidentModel:
             if offload is not None and offload.devices:
                 # A GGUF model's layers on the engine's cards (none: a CPU engine).
                 described["offload"] = offload.describe()
+        if self.device_cards_mib:
+            described["device_cards_mib"] = {
+                card: round(mib, 1) for card, mib in self.device_cards_mib.items()
+            }
             placement = getattr(backend, "placement_text", "")
             if placement:  # a transformers model's precision and device map
                 described["placement"] = placement
             described["copied_tokens"] = getattr(backend, "copied_tokens", 0)
         return described
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _card_use(cards: list[CardMemory]) -> dict[str, float]:
+    """Each card's used MiB by its label in offload plans (`gpu-N`, else its
+    UUID or id)."""
+    return {card_label(card, place): card.used_mib for place, card in enumerate(cards)}
 
 
 def _estimate(
@@ -389,10 +410,13 @@ class Residency:
         process = psutil.Process()
         before = process.memory_info().rss
         on_device = self.config.backend in GPU_BACKENDS
-        device_before = (
-            await loop.run_in_executor(None, self._device_memory.used_mib)
+        cards_before = (
+            await loop.run_in_executor(None, self._device_memory.cards)
             if on_device
             else None
+        )
+        device_before = (
+            sum(card.used_mib for card in cards_before) if cards_before else None
         )
         # The cards' free memory now (after any eviction) plans the offload.
         cards = (
@@ -426,10 +450,15 @@ class Residency:
         memory_mib = max(process.memory_info().rss - before, 0) / 2**20
         model = ResidentModel(spec, backend, executor, memory_mib)
         if device_before is not None:
-            device_after = await loop.run_in_executor(
-                None, self._device_memory.used_mib
-            )
-            grown = max((device_after or 0.0) - device_before, 0.0)
+            cards_after = await loop.run_in_executor(None, self._device_memory.cards)
+            device_after = sum(card.used_mib for card in cards_after)
+            grown = max(device_after - device_before, 0.0)
+            before = _card_use(cards_before)
+            model.device_cards_mib = {
+                card: used - before[card]
+                for card, used in _card_use(cards_after).items()
+                if card in before and used > before[card]
+            }
             # A card that shows no growth (memory the runtime had reserved
             # earlier, or a card we cannot read) holds what we expected.
             model.device_mib = grown or spec.measured_device_mib or 0.0

@@ -111,6 +111,12 @@ class ModelState(Part):
     kv_groups: int | None = None
     copied_tokens: int | None = None
     offload: OffloadState | None = None
+    # Measured: a generation model's tokens per second of its decode steps over
+    # the last 30 s of work (engines/generation/runner.DecodeRate; None before
+    # its first token), and what its load took on each card (MiB by the card's
+    # label in offload plans; only cards that grew).
+    tokens_per_s: float | None = None
+    device_cards_mib: dict[str, float] | None = None
     # A transformers model: its precision and where its weights went
     # (engines/backends/hf_placement.py), in one line.
     placement: str | None = None

@@ -253,7 +253,8 @@ def _residence_text(where) -> str:
     """`cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB)
     in 2 groups, up to 2,048 tokens per conversation`, then a GGUF model's
     offload plan on a GPU engine (`; 18 of 31 layers on 1 card (gpu-0 6.1
-    GiB), 13 on the CPU`)."""
+    GiB), 13 on the CPU`), and what was measured there (`; measured: 5.9 GiB
+    on GPU-8f2c..., 41.3 tokens/s`)."""
     text = f"{where.engine} ({where.memory_mib:.0f} MiB)"
     if where.slots:
         text += f": {where.slots} slot{'s' if where.slots > 1 else ''}"
@@ -268,6 +269,14 @@ def _residence_text(where) -> str:
             text += f", up to {where.context:,} tokens per conversation"
     if where.offload:
         text += f"; {where.offload}"
+    measured = [
+        f"{mib / 1024:.1f} GiB on {card}"
+        for card, mib in (where.device_cards_mib or {}).items()
+    ]
+    if where.tokens_per_s:
+        measured.append(f"{where.tokens_per_s:,.1f} tokens/s")
+    if measured:
+        text += "; measured: " + ", ".join(measured)
     return text
 
 

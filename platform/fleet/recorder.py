@@ -59,6 +59,12 @@ def resident_models_of(state: StateReply) -> list[dict]:
             },
             # A GGUF model's layers on the engine's cards (OffloadState).
             **({"offload": item.offload.model_dump()} if item.offload else {}),
+            # Measured: its tokens/s and what its load took on each card.
+            **{
+                field: getattr(item, field)
+                for field in ("tokens_per_s", "device_cards_mib")
+                if getattr(item, field)
+            },
         }
         for item in state.models
     ]

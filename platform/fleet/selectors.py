@@ -410,6 +410,10 @@ class Residence:
     # A GGUF model's offload plan there: the one-line reason (layers on the
     # cards, MiB per card, the rest on the CPU), "" when none was recorded.
     offload: str = ""
+    # Measured there: tokens per second of its decode steps (None: no token
+    # yet, or not a generation model) and what its load took on each card.
+    tokens_per_s: float | None = None
+    device_cards_mib: dict[str, float] | None = None
 
 
 def model_residence(*, name: str) -> list[Residence]:
@@ -429,6 +433,8 @@ def model_residence(*, name: str) -> list[Residence]:
                         context=item.get("context"),
                         kv_groups=item.get("kv_groups") or 1,
                         offload=(item.get("offload") or {}).get("reason", ""),
+                        tokens_per_s=item.get("tokens_per_s"),
+                        device_cards_mib=item.get("device_cards_mib"),
                     )
                 )
     return held

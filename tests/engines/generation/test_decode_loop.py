@@ -106,3 +106,22 @@ def test_a_loop_without_passes_is_stuck_and_close_is_bounded():
     backend.block.set()
     assert caller.final()["finish_reason"] == "length"
     wait_for(lambda: decoder.stuck_for() == 0, timeout=10, what="the loop unstuck")
+
+
+def test_a_models_rate_is_its_tokens_per_second_of_decode_steps():
+    """The runner measures the model's speed as the tokens its requests were
+    sent over the seconds its decode steps took: two requests of 5 tokens
+    count 10 tokens; before any token there is no rate (None, not 0). The
+    rate's window forgets steps older than it."""
+    backend, decoder, runner = make()
+    assert runner.rate.per_s() is None
+    first, second = Caller(runner), Caller(runner)
+    assert first.final()["finish_reason"] == second.final()["finish_reason"]
+    steps = list(runner.rate._steps)
+    assert sum(tokens for _, _, tokens in steps) == 10
+    seconds = sum(taken for _, taken, _ in steps)
+    assert runner.rate.per_s() == pytest.approx(10 / seconds)
+
+    runner.rate.window_s = 0.0
+    runner.rate.stepped(0.01)  # a step with no token, after the window
+    assert runner.rate.per_s() is None

@@ -83,6 +83,10 @@ def test_a_model_on_roomy_cards_is_all_offloaded_split_by_free_memory(engine):
     assert set(offload.cards_mib) == {"GPU-1", "GPU-2"}
     assert all(mib > 0 for mib in offload.cards_mib.values())
     assert offload.reason.startswith("31 of 31 layers on 2 cards (GPU-1 ")
+    # Beside the plan, `state` carries what was measured: the model's
+    # tokens/s (its answer's tokens over its decode steps' time).
+    (model,) = [m for m in engine.client().state().models if m.name == "auto"]
+    assert model.tokens_per_s > 0
 
 
 def test_a_model_larger_than_the_cards_runs_partly_on_the_cpu(engine):

@@ -14,6 +14,7 @@ import pytest
 
 from engines.launch.config import EngineConfig, Limits, ModelSpec
 from engines.launch.devices import DeviceMemory, FileMemoryProbe
+from engines.runtime import residency as residency_module
 from engines.runtime.residency import Residency
 from engines.wire.errors import ProtocolError
 from tests.engines.conftest import embedder_spec
@@ -196,6 +197,61 @@ async def test_a_gpu_engine_needs_room_on_its_cards(make, tmp_path, models_dir):
     residency = make(spec, backend="vulkan", cards=roomy, memory_margin_mib=0)
     model = await residency.ensure_loaded("a")
     assert model.device_mib == 500  # the card showed no growth: as measured
+
+
+async def test_what_a_load_took_on_each_card_is_measured_and_described(
+    make, tmp_path, models_dir, monkeypatch
+):
+    """A GPU engine measures what a load took on each of its cards (the cards'
+    use before and after it) and describes it in `state` by the cards' plan
+    labels: a load that grows GPU-0 by 300 MiB and leaves GPU-1 as it was
+    reads {"GPU-0": 300}. The control: a load that grows no card describes
+    none (the model's card memory then falls back to its measured figure)."""
+    path = tmp_path / "cards.json"
+
+    def write(used_0: float) -> None:
+        path.write_text(
+            json.dumps(
+                {
+                    "gpus": [
+                        {"id": "GPU-0", "total_mib": 8192, "used_mib": used_0},
+                        {"id": "GPU-1", "total_mib": 8192, "used_mib": 100},
+                    ]
+                }
+            )
+        )
+
+    grow = {"by": 300.0}
+    real_load = residency_module.load_backend
+
+    def load_and_grow(*args, **kwargs):
+        backend = real_load(*args, **kwargs)
+        write(1000 + grow["by"])  # the runtime's allocations, as a card shows them
+        return backend
+
+    monkeypatch.setattr(residency_module, "load_backend", load_and_grow)
+    spec = ModelSpec(
+        name="a",
+        format="gguf",
+        task="chat",
+        path=str(models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        context_length=128,
+        slots=1,
+        measured_mib=MEASURED_MIB,
+        measured_device_mib=50,
+    )
+    write(1000)
+    model = await make(spec, backend="cuda", cards=path).ensure_loaded("a")
+    assert model.device_cards_mib == {"GPU-0": 300}
+    assert model.device_mib == 300
+    assert model.describe()["device_cards_mib"] == {"GPU-0": 300}
+
+    grow["by"] = 0.0
+    write(1000)
+    model = await make(spec, backend="cuda", cards=path).ensure_loaded("a")
+    assert model.device_cards_mib == {}
+    assert "device_cards_mib" not in model.describe()
+    assert model.device_mib == 50  # no growth: as measured before
 
 
 async def test_a_transformers_model_needs_no_card_where_torch_uses_none(
