@@ -10,6 +10,7 @@ from engines.backends.memory import SlotPlan, gguf_layer_sizes, plan_slots
 from engines.backends.offload import Card, OffloadPlan, plan_offload
 from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec
 from engines.launch.devices import CardMemory, DeviceMemory
+from engines.launch.environment import cuda_visible_devices
 from engines.wire.errors import ErrorCode, ProtocolError
 
 
@@ -22,18 +23,35 @@ def card_label(card: CardMemory, place: int) -> str:
     return min(card.names, default=f"gpu-{place}")
 
 
-def offload_cards(memory: DeviceMemory) -> list[Card]:
+def visible_cards(backend: str) -> list[str] | None:
+    """The cards CUDA shows this process (CUDA_VISIBLE_DEVICES) on a CUDA
+    engine; None elsewhere, or when every card is visible."""
+    return cuda_visible_devices() if backend == "cuda" else None
+
+
+def offload_cards(memory: DeviceMemory, visible: list[str] | None = None) -> list[Card]:
     """The cards an engine owns as offload planning sees them: a label, the
-    free memory, and the card's device number in llama.cpp (its place among
-    every card the probes see: nvidia-smi's PCI bus order, which CUDA follows
-    with CUDA_DEVICE_ORDER=PCI_BUS_ID or when it owns every card). Runs the
-    probes (nvidia-smi may be slow): call it off the event loop."""
+    free memory, and the card's device number in llama.cpp. Where
+    CUDA_VISIBLE_DEVICES names the cards (`visible`, by index or UUID), that
+    number is the card's place in the list, and a card not in it is left out
+    (the engine cannot use it); else its place among every card the probes
+    see (their PCI bus order, which CUDA follows: engines start with
+    CUDA_DEVICE_ORDER=PCI_BUS_ID). Runs the probes (nvidia-smi may be slow):
+    call it off the event loop."""
     every = [card for probe in memory.probes for card in probe.read()]
-    return [
-        Card(card_label(card, place), card.free_mib, place)
-        for place, card in enumerate(every)
-        if not memory.devices or card.names & memory.devices
-    ]
+    cards = []
+    for place, card in enumerate(every):
+        if memory.devices and not card.names & memory.devices:
+            continue
+        if visible is not None:
+            shown = [
+                number for number, name in enumerate(visible) if name in card.names
+            ]
+            if not shown:
+                continue
+            place = shown[0]
+        cards.append(Card(card_label(card, place), card.free_mib, place))
+    return cards
 
 
 def plan_gguf_offload(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from engines.backends.factory import load_backend, offload_cards
+from engines.backends.factory import load_backend, offload_cards, visible_cards
 from engines.backends.memory import estimate_model_mib
 from engines.inspection.messages import MIB, ProbeRequest, ProbeResult, inspection_main
 from engines.launch.config import GPU_BACKENDS, Limits, ModelSpec
@@ -74,7 +74,11 @@ def probe(request: ProbeRequest) -> ProbeResult:
     try:
         # A GGUF model on cards: offloaded as a load would be, over their
         # free memory now.
-        offload = offload_cards(cards) if cards is not None else None
+        offload = (
+            offload_cards(cards, visible_cards(request.backend))
+            if cards is not None
+            else None
+        )
         backend = load_backend(spec, request.backend, limits, cards=offload)
     except ProtocolError as error:
         return ProbeResult(problem=error.message)

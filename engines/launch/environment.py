@@ -95,6 +95,15 @@ INHERITED_ENV_PREFIXES = (
     "HF_",
     "TRANSFORMERS_",
 )
+# CUDA_VISIBLE_DEVICES: the cards CUDA shows the engine (indices or UUIDs; set in
+# the engine spec's env block). llama.cpp numbers the visible cards from 0 in
+# this order; an engine's offload plan gives each card its share by that number.
+CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+# CUDA_DEVICE_ORDER: how CUDA numbers the cards. Engines start with PCI_BUS_ID
+# (nvidia-smi's and NVML's order, which the memory probes read) unless the
+# spec's env block says otherwise; CUDA's own default is fastest first.
+CUDA_ORDER_ENV = "CUDA_DEVICE_ORDER"
+ENGINE_DEFAULT_ENV = {CUDA_ORDER_ENV: "PCI_BUS_ID"}
 # Hub credentials: engines never reach a hub (OFFLINE_ENV).
 NEVER_INHERITED_ENV = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
 
@@ -132,6 +141,15 @@ def lifeline_fd_from_environment() -> int | None:
 def config_in_environment() -> bool:
     """Whether a configuration was handed over (CONFIG_ENV or CONFIG_FILE_ENV)."""
     return bool(os.environ.get(CONFIG_ENV) or os.environ.get(CONFIG_FILE_ENV))
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_ENV as a list of the cards' names (indices or UUIDs) in
+    CUDA's order; None when unset (every card visible, in PCI order)."""
+    value = os.environ.get(CUDA_VISIBLE_ENV)
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def thermal_file() -> str | None:

@@ -12,6 +12,7 @@ from engines.launch.config import EngineConfig
 from engines.launch.environment import (
     CONFIG_ENV,
     CONFIG_FILE_ENV,
+    ENGINE_DEFAULT_ENV,
     LIFELINE_FD_ENV,
     MAX_ENV_STRING,
     OFFLINE_ENV,
@@ -45,11 +46,12 @@ def engine_environment(
 ) -> dict[str, str]:
     """The engine's environment: what it uses of the parent's (the allow-list
     config.INHERITED_ENV: none of the web side's secrets), offline hub
-    settings, the spec's env block on top (empty values kept), then its config
+    settings and CUDA's PCI card order (ENGINE_DEFAULT_ENV, where the parent
+    sets neither), the spec's env block on top (empty values kept), then its config
     (or the path of the file holding it) and token. SpawnError when exec would
     refuse it."""
     env = inherited_environment(os.environ if base is None else base)
-    for key, value in OFFLINE_ENV.items():
+    for key, value in {**OFFLINE_ENV, **ENGINE_DEFAULT_ENV}.items():
         env.setdefault(key, value)
     env.update(spec_env or {})
     env["PYTHONPATH"] = os.pathsep.join(

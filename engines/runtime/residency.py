@@ -14,7 +14,12 @@ from typing import Any
 
 import psutil
 
-from engines.backends.factory import card_label, load_backend, offload_cards
+from engines.backends.factory import (
+    card_label,
+    load_backend,
+    offload_cards,
+    visible_cards,
+)
 from engines.backends.hf_placement import TORCH_GPU_BACKENDS
 from engines.backends.memory import SlotPlan, estimate_model_mib, plan_slots
 from engines.generation.runner import (
@@ -420,7 +425,12 @@ class Residency:
         )
         # The cards' free memory now (after any eviction) plans the offload.
         cards = (
-            await loop.run_in_executor(None, offload_cards, self._device_memory)
+            await loop.run_in_executor(
+                None,
+                offload_cards,
+                self._device_memory,
+                visible_cards(self.config.backend),
+            )
             if on_device
             else None
         )

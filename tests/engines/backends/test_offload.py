@@ -2,6 +2,7 @@
 split how, from the model's sizes and the cards' free memory (pure: no card
 and no llama.cpp needed)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,24 @@ def test_llama_split_places_the_shares_at_the_cards_devices():
     split, main = result.llama_split(4)
     assert split == pytest.approx([0, 1 / 3, 0, 2 / 3])
     assert main == 3
+
+
+def test_cards_are_numbered_as_cuda_shows_them(tmp_path):
+    """Each owned card's llama.cpp device is its place among every card (PCI
+    order) when CUDA shows them all; with CUDA_VISIBLE_DEVICES it is the
+    card's place in that list (names or indices), and an owned card the list
+    leaves out is not planned on at all."""
+    from engines.backends.factory import offload_cards
+    from engines.launch.devices import DeviceMemory, FileMemoryProbe
+
+    path = tmp_path / "cards.json"
+    gpus = [{"id": f"GPU-{n}", "total_mib": 8000, "used_mib": 0} for n in "ABCD"]
+    path.write_text(json.dumps({"gpus": gpus}))
+    memory = DeviceMemory([FileMemoryProbe(path)], ["GPU-B", "GPU-D"])
+
+    def devices(visible):
+        return {card.name: card.device for card in offload_cards(memory, visible)}
+
+    assert devices(None) == {"GPU-B": 1, "GPU-D": 3}
+    assert devices(["GPU-D", "GPU-B"]) == {"GPU-D": 0, "GPU-B": 1}
+    assert devices(["GPU-B", "GPU-C"]) == {"GPU-B": 0}

@@ -14,7 +14,7 @@ import pytest
 
 from engines.launch.config import EngineConfig, Limits, ModelSpec
 from engines.launch.environment import CONFIG_ENV, CONFIG_FILE_ENV
-from engines.launch.process import SpawnError, spawn_engine
+from engines.launch.process import SpawnError, engine_environment, spawn_engine
 from engines.runtime.serve import EXIT_STUCK
 from engines.wire.client import EngineClient, EngineDied, EngineError
 from tests.conftest import ROOT
@@ -235,3 +235,20 @@ def test_the_stop_deadline_ends_a_process_whose_drain_never_finishes():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_engines_number_cuda_cards_in_pci_order_unless_their_spec_says(monkeypatch):
+    """An engine starts with CUDA_DEVICE_ORDER=PCI_BUS_ID (the order the
+    memory probes read, which the offload plan numbers cards by), where the
+    parent sets none; a spec's env block, or the parent's own setting, wins."""
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    config = small_config()
+    env = engine_environment(config=config, token="t")
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    spec_env = {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
+    env = engine_environment(config=config, token="t", spec_env=spec_env)
+    assert env["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    assert engine_environment(config=config, token="t")["CUDA_DEVICE_ORDER"] == (
+        "FASTEST_FIRST"
+    )
