@@ -21,8 +21,6 @@ from catalog.pull import PullPlan
 from cluster.models import Node
 from routing.select import ModelRoute, Snapshot
 
-from .selectors import routing_snapshot
-
 READY = "ready"
 
 
@@ -47,6 +45,10 @@ def pull_node(*, name: str, model_format: str, needs_mib: float) -> PullNode:
     `needs_mib` served) runs when no node is asked for (see above)."""
     if not cluster_joined():
         return PullNode(node="", reason="")
+    # Imported here: the fleet's selectors bring the engines' clients (and
+    # numpy), which a pull on one host (manage.py pull's start) does without.
+    from .selectors import routing_snapshot
+
     snapshot = routing_snapshot()
     placed = snapshot.placed(name)
     first = "its first replica is placed"

@@ -7,6 +7,7 @@ in-memory channel layer, a Celery broker that needs no server and the bundled mo
 
 import os
 import secrets
+import sys
 from pathlib import Path
 
 import environ
@@ -116,8 +117,10 @@ REDIS_CONNECT_TIMEOUT_S = env.float("REDIS_CONNECT_TIMEOUT_S", default=0.5)
 REDIS_TIMEOUT_S = env.float("REDIS_TIMEOUT_S", default=1.0)
 
 INSTALLED_APPS = [
-    "daphne",
-    "django.contrib.admin",
+    # The admin's modules load with the URLs (roundhouse/urls.py runs
+    # admin.autodiscover()), not at every process's start: a command such as
+    # `manage.py pull` starts without them.
+    "django.contrib.admin.apps.SimpleAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -133,6 +136,11 @@ INSTALLED_APPS = [
     "chat",
     "batches",
 ]
+
+# daphne backs `manage.py runserver` (the front itself is uvicorn:
+# roundhouse/serve.py); every other command starts without its Twisted imports.
+if sys.argv[1:2] == ["runserver"]:
+    INSTALLED_APPS.insert(0, "daphne")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",

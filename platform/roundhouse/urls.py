@@ -7,6 +7,10 @@ from django.views.generic import RedirectView
 
 from api.health import healthz, metrics_view
 
+# The apps' admin modules, found here rather than at start
+# (settings: SimpleAdminConfig): loaded once, with the URLs.
+admin.autodiscover()
+
 urlpatterns = [
     path("", RedirectView.as_view(url="/chat/", permanent=False)),
     path("admin/", admin.site.urls),
