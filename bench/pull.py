@@ -17,6 +17,10 @@ the file into a fresh destination each of these ways, their order rotating:
 - manage.py pull: what an operator runs, `manage.py pull hf:ORG/REPO:Q4_1` as a
   child process with HF_ENDPOINT set (Python and Django starting, the plan read
   from the file's header, the download, the check, the catalog row);
+- hf_hub_download, own process: the anchor as a script meets it, a fresh
+  Python that imports huggingface_hub and calls hf_hub_download (the command
+  pays its interpreter's start too: this is the like-for-like anchor for
+  `manage.py pull`);
 - hf download: huggingface_hub's own command line, the anchor for a command
   (left out when the venv has no `hf`).
 Reported: seconds and MiB/s per run (the file's size over the whole call), the
@@ -51,6 +55,8 @@ REPO = "bench/SmolLM2-135M-Instruct-GGUF"
 GOAL = 0.9
 MIB = 1 << 20
 ANCHOR = "hf_hub_download"
+# The same call in a fresh process of its own, as a script makes it.
+PROCESS_ANCHOR = "hf_hub_download, own process"
 # The engine's context for the first-token runs (the tests' gguf_spec uses 512).
 CONTEXT = 2048
 
@@ -124,6 +130,24 @@ class Bench:
         )
         return Path(path), {}
 
+    def hub_download_process(self, dest: Path) -> tuple[Path, dict]:
+        """The anchor as a script runs it: a fresh Python importing
+        huggingface_hub and calling hf_hub_download into a fresh cache dir."""
+        script = (
+            "import sys\n"
+            "from huggingface_hub import hf_hub_download\n"
+            "print(hf_hub_download(sys.argv[1], sys.argv[2], cache_dir=sys.argv[3],"
+            " endpoint=sys.argv[4], token=False))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script, REPO, self.model.name, str(dest), self.url],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return Path(done.stdout.strip().splitlines()[-1]), {}
+
     def pull_files(self, dest: Path) -> tuple[Path, dict]:
         """catalog.pull.pull_files alone; its download and check timed apart
         (the download ends at the progress report that reaches the size)."""
@@ -194,6 +218,7 @@ class Bench:
         """Each way to bring the file in, by the name the tables give it."""
         ways = {
             ANCHOR: self.hub_download,
+            PROCESS_ANCHOR: self.hub_download_process,
             "pull_files": self.pull_files,
             "manage.py pull": self.command,
         }
@@ -400,6 +425,12 @@ def report_throughput(model: Path, results: dict) -> None:
         ratio = medians[ANCHOR] / medians[name]
         verdict = "MET" if ratio >= GOAL else "NOT MET"
         print(f"{name} / {ANCHOR}: {ratio:.2f}x (goal >= {GOAL}x: {verdict})")
+    ratio = medians[PROCESS_ANCHOR] / medians["manage.py pull"]
+    verdict = "MET" if ratio >= GOAL else "NOT MET"
+    print(
+        f"manage.py pull / {PROCESS_ANCHOR} (process to process): {ratio:.2f}x "
+        f"(goal >= {GOAL}x: {verdict})"
+    )
     if "hf download" in medians:
         ratio = medians["hf download"] / medians["manage.py pull"]
         print(f"manage.py pull / hf download (command to command): {ratio:.2f}x")
