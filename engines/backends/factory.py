@@ -94,6 +94,12 @@ def load_backend(
     through it. A GGUF model on a GPU engine gets its offload plan from
     `cards` (offload_cards) and is refused before it loads when the plan
     fits nowhere (`host_free_mib`: the host's available memory)."""
+    if spec.format == "embedding" and spec.task == "rerank":
+        from engines.backends.cross_encoder import CrossEncoderBackend
+
+        return CrossEncoderBackend(
+            spec.path, backend=backend, batch_size=spec.max_batch_size
+        )
     if spec.format == "embedding":
         from engines.backends.embedding import EmbeddingBackend
 

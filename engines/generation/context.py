@@ -98,6 +98,15 @@ def fit_prompt(
     raise _exceeded(len(tokens), context, model, dropped=dropped, can_drop=True)
 
 
+def prompt_tokens(backend: SlotBackend, message: dict[str, Any]) -> list[int]:
+    """A request's whole prompt as tokens (`prompt`, or `messages` through the
+    chat template with the tools it offers), rendered and tokenized as
+    fit_prompt does before any turn is dropped: what `tokenize` answers, and
+    what a generation of it reports as its prompt tokens."""
+    tools = backend.offered_tools(message)
+    return backend.tokenize(backend.render_prompt(message, tools=tools))
+
+
 def _room(params: SamplingParams, context: int) -> int:
     return max(1, min(params.max_tokens, context // 4))
 

@@ -76,6 +76,8 @@ def render_prompt(
             bos_token=bos_text,
             eos_token=eos_text,
             tools=tools.schemas or None,
+            # Only `tokenize` may leave it out: a generation opens the turn.
+            add_generation_prompt=message.get("add_generation_prompt", True),
         )
     prompt = message.get("prompt")
     if not isinstance(prompt, str) or not prompt:

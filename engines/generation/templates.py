@@ -82,9 +82,11 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """Apply a model's Jinja chat template (sandboxed) for a new assistant
-    turn, with the tools offered where the template renders them."""
+    turn (without its opening: `add_generation_prompt` false), with the tools
+    offered where the template renders them."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.filters["tojson"] = _tojson
@@ -92,7 +94,7 @@ def render_chat(
         return env.from_string(template).render(
             messages=messages,
             tools=tools,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
         )

@@ -514,8 +514,14 @@ class Residency:
                 decoder=self.decoder,
             )
             return
+        # A cross-encoder's (query, document) pairs, or an embedder's texts.
+        backend = model.backend
+        if hasattr(backend, "score_counted"):
+            process = backend.score_counted
+        else:
+            process = getattr(backend, "encode_counted", None) or backend.encode
         model.batcher = MicroBatcher(
-            getattr(model.backend, "encode_counted", model.backend.encode),
+            process,
             executor=model.executor,
             window_s=spec.batch_window_ms / 1000,
             max_batch_size=spec.max_batch_size,

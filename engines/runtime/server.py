@@ -10,12 +10,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import psutil
 
+from engines.generation.context import prompt_tokens
 from engines.generation.runner import GenerationRunner
 from engines.launch.config import LOOPBACK, EngineConfig
 from engines.launch.devices import DeviceMemory, default_memory_probes
 from engines.launch.environment import device_memory_file, thermal_file
+from engines.runtime.batching import MicroBatcher
 from engines.runtime.residency import DRAIN_TIMEOUT_S, Residency, ResidentModel
 from engines.runtime.streaming import serve_generation
 from engines.runtime.thermal import ThermalGate, default_probes
@@ -32,6 +35,7 @@ from engines.wire.framing import (
 )
 from engines.wire.replies import (
     CancelReply,
+    DetokenizeReply,
     EmbedReply,
     EmbedUsage,
     ErrorReply,
@@ -40,20 +44,25 @@ from engines.wire.replies import (
     ModelState,
     OkReply,
     PingReply,
+    RerankReply,
     StateReply,
     Temperature,
+    TokenizeReply,
     UnloadReply,
 )
 from engines.wire.requests import (
     CancelRequest,
     ConfigureRequest,
+    DetokenizeRequest,
     EmbedRequest,
     GenerateRequest,
     LoadRequest,
     PingRequest,
     Request,
+    RerankRequest,
     ShutdownRequest,
     StateRequest,
+    TokenizeRequest,
     UnloadRequest,
     parse_request,
 )
@@ -62,6 +71,13 @@ log = logging.getLogger("roundhouse.engine")
 
 # A reply and the array payload that follows it, if any.
 Reply = tuple[Frame, bytes | None]
+
+
+def cosine_similarity(query: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Each row's cosine similarity to the query (0 for a zero vector)."""
+    norms = np.linalg.norm(rows, axis=1) * np.linalg.norm(query)
+    dots = rows @ query
+    return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
 
 
 class EngineServer:
@@ -352,29 +368,13 @@ class EngineServer:
 
     async def _embed(self, model: ResidentModel, request: EmbedRequest) -> Reply:
         texts = request.texts
-        if model.batcher is None:
+        if model.spec.task == "rerank":  # its batches take pairs, not texts
             raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not embed"
+                ErrorCode.BAD_REQUEST,
+                f"model {model.spec.name!r} is a reranker: it does not embed",
             )
-        limits = self.config.limits
-        # Embedding requests are cheap to hold: the queue admits queue_limit
-        # batches' worth of texts before answering `overloaded` (an empty queue
-        # takes any request the caps allow, however big).
-        batcher = model.batcher
-        queued = batcher.queued_items
-        if queued and queued + len(texts) > limits.queue_limit * batcher.max_batch_size:
-            raise ProtocolError(ErrorCode.OVERLOADED, "the embedding queue is full")
-        # Queue timeout 0: admitted only if the next batch can take it now.
-        if limits.queue_timeout_s == 0 and (
-            batcher.running
-            or not self._allowed_async.is_set()
-            or (queued and queued + len(texts) > batcher.max_batch_size)
-        ):
-            raise ProtocolError(
-                ErrorCode.OVERLOADED,
-                "no batch can take this request now (queue timeout is 0)",
-            )
-        rows, tokens = await model.batcher.submit_counted(texts)
+        batcher = self._batcher(model, len(texts), "embed")
+        rows, tokens = await batcher.submit_counted(texts)
         reply = EmbedReply(
             model=model.spec.name,
             shape=list(rows.shape),
@@ -384,6 +384,98 @@ class EngineServer:
             embeddings=rows.tolist() if request.encoding == "json" else None,
         )
         return reply, encode_array(rows) if request.encoding == "npy" else None
+
+    def _batcher(self, model: ResidentModel, items: int, what: str) -> MicroBatcher:
+        """The model's micro-batcher, if it may take `items` more now;
+        bad_request for a model without one (a generator), overloaded when
+        its queue is full."""
+        batcher = model.batcher
+        if batcher is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"model {model.spec.name!r} does not {what}"
+            )
+        limits = self.config.limits
+        # Batched requests are cheap to hold: the queue admits queue_limit
+        # batches' worth of items before answering `overloaded` (an empty
+        # queue takes any request the caps allow, however big).
+        queued = batcher.queued_items
+        if queued and queued + items > limits.queue_limit * batcher.max_batch_size:
+            raise ProtocolError(ErrorCode.OVERLOADED, "the model's batch queue is full")
+        # Queue timeout 0: admitted only if the next batch can take it now.
+        if limits.queue_timeout_s == 0 and (
+            batcher.running
+            or not self._allowed_async.is_set()
+            or (queued and queued + items > batcher.max_batch_size)
+        ):
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                "no batch can take this request now (queue timeout is 0)",
+            )
+        return batcher
+
+    async def handle_rerank(self, request: RerankRequest) -> Reply:
+        """Scores of the documents against the query, in their order: a
+        cross-encoder (task `rerank`) scores each (query, document) pair; an
+        embedder embeds the query with the documents and answers their
+        cosine similarity. Either way the items join the model's
+        micro-batches with other callers'."""
+        documents = request.documents
+        async with self.residency.using(request.model) as model:
+            if model.spec.task == "rerank":
+                batcher = self._batcher(model, len(documents), "rerank")
+                pairs = [(request.query, document) for document in documents]
+                scores, tokens = await batcher.submit_counted(pairs)
+            else:
+                batcher = self._batcher(model, len(documents) + 1, "rerank")
+                rows, tokens = await batcher.submit_counted([request.query, *documents])
+                scores = cosine_similarity(rows[0], rows[1:])
+            return RerankReply(
+                model=model.spec.name,
+                scores=[float(score) for score in scores],
+                usage=EmbedUsage(prompt_tokens=tokens),
+            ), None
+
+    async def handle_tokenize(self, request: TokenizeRequest) -> Reply:
+        """The prompt's tokens as a generation of it renders and tokenizes
+        them (engines/generation/context.py), off the event loop."""
+        async with self.residency.using(request.model) as model:
+            backend = self._generator(model, "tokenize")
+            fields = request.model_dump(exclude_none=True)
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(
+                model.executor, prompt_tokens, backend, fields
+            )
+            return TokenizeReply(
+                model=model.spec.name,
+                tokens=tokens,
+                count=len(tokens),
+                max_model_len=backend.ctx_per_slot,
+            ), None
+
+    async def handle_detokenize(self, request: DetokenizeRequest) -> Reply:
+        async with self.residency.using(request.model) as model:
+            backend = self._generator(model, "detokenize")
+            vocabulary = backend.vocabulary_size()
+            if any(token >= vocabulary for token in request.tokens):
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"tokens: this model's token ids are below {vocabulary}",
+                )
+            loop = asyncio.get_running_loop()
+            text = await loop.run_in_executor(
+                model.executor, backend.detokenize, list(request.tokens)
+            )
+            return DetokenizeReply(model=model.spec.name, text=text), None
+
+    @staticmethod
+    def _generator(model: ResidentModel, what: str) -> Any:
+        """A generation model's backend; bad_request for another model."""
+        if model.runner is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"model {model.spec.name!r} does not generate: it cannot {what}",
+            )
+        return model.runner.backend
 
     async def handle_configure(self, request: ConfigureRequest) -> Reply:
         """Apply the request's LiveConfig: the settings it gives replace the

@@ -22,6 +22,7 @@ from engines.wire.errors import ErrorCode, ProtocolError
 from engines.wire.framing import auth_frame, decode_array, read_frame, recv_frame
 from engines.wire.replies import (
     CancelReply,
+    DetokenizeReply,
     DoneFrame,
     EmbedReply,
     ErrorReply,
@@ -30,22 +31,27 @@ from engines.wire.replies import (
     LoadReply,
     OkReply,
     PingReply,
+    RerankReply,
     StartFrame,
     StateReply,
     TokenFrame,
+    TokenizeReply,
     UnloadReply,
     parse_reply,
 )
 from engines.wire.requests import (
     CancelRequest,
     ConfigureRequest,
+    DetokenizeRequest,
     EmbedRequest,
     GenerateRequest,
     LoadRequest,
     PingRequest,
     Request,
+    RerankRequest,
     ShutdownRequest,
     StateRequest,
+    TokenizeRequest,
     UnloadRequest,
     parse_request,
 )
@@ -144,6 +150,16 @@ def _embed_request(model: str, texts: list[str], encoding: Encoding) -> EmbedReq
     """An embed request, built, not checked here: the caller's edge checked
     its texts (the REST schema), and the engine checks what arrives."""
     return EmbedRequest.model_construct(model=model, texts=texts, encoding=encoding)
+
+
+def _rerank_request(model: str, query: str, documents: list[str]) -> RerankRequest:
+    """A rerank request, built, not checked here (as _embed_request)."""
+    return RerankRequest.model_construct(model=model, query=query, documents=documents)
+
+
+def _detokenize_request(model: str, tokens: list[int]) -> DetokenizeRequest:
+    """A detokenize request, built, not checked here (as _embed_request)."""
+    return DetokenizeRequest.model_construct(model=model, tokens=tokens)
 
 
 def _timeout_for(kind: str, timeout: float | None) -> float:
@@ -371,6 +387,20 @@ class AsyncEngineClient(_EngineAddress):
         header = cast(EmbedReply, reply)
         return _embeddings(header, array), header.usage.prompt_tokens
 
+    async def rerank(self, model: str, query: str, documents: list[str]) -> RerankReply:
+        """Each document's relevance to the query, in their order."""
+        reply, _ = await self.request(_rerank_request(model, query, documents))
+        return cast(RerankReply, reply)
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeReply:
+        """The prompt's tokens as a generation of it would evaluate them."""
+        reply, _ = await self.request(request)
+        return cast(TokenizeReply, reply)
+
+    async def detokenize(self, model: str, tokens: list[int]) -> DetokenizeReply:
+        reply, _ = await self.request(_detokenize_request(model, tokens))
+        return cast(DetokenizeReply, reply)
+
     async def generate(self, request: GenerateRequest) -> GenerateAnswer:
         """The whole answer: text, finish_reason, usage, timings, request_id."""
         reply, _ = await self.request(request.model_copy(update={"kind": "generate"}))
@@ -478,6 +508,20 @@ class EngineClient(_EngineAddress):
         reply, array = self.request(message)
         header = cast(EmbedReply, reply)
         return _embeddings(header, array), header.usage.prompt_tokens
+
+    def rerank(self, model: str, query: str, documents: list[str]) -> RerankReply:
+        """Each document's relevance to the query, in their order."""
+        reply, _ = self.request(_rerank_request(model, query, documents))
+        return cast(RerankReply, reply)
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeReply:
+        """The prompt's tokens as a generation of it would evaluate them."""
+        reply, _ = self.request(request)
+        return cast(TokenizeReply, reply)
+
+    def detokenize(self, model: str, tokens: list[int]) -> DetokenizeReply:
+        reply, _ = self.request(_detokenize_request(model, tokens))
+        return cast(DetokenizeReply, reply)
 
     def generate(self, request: GenerateRequest) -> GenerateAnswer:
         """The whole answer: text, finish_reason, usage, timings, request_id."""

@@ -184,6 +184,30 @@ class EmbedReply(OkReply):
     embeddings: list[list[float]] | None = None
 
 
+class RerankReply(OkReply):
+    """Each document's relevance to the query, in the documents' order, and
+    the tokens the model read."""
+
+    model: str
+    scores: list[float]
+    usage: EmbedUsage
+
+
+class TokenizeReply(OkReply):
+    """A prompt's token ids as a generation evaluates them, their count, and
+    the most one request may hold (prompt and answer: the slot's context)."""
+
+    model: str
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeReply(OkReply):
+    model: str
+    text: str
+
+
 # -- generation ---------------------------------------------------------------------
 
 
@@ -310,6 +334,9 @@ REPLIES: dict[str, TypeAdapter] = {
     "load": _or_error(LoadReply),
     "unload": _or_error(UnloadReply),
     "embed": _or_error(EmbedReply),
+    "rerank": _or_error(RerankReply),
+    "tokenize": _or_error(TokenizeReply),
+    "detokenize": _or_error(DetokenizeReply),
     "generate": _or_error(GenerateAnswer),
     "generate_stream": TypeAdapter(StreamFrame),
     "cancel": _or_error(CancelReply),

@@ -1,5 +1,6 @@
 """Requests to an engine, typed: one model per kind (ping, state, load,
-unload, embed, generate / generate_stream, cancel, configure, shutdown), every
+unload, embed, rerank, tokenize, detokenize, generate / generate_stream,
+cancel, configure, shutdown), every
 field a caller may send (unknown keys refused, each field's shape). The
 engine parses each request once, with `parse_request`, into its model
 (engines/runtime/server.py); its clients send built models
@@ -226,6 +227,43 @@ class EmbedRequest(Wire):
     encoding: Literal["json", "npy"] = "npy"
 
 
+class RerankRequest(Wire):
+    """Documents scored against a query, in their order: by a cross-encoder
+    (a `rerank` model), or by an embedder's cosine similarity."""
+
+    kind: Literal["rerank"] = "rerank"
+    model: str
+    query: str
+    documents: list[str]
+
+
+class TokenizeRequest(Wire):
+    """A prompt's tokens as a generation evaluates them: `prompt` as it is,
+    or `messages` (and the tools they are offered) through the model's chat
+    template, rendered as a generation renders them
+    (engines/generation/prompts.py)."""
+
+    kind: Literal["tokenize"] = "tokenize"
+    model: str
+    prompt: str | None = None
+    messages: Annotated[list[Turn], Field(max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[Function], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal[TOOL_CHOICES] | NamedTool | None = None  # type: ignore[valid-type]
+    parallel_tool_calls: bool = True
+    # The template's opening of the assistant's turn, as generation adds it.
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Wire):
+    """The text of token ids (special tokens left out, as answers are)."""
+
+    kind: Literal["detokenize"] = "detokenize"
+    model: str
+    tokens: Annotated[
+        list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKENS)
+    ]
+
+
 class CancelRequest(Wire):
     """Cancel a generation, by its request id, from another connection."""
 
@@ -254,6 +292,9 @@ Request = Annotated[
     | LoadRequest
     | UnloadRequest
     | EmbedRequest
+    | RerankRequest
+    | TokenizeRequest
+    | DetokenizeRequest
     | GenerateRequest
     | CancelRequest
     | ConfigureRequest
@@ -267,6 +308,9 @@ KINDS = (
     "load",
     "unload",
     "embed",
+    "rerank",
+    "tokenize",
+    "detokenize",
     "generate",
     "generate_stream",
     "cancel",
@@ -325,8 +369,8 @@ def parse_request(message: dict[str, Any], *, size: int | None = None) -> Reques
         raise bad_request("field 'kind' has the wrong type")
     if kind not in KINDS:
         raise bad_request(f"unknown kind {kind!r}")
-    generate = kind in ("generate", "generate_stream")
-    if generate:
+    # A prompt to render (tokenize's too) is held to a generation's size.
+    if kind in ("generate", "generate_stream", "tokenize"):
         size = request_bytes(message) if size is None else size
         if size > MAX_REQUEST_BYTES:
             raise bad_request(
@@ -340,6 +384,11 @@ def parse_request(message: dict[str, Any], *, size: int | None = None) -> Reques
         _check_generate(request)
     elif isinstance(request, EmbedRequest):
         _check_texts(request.texts)
+    elif isinstance(request, RerankRequest):
+        _check_texts([request.query], what="query")
+        _check_texts(request.documents, what="documents")
+    elif isinstance(request, TokenizeRequest):
+        _check_tokenize(request)
     return request
 
 
@@ -368,15 +417,25 @@ def _check_generate(request: GenerateRequest) -> None:
     _check_sizes(request)
 
 
-def _check_texts(texts: list[str]) -> None:
+def _check_tokenize(request: "TokenizeRequest") -> None:
+    if (request.prompt is None) == (request.messages is None):
+        raise bad_request("send exactly one of `prompt` and `messages`")
+    if request.prompt is not None:
+        check_text(request.prompt, "prompt")
+    elif not request.messages:
+        raise bad_request("messages is empty")
+    _check_sizes(request)
+
+
+def _check_texts(texts: list[str], *, what: str = "texts") -> None:
     if not texts:
-        raise bad_request("texts is empty")
+        raise bad_request(f"{what} is empty")
     if len(texts) > MAX_TEXTS_PER_REQUEST:
         raise bad_request(
-            f"{len(texts)} texts exceed the cap of {MAX_TEXTS_PER_REQUEST}"
+            f"{len(texts)} {what} exceed the cap of {MAX_TEXTS_PER_REQUEST}"
         )
     for index, text in enumerate(texts):
-        check_text(text, f"texts[{index}]")
+        check_text(text, f"{what}[{index}]")
         if len(text) > MAX_PROMPT_CHARS:
             raise bad_request(
                 f"a text of {len(text)} characters exceeds the cap of "
@@ -384,11 +443,11 @@ def _check_texts(texts: list[str]) -> None:
             )
 
 
-def _check_sizes(request: GenerateRequest) -> None:
+def _check_sizes(request: "GenerateRequest | TokenizeRequest") -> None:
     """Schemas are compiled into grammars: each is bounded, and tools and a
     response format are not asked for together."""
     schemas = []
-    if request.response_format is not None:
+    if getattr(request, "response_format", None) is not None:
         kind = request.response_format.type
         schema = request.response_format.json_schema
         if kind == "json_schema" and schema is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from . import bodies, errors
+from . import bodies, engine_ops_schemas, errors
 from .pull_schemas import PullRequest
 from .schemas import ENDPOINT_SCHEMAS
 
@@ -42,6 +42,40 @@ REQUEST_SCHEMAS: dict[tuple[str, str], type[BaseModel]] = {
     **{(path, "post"): schema for path, schema in ENDPOINT_SCHEMAS.items()},
     ("/v1/pulls", "post"): PullRequest,
 }
+
+# -- tokenize, detokenize, rerank (api.engine_ops_schemas) ---------------------------
+ENGINE_OPS_SCHEMAS: dict[str, type[BaseModel]] = {
+    "/tokenize": engine_ops_schemas.TokenizeRequest,
+    "/detokenize": engine_ops_schemas.DetokenizeRequest,
+    "/v1/tokenize": engine_ops_schemas.TokenizeRequest,
+    "/v1/detokenize": engine_ops_schemas.DetokenizeRequest,
+    "/v1/rerank": engine_ops_schemas.RerankRequest,
+    "/v2/rerank": engine_ops_schemas.RerankRequest,
+}
+ENGINE_OPS_RESULTS: dict[str, tuple[str, type[bodies.Body]]] = {
+    "/tokenize": (
+        "The prompt's token ids as a generation evaluates them, their count and "
+        "the model's context.",
+        engine_ops_schemas.TokenizeResponse,
+    ),
+    "/detokenize": ("The tokens' text.", engine_ops_schemas.DetokenizeResponse),
+    "/v1/rerank": (
+        "The documents by relevance to the query, best first.",
+        engine_ops_schemas.RerankResponse,
+    ),
+    "/v2/rerank": (
+        "The documents by relevance to the query, best first (Cohere's v2).",
+        engine_ops_schemas.RerankV2Response,
+    ),
+}
+ENGINE_OPS_RESULTS["/v1/tokenize"] = ENGINE_OPS_RESULTS["/tokenize"]
+ENGINE_OPS_RESULTS["/v1/detokenize"] = ENGINE_OPS_RESULTS["/detokenize"]
+ENDPOINT_STEPS.update({(path, "post"): GENERATION_STEPS for path in ENGINE_OPS_SCHEMAS})
+REQUEST_SCHEMAS.update(
+    {(path, "post"): schema for path, schema in ENGINE_OPS_SCHEMAS.items()}
+)
+# -- end of tokenize, detokenize, rerank ----------------------------------------------
+
 # The parameters of paths and queries, by path and method.
 _PULL_ID = {
     "name": "pull_id",
@@ -215,6 +249,15 @@ RESULTS: dict[str | tuple[str, str], dict[str, Any]] = {
 }
 
 
+# tokenize, detokenize, rerank (api.engine_ops_schemas)
+RESULTS.update(
+    {
+        path: {"description": description, "content": _json(body)}
+        for path, (description, body) in ENGINE_OPS_RESULTS.items()
+    }
+)
+
+
 def model_schemas(model: type[BaseModel], **options: Any) -> dict[str, Any]:
     """A model's JSON Schema and its parts', by name (`options`: pydantic's)."""
     document = model.model_json_schema(ref_template=REF_TEMPLATE, **options)
@@ -306,7 +349,7 @@ def openapi_document() -> dict[str, Any]:
     components: dict[str, Any] = {}
     for schema in REQUEST_SCHEMAS.values():
         _add_components(components, model_schemas(schema))
-    for body in bodies.RESPONSE_BODIES:
+    for body in (*bodies.RESPONSE_BODIES, *engine_ops_schemas.RESPONSE_BODIES):
         _add_components(components, body_schemas(body))
     paths: dict[str, Any] = {}
     for path, method in ENDPOINT_STEPS:

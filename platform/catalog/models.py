@@ -43,14 +43,20 @@ SAMPLING_KEYS = (
 class ModelFormat(models.TextChoices):
     GGUF = "gguf", "GGUF (llama.cpp)"
     TRANSFORMERS = "transformers", "Transformers"
-    EMBEDDING = "embedding", "Sentence-transformers embedder"
+    # An embedder, or a cross-encoder (a model of the rerank task).
+    EMBEDDING = "embedding", "Sentence-transformers (embedder or cross-encoder)"
 
 
 class ModelTask(models.TextChoices):
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDING = "embedding"
+    # A cross-encoder: scores (query, document) pairs (/v1/rerank).
+    RERANK = "rerank"
 
+
+# The tasks of a sentence-transformers model (ModelFormat.EMBEDDING).
+SENTENCE_TRANSFORMERS_TASKS = (ModelTask.EMBEDDING, ModelTask.RERANK)
 
 # A path component longer than this is refused by every common file system.
 MAX_PATH_COMPONENT = 255
@@ -350,10 +356,14 @@ class ModelConfig(models.Model):
             model_path_resolve(self.path)
         except ModelPathError as error:
             raise ValidationError({"path": str(error)}) from None
-        embeds = self.format == ModelFormat.EMBEDDING
-        if embeds != (self.task == ModelTask.EMBEDDING):
+        sentence_transformers = self.format == ModelFormat.EMBEDDING
+        if sentence_transformers != (self.task in SENTENCE_TRANSFORMERS_TASKS):
             raise ValidationError(
-                {"task": "Embedding models have the embedding task, and only they do."}
+                {
+                    "task": "Sentence-transformers models have the embedding task "
+                    "(an embedder) or the rerank task (a cross-encoder), and only "
+                    "they do."
+                }
             )
 
     @property

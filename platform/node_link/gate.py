@@ -3,7 +3,8 @@
 A stream of a link is an engine connection, but not one with the engine's
 full rights: the relay adds the engine's token, so whatever crosses it would
 run as the supervisor's own request. A peer gets only what a front needs of a
-remote engine: inference (generate, generate_stream, embed), cancel, ping and
+remote engine: inference and its reads (generate, generate_stream, embed,
+rerank, tokenize, detokenize), cancel, ping and
 state, and the dashboard's load and unload of a catalog model by name (the
 engine looks the name up in the models its supervisor configured: no path
 crosses). `configure` (which sets model paths) and `shutdown` never do.
@@ -20,11 +21,14 @@ from engines.wire.errors import ErrorCode, ProtocolError
 from engines.wire.framing import HEADER, decode_message
 from engines.wire.requests import (
     CancelRequest,
+    DetokenizeRequest,
     EmbedRequest,
     GenerateRequest,
     LoadRequest,
     PingRequest,
+    RerankRequest,
     StateRequest,
+    TokenizeRequest,
     UnloadRequest,
     parse_request,
 )
@@ -36,6 +40,9 @@ LINK_REQUESTS = (
     LoadRequest,
     UnloadRequest,
     EmbedRequest,
+    RerankRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
     GenerateRequest,
     CancelRequest,
 )

@@ -17,6 +17,7 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("chat.urls")),
+    path("", include("api.engine_ops_urls")),
     path("v1/", include("batches.urls")),
     path("v1/", include("api.urls")),
     path("healthz", healthz),

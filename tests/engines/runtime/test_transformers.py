@@ -8,7 +8,7 @@ import pytest
 from django.conf import settings
 
 from engines.wire.client import EngineRequestError
-from engines.wire.requests import GenerateRequest
+from engines.wire.requests import GenerateRequest, TokenizeRequest
 from tests.engines.conftest import start_engine
 from tests.engines.generating import (
     chat,
@@ -185,3 +185,21 @@ def test_smollm2_from_its_gguf(hf_engine):
     with pytest.raises(EngineRequestError) as error:
         hf_engine.client().generate(GenerateRequest(model=SMOL_HF, prompt="x", top_p=2))
     assert error.value.code == "bad_request"
+
+
+def test_tokenize_counts_what_a_generation_evaluates(hf_engine):
+    """On the transformers backend, `tokenize` of a chat counts the prompt
+    tokens a generation of it reports, and detokenize gives a text prompt
+    back (the control: another chat counts differently)."""
+    client = hf_engine.client()
+    messages = chat("the dog ran in the park")
+    counted = client.tokenize(TokenizeRequest(model=TINY, messages=messages))
+    answer = client.generate(
+        GenerateRequest(model=TINY, messages=messages, max_tokens=2, temperature=0)
+    )
+    assert counted.count == answer.usage.prompt_tokens == len(counted.tokens)
+    other = client.tokenize(TokenizeRequest(model=TINY, messages=chat("hello")))
+    assert other.count != counted.count
+    text = "the cat sat on the mat"
+    tokens = client.tokenize(TokenizeRequest(model=TINY, prompt=text)).tokens
+    assert client.detokenize(TINY, tokens).text == text

@@ -44,6 +44,10 @@ MODELS = {
     "/v1/chat/completions": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/completions": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/embeddings": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
+    "/tokenize": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/detokenize": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/v1/rerank": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
+    "/v2/rerank": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
 }
 # The longest answer a generated request may ask for.
 MAX_TOKENS = 4
@@ -56,7 +60,18 @@ BOUNDED = settings(
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=list(HealthCheck),
 )
-MODEL_ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+MODEL_ENDPOINTS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+    "/v1/rerank",
+    "/v2/rerank",
+]
+# The same endpoints at a second path (not fuzzed again).
+ALIASES = ["/v1/tokenize", "/v1/detokenize"]
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 def bounded(case, model: str) -> None:
@@ -66,7 +81,7 @@ def bounded(case, model: str) -> None:
         return
     if isinstance(body.get("model"), str):
         body["model"] = model
-    if case.operation.path == "/v1/embeddings":
+    if case.operation.path not in GENERATION_ENDPOINTS:
         return
     limits = [body.get("max_tokens"), body.get("max_completion_tokens")]
     if all(limit is None for limit in limits):
@@ -114,7 +129,7 @@ def test_the_document_loads_and_lists_every_endpoint(schema):
         for result in schema.get_all_operations()
     }
     assert operations == {
-        *((path, "POST") for path in MODEL_ENDPOINTS),
+        *((path, "POST") for path in MODEL_ENDPOINTS + ALIASES),
         ("/v1/models", "GET"),
         ("/v1/models/{name}", "DELETE"),
         ("/v1/pulls", "POST"),

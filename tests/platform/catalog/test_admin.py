@@ -57,11 +57,23 @@ def test_missing_path_is_a_warning(admin_client, models_dir):
 
 
 def test_task_must_match_format(admin_client):
-    """An embedding model with a chat task is an error; nothing is saved."""
-    response = model_add(admin_client, format="embedding", task="chat")
-    assert response.status_code == 200
-    assert "Embedding models have the embedding task" in response.content.decode()
-    assert not ModelConfig.objects.filter(name="qwen-test").exists()
+    """A sentence-transformers model with a chat task is an error, and so is
+    a GGUF model with the rerank task; nothing is saved."""
+    for format_, task in (("embedding", "chat"), ("gguf", "rerank")):
+        response = model_add(admin_client, format=format_, task=task)
+        assert response.status_code == 200
+        assert "Sentence-transformers models have the embedding task" in (
+            response.content.decode()
+        )
+        assert not ModelConfig.objects.filter(name="qwen-test").exists()
+
+
+def test_a_cross_encoder_has_the_rerank_task(admin_client):
+    """A sentence-transformers model with the rerank task (a cross-encoder)
+    is saved: the control for the refusals above."""
+    response = model_add(admin_client, format="embedding", task="rerank")
+    assert response.status_code == 302
+    assert ModelConfig.objects.get(name="qwen-test").task == "rerank"
 
 
 def test_sampling_is_validated(admin_client):

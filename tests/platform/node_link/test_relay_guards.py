@@ -29,7 +29,7 @@ from cluster.tls import relay_certificate, server_tls_context
 from engines.launch.config import LiveConfig
 from engines.wire.client import EngineRequestError, EngineUnreachable
 from engines.wire.framing import HEADER, decode_message, encode_message, read_frame
-from engines.wire.requests import GenerateRequest, ShutdownRequest
+from engines.wire.requests import GenerateRequest, ShutdownRequest, TokenizeRequest
 from tests.engines.generating import SMOL
 from tests.platform.node_link.links import GREEDY, SECRET, relay_for, remote
 from tests.waiting import await_for
@@ -180,6 +180,22 @@ async def test_a_link_carries_inference_but_never_configure_or_shutdown(engine):
         assert (await client.generate(GenerateRequest(model=SMOL, **GREEDY))).text
         pool.close()
     assert (await engine.aclient().ping()).status == "ok"
+
+
+async def test_a_link_carries_tokenize_detokenize_and_rerank(engine):
+    """Tokenize, detokenize and rerank are inference reads: a link carries
+    them to the engine, which answers them (a rerank of a chat model with
+    its own refusal, bad_request, not the link's unauthorized)."""
+    async with relay_for(engine) as (_, port):
+        client, pool = remote(port)
+        tokens = await client.tokenize(TokenizeRequest(model=SMOL, prompt="a ship"))
+        assert tokens.count == len(tokens.tokens) > 0
+        text = await client.detokenize(SMOL, tokens.tokens)
+        assert text.text == "a ship"
+        with pytest.raises(EngineRequestError) as refused:
+            await client.rerank(SMOL, "q", ["d"])
+        assert refused.value.code == "bad_request", refused.value
+        pool.close()
 
 
 async def test_a_link_holds_a_bounded_number_of_streams_and_bytes(engine):
