@@ -337,10 +337,10 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 def _call_item(
-    item_id: str, call_id: str, name: str, arguments: str, status: str
+    *, id: str, call_id: str, name: str, arguments: str, status: str
 ) -> dict[str, Any]:
     return protocol.ResponseFunctionCall(
-        id=item_id, call_id=call_id, name=name, arguments=arguments, status=status
+        id=id, call_id=call_id, name=name, arguments=arguments, status=status
     ).model_dump(mode="json")
 
 
@@ -376,7 +376,15 @@ async def _answer(call: Call, turn: ResponseTurn) -> HttpResponse:
     if answered.text or not answered.calls:
         output.append(_message_item(_new_id("msg"), answered.text, item_status))
     for call_id, name, arguments in answered.calls:
-        output.append(_call_item(_new_id("fc"), call_id, name, arguments, "completed"))
+        output.append(
+            _call_item(
+                id=_new_id("fc"),
+                call_id=call_id,
+                name=name,
+                arguments=arguments,
+                status="completed",
+            )
+        )
     body = response_body(turn, status=item_status, output=output, call=call)
     await _stored(call, turn, body, answered)
     response = JsonResponse(body)

@@ -44,9 +44,16 @@ MODELS = {
     "/v1/chat/completions": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/completions": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/embeddings": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
+    "/v1/responses": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
 }
 # The longest answer a generated request may ask for.
 MAX_TOKENS = 4
+# The fields that bound an answer's length, by endpoint (the first is set
+# where none is).
+LIMIT_FIELDS = {
+    "/v1/responses": ("max_output_tokens",),
+    "*": ("max_tokens", "max_completion_tokens"),
+}
 POSITIVE_EXAMPLES = 25
 NEGATIVE_EXAMPLES = 15
 BOUNDED = settings(
@@ -56,7 +63,12 @@ BOUNDED = settings(
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=list(HealthCheck),
 )
-MODEL_ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+MODEL_ENDPOINTS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+]
 
 
 def bounded(case, model: str) -> None:
@@ -68,10 +80,10 @@ def bounded(case, model: str) -> None:
         body["model"] = model
     if case.operation.path == "/v1/embeddings":
         return
-    limits = [body.get("max_tokens"), body.get("max_completion_tokens")]
-    if all(limit is None for limit in limits):
-        body["max_tokens"] = MAX_TOKENS
-    for name in ("max_tokens", "max_completion_tokens"):
+    names = LIMIT_FIELDS.get(case.operation.path, LIMIT_FIELDS["*"])
+    if all(body.get(name) is None for name in names):
+        body[names[0]] = MAX_TOKENS
+    for name in names:
         limit = body.get(name)
         # Only valid limits are capped: an invalid one must still be refused.
         if type(limit) in (int, float) and limit > MAX_TOKENS:
@@ -122,6 +134,9 @@ def test_the_document_loads_and_lists_every_endpoint(schema):
         ("/v1/pulls/{pull_id}", "GET"),
         ("/v1/pulls/{pull_id}", "DELETE"),
         ("/v1/pulls/{pull_id}/events", "GET"),
+        ("/v1/responses/{response_id}", "GET"),
+        ("/v1/responses/{response_id}", "DELETE"),
+        ("/v1/responses/{response_id}/input_items", "GET"),
     }
 
 
