@@ -212,14 +212,16 @@ def test_a_function_call_round_trip(live):
 
 
 def test_a_streamed_function_call(live):
-    """A forced call streamed: its item added, its arguments in deltas that
-    join into the done event's arguments, then the item done."""
+    """A forced call streamed: each call's item added, its arguments in
+    deltas that join into its done event's arguments, then the item done;
+    the completed response holds the same calls."""
     events = list(
         live.client().responses.create(
             model=CHAT,
             input="What is the weather in Paris?",
             tools=[WEATHER],
-            tool_choice="required",
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
             max_output_tokens=100,
             temperature=0,
             stream=True,
@@ -227,21 +229,32 @@ def test_a_streamed_function_call(live):
         )
     )
     kinds = collapsed([event.type for event in events])
-    assert kinds == [  # the failure's error event shown if it failed
-        "response.created",
-        "response.in_progress",
+    per_call = [
         "response.output_item.added",
         "response.function_call_arguments.delta",
         "response.function_call_arguments.done",
         "response.output_item.done",
+    ]
+    calls = (len(kinds) - 3) // len(per_call)
+    assert calls >= 1
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        *per_call * calls,
         "response.completed",
     ], [e for e in events if e.type == "error"]
-    deltas = "".join(
-        e.delta for e in events if e.type == "response.function_call_arguments.delta"
-    )
-    done = next(e for e in events if e.type == "response.function_call_arguments.done")
-    assert done.arguments == deltas
-    assert events[-1].response.output[0].arguments == deltas
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    for call in done:
+        deltas = "".join(
+            e.delta
+            for e in events
+            if e.type == "response.function_call_arguments.delta"
+            and e.item_id == call.item_id
+        )
+        assert call.arguments == deltas
+        assert call.name == "get_weather"
+    final = events[-1].response.output
+    assert [item.arguments for item in final] == [call.arguments for call in done]
 
 
 def test_a_chained_turn_reuses_the_prompt_cache(live):
