@@ -108,6 +108,10 @@ class ApiCode(enum.StrEnum):
     MODEL_NAME_TAKEN = "model_name_taken"
     HUB_FAILED = "hub_failed"
     MODEL_IN_USE = "model_in_use"
+    # The Responses API's: a stored response that does not exist (or is
+    # another key's), as read or as a request's previous_response_id.
+    RESPONSE_NOT_FOUND = "response_not_found"
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
 
 
 @dataclass(frozen=True)

@@ -188,3 +188,50 @@ class Usage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.endpoint} {self.model} {self.status}"
+
+
+class StoredResponse(models.Model):
+    """A Responses API answer kept (its `store`, true by default) so that its
+    owner can read it again, delete it and chain the next turn onto it
+    (`previous_response_id`): the key that asked it (or the logged-in user),
+    the answer as sent, this turn's input items and the conversation so far
+    as chat messages (the chain's inputs and outputs, without instructions)."""
+
+    id = models.CharField(primary_key=True, max_length=64, editable=False)
+    key = models.ForeignKey(
+        ApiKey,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="stored_responses",
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="stored_responses",
+    )
+    model = models.CharField(max_length=200)
+    body = models.JSONField(help_text="The Response object as it was answered.")
+    input_items = models.JSONField(help_text="This turn's input items, with ids.")
+    conversation = models.JSONField(
+        help_text="The chain's messages up to and with this answer (chat's shape)."
+    )
+    size_bytes = models.PositiveIntegerField(
+        default=0, help_text="The stored JSON's size (capped)."
+    )
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "stored response"
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(key__isnull=False) | models.Q(user__isnull=False),
+                name="stored_response_has_owner",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.id

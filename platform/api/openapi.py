@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from . import bodies, engine_ops_schemas, errors
+from .dialects import responses_protocol
 from .pull_schemas import PullRequest
 from .schemas import ENDPOINT_SCHEMAS
 
@@ -257,6 +258,96 @@ RESULTS.update(
     }
 )
 
+# -- OpenAI's Responses API (api.dialects.responses) -----------------------------
+
+RESPONSE = "/v1/responses/{response_id}"
+_RESPONSE_ID = {
+    "name": "response_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+}
+ENDPOINT_STEPS.update(
+    {
+        ("/v1/responses", "post"): (*GENERATION_STEPS, "lookup"),
+        (RESPONSE, "get"): ("read", "method", "key", "lookup"),
+        (RESPONSE, "delete"): ("read", "method", "key", "limits", "lookup"),
+        (RESPONSE + "/input_items", "get"): ("read", "method", "key", "body", "lookup"),
+    }
+)
+REQUEST_SCHEMAS[("/v1/responses", "post")] = responses_protocol.ResponsesRequest
+PARAMETERS.update(
+    {
+        (RESPONSE, "get"): [_RESPONSE_ID],
+        (RESPONSE, "delete"): [_RESPONSE_ID],
+        (RESPONSE + "/input_items", "get"): [
+            _RESPONSE_ID,
+            {
+                "name": "limit",
+                "in": "query",
+                "description": "Items per page (default 20).",
+                "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+            },
+            {
+                "name": "order",
+                "in": "query",
+                "description": "asc, or desc (the default: the last item first).",
+                "schema": {"enum": ["asc", "desc"]},
+            },
+            {
+                "name": "after",
+                "in": "query",
+                "description": "The page after this item id (a page's `last_id`).",
+                "schema": {"type": "string"},
+            },
+        ],
+    }
+)
+RESULTS.update(
+    {
+        "/v1/responses": {
+            "description": "The Response object (JSON), or with `stream` its "
+            "events (SSE: response.created ... response.completed).",
+            "content": {
+                **_json(responses_protocol.Response),
+                "text/event-stream": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {
+                            "event": {"type": "string"},
+                            "data": {
+                                "type": "string",
+                                "contentMediaType": "application/json",
+                                "contentSchema": _ref(responses_protocol.StreamEvent),
+                            },
+                        },
+                        "required": ["data"],
+                    }
+                },
+            },
+        },
+        (RESPONSE, "get"): {
+            "description": "The stored response (the key's own).",
+            "content": _json(responses_protocol.Response),
+        },
+        (RESPONSE, "delete"): {
+            "description": "The stored response was deleted.",
+            "content": _json(responses_protocol.ResponseDeleted),
+        },
+        (RESPONSE + "/input_items", "get"): {
+            "description": "A page of the items the request sent.",
+            "content": _json(responses_protocol.InputItemList),
+        },
+    }
+)
+RESPONSE_BODIES = (
+    *bodies.RESPONSE_BODIES,
+    *engine_ops_schemas.RESPONSE_BODIES,
+    *responses_protocol.RESPONSE_BODIES,
+)
+
+# -- end of the Responses API ----------------------------------------------------
+
 
 def model_schemas(model: type[BaseModel], **options: Any) -> dict[str, Any]:
     """A model's JSON Schema and its parts', by name (`options`: pydantic's)."""
@@ -349,7 +440,7 @@ def openapi_document() -> dict[str, Any]:
     components: dict[str, Any] = {}
     for schema in REQUEST_SCHEMAS.values():
         _add_components(components, model_schemas(schema))
-    for body in (*bodies.RESPONSE_BODIES, *engine_ops_schemas.RESPONSE_BODIES):
+    for body in RESPONSE_BODIES:
         _add_components(components, body_schemas(body))
     paths: dict[str, Any] = {}
     for path, method in ENDPOINT_STEPS:

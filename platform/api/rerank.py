@@ -23,7 +23,7 @@ from .engine_ops_schemas import (
     RerankV2Response,
 )
 from .pipeline import with_engine
-from .views import _serve
+from .views import serve
 
 __all__ = ["rerank_v1", "rerank_v2"]
 
@@ -63,7 +63,7 @@ async def rerank_v1(request: HttpRequest) -> HttpResponse:
         )
         return JsonResponse(body.model_dump(mode="json"))
 
-    return await _serve(request, "rerank", RerankRequest, handle)
+    return await serve(request, "rerank", RerankRequest, handle)
 
 
 @csrf_exempt
@@ -82,4 +82,4 @@ async def rerank_v2(request: HttpRequest) -> HttpResponse:
         )
         return JsonResponse(body.model_dump(mode="json"))
 
-    return await _serve(request, "rerank", RerankRequest, handle)
+    return await serve(request, "rerank", RerankRequest, handle)

@@ -25,7 +25,7 @@ from .engine_ops_schemas import (
 )
 from .pipeline import with_engine
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .views import _serve
+from .views import serve
 
 __all__ = ["count_prompt_tokens", "detokenize", "tokenize"]
 
@@ -85,7 +85,7 @@ async def tokenize(request: HttpRequest) -> HttpResponse:
         )
         return JsonResponse(body.model_dump(mode="json"))
 
-    return await _serve(request, "tokenize", TokenizeRequest, handle)
+    return await serve(request, "tokenize", TokenizeRequest, handle)
 
 
 @csrf_exempt
@@ -99,4 +99,4 @@ async def detokenize(request: HttpRequest) -> HttpResponse:
         )
         return JsonResponse(DetokenizeResponse(prompt=reply.text).model_dump())
 
-    return await _serve(request, "detokenize", DetokenizeRequest, handle)
+    return await serve(request, "detokenize", DetokenizeRequest, handle)

@@ -64,14 +64,19 @@ def _method_not_allowed(request: HttpRequest, allowed: str) -> HttpResponse | No
     return response
 
 
-async def _serve(
+async def serve(
     request: HttpRequest,
     endpoint: str,
     schema: type[BaseModel],
     handler: Callable[[Call, Any], Awaitable[HttpResponse]],
+    *,
+    prepare: Callable[[Call, Any], Awaitable[Any]] | None = None,
 ) -> HttpResponse:
     """The pipeline's way in, then the handler, which talks to the engine and
-    answers; any failure answered as the API's error."""
+    answers; any failure answered as the API's error. `prepare` turns the
+    checked body into what is admitted and handled (a dialect's translation
+    onto a chat request, knowing the caller): anything with `model` and
+    `weight`."""
     refused = _method_not_allowed(request, "POST")
     if refused is not None:
         return refused
@@ -80,6 +85,8 @@ async def _serve(
         call.key = await _authenticated(request)
         # Its size was checked before it was read (roundhouse.asgi).
         payload = parse(schema, request.body)
+        if prepare is not None:
+            payload = await prepare(call, payload)
         await call_admitted(call, payload.model, weight=payload.weight)
         response = await handler(call, payload)
     except asyncio.CancelledError:  # the caller hung up before the answer
@@ -122,7 +129,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     async def handle(call, payload):
         return await _generate(call, payload, chat=True)
 
-    return await _serve(request, "chat.completions", ChatCompletionRequest, handle)
+    return await serve(request, "chat.completions", ChatCompletionRequest, handle)
 
 
 @csrf_exempt
@@ -132,7 +139,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     async def handle(call, payload):
         return await _generate(call, payload, chat=False)
 
-    return await _serve(request, "completions", CompletionRequest, handle)
+    return await serve(request, "completions", CompletionRequest, handle)
 
 
 # -- embeddings -----------------------------------------------------------------
@@ -145,7 +152,7 @@ async def _embed(call: Call, payload: EmbeddingRequest) -> HttpResponse:
 @csrf_exempt
 async def embeddings(request: HttpRequest) -> HttpResponse:
     """POST /v1/embeddings."""
-    return await _serve(request, "embeddings", EmbeddingRequest, _embed)
+    return await serve(request, "embeddings", EmbeddingRequest, _embed)
 
 
 # -- models, OpenAPI ----------------------------------------------------------------

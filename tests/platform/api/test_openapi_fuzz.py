@@ -48,9 +48,16 @@ MODELS = {
     "/detokenize": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/rerank": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
     "/v2/rerank": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
+    "/v1/responses": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
 }
 # The longest answer a generated request may ask for.
 MAX_TOKENS = 4
+# The fields that bound an answer's length, by endpoint (the first is set
+# where none is).
+LIMIT_FIELDS = {
+    "/v1/responses": ("max_output_tokens",),
+    "*": ("max_tokens", "max_completion_tokens"),
+}
 POSITIVE_EXAMPLES = 25
 NEGATIVE_EXAMPLES = 15
 BOUNDED = settings(
@@ -68,10 +75,11 @@ MODEL_ENDPOINTS = [
     "/detokenize",
     "/v1/rerank",
     "/v2/rerank",
+    "/v1/responses",
 ]
 # The same endpoints at a second path (not fuzzed again).
 ALIASES = ["/v1/tokenize", "/v1/detokenize"]
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def bounded(case, model: str) -> None:
@@ -83,10 +91,10 @@ def bounded(case, model: str) -> None:
         body["model"] = model
     if case.operation.path not in GENERATION_ENDPOINTS:
         return
-    limits = [body.get("max_tokens"), body.get("max_completion_tokens")]
-    if all(limit is None for limit in limits):
-        body["max_tokens"] = MAX_TOKENS
-    for name in ("max_tokens", "max_completion_tokens"):
+    names = LIMIT_FIELDS.get(case.operation.path, LIMIT_FIELDS["*"])
+    if all(body.get(name) is None for name in names):
+        body[names[0]] = MAX_TOKENS
+    for name in names:
         limit = body.get(name)
         # Only valid limits are capped: an invalid one must still be refused.
         if type(limit) in (int, float) and limit > MAX_TOKENS:
@@ -137,6 +145,9 @@ def test_the_document_loads_and_lists_every_endpoint(schema):
         ("/v1/pulls/{pull_id}", "GET"),
         ("/v1/pulls/{pull_id}", "DELETE"),
         ("/v1/pulls/{pull_id}/events", "GET"),
+        ("/v1/responses/{response_id}", "GET"),
+        ("/v1/responses/{response_id}", "DELETE"),
+        ("/v1/responses/{response_id}/input_items", "GET"),
     }
 
 
