@@ -46,7 +46,7 @@ from chat.dashboard import fleet_feed  # noqa: E402
 from chat.websocket_urls import websocket_urlpatterns  # noqa: E402
 from roundhouse.bare_handler import BareASGIHandler, UploadCheck  # noqa: E402
 
-API_PATHS = ("/v1/", "/healthz", "/metrics")
+API_PATHS = ("/v1/", "/api/", "/healthz", "/metrics")
 
 log = logging.getLogger("roundhouse.serve")
 
