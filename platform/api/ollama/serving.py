@@ -273,12 +273,14 @@ def loaded(body: protocol.Generation, *, chat: bool) -> HttpResponse:
 async def generation(
     call: Call, payload: OllamaChat | OllamaCompletion, *, stream: bool, chat: bool
 ) -> HttpResponse:
-    """The answer: whole, or streamed as NDJSON."""
+    """The answer, as /api/chat's (`chat`) or /api/generate's: whole, or
+    streamed as NDJSON."""
     if stream:
         return await _stream(call, payload, chat=chat)
-    body, reply = await generation_answer(call, payload, chat=chat)
-    message = body["choices"][0].get("message") or {}
-    text = message.get("content") if chat else body["choices"][0]["text"]
+    templated = isinstance(payload, OllamaChat)
+    body, reply = await generation_answer(call, payload, chat=templated)
+    choice = body["choices"][0]
+    text = (choice.get("message") or {}).get("content") if templated else choice["text"]
     shape: dict[str, Any] = {
         "model": call.model,
         "created_at": now_text(),

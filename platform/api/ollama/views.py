@@ -93,8 +93,7 @@ async def generate(request: HttpRequest) -> HttpResponse:
             return serving.loaded(body, chat=False)
         task = call.route.task if call.route is not None else "chat"
         payload = serving.generate_request(body, task=task)
-        chat = isinstance(payload, serving.OllamaChat)
-        return await serving.generation(call, payload, stream=body.stream, chat=chat)
+        return await serving.generation(call, payload, stream=body.stream, chat=False)
 
     return await _serve(request, "ollama.generate", protocol.GenerateBody, handle)
 

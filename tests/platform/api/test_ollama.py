@@ -30,6 +30,7 @@ live = live_platform.live
 orm = live_platform.orm
 
 HELLO = [{"role": "user", "content": "Say hello."}]
+ASK_JSON = 'Give JSON with keys "name" and "age" for Alice, who is 30.'
 # MiniLM's vectors.
 MINILM_DIMS = 384
 
@@ -129,9 +130,9 @@ def test_json_format_gives_parseable_json(live):
     """format="json" holds the answer to JSON."""
     answer = client(live).chat(
         model=CHAT,
-        messages=[{"role": "user", "content": "Give a JSON object about a cat."}],
+        messages=[{"role": "user", "content": ASK_JSON}],
         format="json",
-        options={"temperature": 0, "num_predict": 200},
+        options={"temperature": 0, "num_predict": 300},
     )
     assert answer.done_reason == "stop"
     json.loads(answer.message.content)
@@ -229,13 +230,16 @@ def test_tags_list_what_the_key_may_use(live):
 
 
 def test_show_tells_the_template_details_and_context(live):
-    """/api/show: the chat template, details, and model_info with the
-    context length the model is served with."""
+    """/api/show: the chat template, details, model_info with the context
+    length the model was trained for (its GGUF header's), and the context it
+    is served with as its num_ctx parameter; 404 for a key that may not use
+    it."""
     shown = client(live).show(CHAT)
-    assert shown.template and "tools" in shown.capabilities or shown.capabilities
+    assert shown.template and "completion" in shown.capabilities
     assert shown.details.format == "gguf"
-    assert shown.modelinfo["llama.context_length"] == 1024
-    assert "num_ctx 1024" in shown.parameters
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] == 8192
+    assert "num_ctx 1024" in shown.parameters.splitlines()
     with pytest.raises(ollama.ResponseError) as error:
         client(live, "embed-only").show(CHAT)
     assert error.value.status_code == 404
