@@ -44,6 +44,9 @@ MODELS = {
     "/v1/chat/completions": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/completions": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/embeddings": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
+    "/api/chat": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/api/generate": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/api/embed": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
 }
 # The longest answer a generated request may ask for.
 MAX_TOKENS = 4
@@ -57,6 +60,20 @@ BOUNDED = settings(
     suppress_health_check=list(HealthCheck),
 )
 MODEL_ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+# Ollama's (api.ollama): answers asked whole, not streamed (NDJSON is not
+# checked against the schema), and short (options.num_predict capped).
+OLLAMA_ENDPOINTS = ["/api/chat", "/api/generate", "/api/embed"]
+OLLAMA_OPERATIONS = {
+    ("/api/chat", "POST"),
+    ("/api/generate", "POST"),
+    ("/api/embed", "POST"),
+    ("/api/embeddings", "POST"),
+    ("/api/tags", "GET"),
+    ("/api/show", "POST"),
+    ("/api/ps", "GET"),
+    ("/api/version", "GET"),
+    ("/api/pull", "POST"),
+}
 
 
 def bounded(case, model: str) -> None:
@@ -66,7 +83,17 @@ def bounded(case, model: str) -> None:
         return
     if isinstance(body.get("model"), str):
         body["model"] = model
-    if case.operation.path == "/v1/embeddings":
+    if case.operation.path in ("/v1/embeddings", "/api/embed"):
+        return
+    if case.operation.path.startswith("/api/"):
+        body["stream"] = False
+        options = body.get("options")
+        if options is None:
+            options = body["options"] = {}
+        if isinstance(options, dict):
+            limit = options.get("num_predict")
+            if type(limit) is not int or limit > MAX_TOKENS or limit < 1:
+                options["num_predict"] = MAX_TOKENS
         return
     limits = [body.get("max_tokens"), body.get("max_completion_tokens")]
     if all(limit is None for limit in limits):
@@ -122,10 +149,11 @@ def test_the_document_loads_and_lists_every_endpoint(schema):
         ("/v1/pulls/{pull_id}", "GET"),
         ("/v1/pulls/{pull_id}", "DELETE"),
         ("/v1/pulls/{pull_id}/events", "GET"),
+        *OLLAMA_OPERATIONS,
     }
 
 
-@pytest.mark.parametrize("path", MODEL_ENDPOINTS)
+@pytest.mark.parametrize("path", MODEL_ENDPOINTS + OLLAMA_ENDPOINTS)
 def test_valid_requests_get_documented_answers(live, schema, path):
     """Requests that fit the schema: answered as documented, never 5xx."""
     statuses = fuzz(
@@ -137,7 +165,7 @@ def test_valid_requests_get_documented_answers(live, schema, path):
     assert 200 in statuses  # the fuzzer reached the engine
 
 
-@pytest.mark.parametrize("path", MODEL_ENDPOINTS)
+@pytest.mark.parametrize("path", MODEL_ENDPOINTS + OLLAMA_ENDPOINTS)
 def test_invalid_requests_get_documented_answers(live, schema, path):
     """Requests that break the schema: refused as documented."""
     statuses = fuzz(
@@ -149,7 +177,9 @@ def test_invalid_requests_get_documented_answers(live, schema, path):
     assert 400 in statuses
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/openapi.json"])
+@pytest.mark.parametrize(
+    "path", ["/v1/models", "/v1/openapi.json", "/api/tags", "/api/ps", "/api/version"]
+)
 def test_listings_get_documented_answers(live, schema, path):
     statuses = fuzz(live, schema[path]["GET"], schemathesis.GenerationMode.POSITIVE, 1)
     assert statuses == [200]
