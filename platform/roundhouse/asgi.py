@@ -4,7 +4,7 @@ WebSockets through Channels (origin check, session auth, URL routes).
 Importing it never imports torch, transformers, sentence_transformers or
 llama_cpp (tests/platform/test_front_imports.py proves it).
 
-The API (`/v1/`, `/healthz`, `/metrics`) is served by Django without its
+The API (`/v1/`, `/api/`, `/healthz`, `/metrics`) is served by Django without its
 middleware (roundhouse/bare_handler.py), given the Batch API's upload check.
 
 On the ASGI lifespan's startup the front builds its long-lived parts (api.parts:
