@@ -4,7 +4,7 @@ WebSockets through Channels (origin check, session auth, URL routes).
 Importing it never imports torch, transformers, sentence_transformers or
 llama_cpp (tests/platform/test_front_imports.py proves it).
 
-The API (`/v1/`, `/healthz`, `/metrics`) is served by Django without its
+The API (`/v1/`, `/api/`, `/healthz`, `/metrics`) is served by Django without its
 middleware (roundhouse/bare_handler.py), given the Batch API's upload check.
 
 On the ASGI lifespan's startup the front builds its long-lived parts (api.parts:
@@ -46,7 +46,15 @@ from chat.dashboard import fleet_feed  # noqa: E402
 from chat.websocket_urls import websocket_urlpatterns  # noqa: E402
 from roundhouse.bare_handler import BareASGIHandler, UploadCheck  # noqa: E402
 
-API_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/healthz", "/metrics")
+API_PATHS = (
+    "/v1/",
+    "/v2/",
+    "/api/",
+    "/tokenize",
+    "/detokenize",
+    "/healthz",
+    "/metrics",
+)
 
 log = logging.getLogger("roundhouse.serve")
 

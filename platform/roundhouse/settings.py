@@ -201,6 +201,11 @@ ROUNDHOUSE_BATCH_RETRY_S = env.float("ROUNDHOUSE_BATCH_RETRY_S", default=600.0)
 # ROUNDHOUSE_BATCH_CONCURRENCY: lines of a batch a worker keeps in flight at
 # once (the engines serve live requests first whatever this is).
 ROUNDHOUSE_BATCH_CONCURRENCY = env.int("ROUNDHOUSE_BATCH_CONCURRENCY", default=16)
+# ROUNDHOUSE_OLLAMA_LOOPBACK_KEY: the API key (its prefix or its name) that a
+# call to Ollama's API (/api/...) with no Authorization header acts as when it
+# comes from this host's loopback address through no proxy, for tools that
+# cannot send a key; its limits, models and usage apply. Empty: off.
+ROUNDHOUSE_OLLAMA_LOOPBACK_KEY = env.str("ROUNDHOUSE_OLLAMA_LOOPBACK_KEY", default="")
 # Django's own cap on request.body, kept in step.
 DATA_UPLOAD_MAX_MEMORY_SIZE = ROUNDHOUSE_MAX_REQUEST_BYTES
 

@@ -49,6 +49,9 @@ MODELS = {
     "/v1/rerank": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
     "/v2/rerank": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
     "/v1/responses": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/api/chat": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/api/generate": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/api/embed": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
 }
 # The longest answer a generated request may ask for.
 MAX_TOKENS = 4
@@ -80,6 +83,20 @@ MODEL_ENDPOINTS = [
 # The same endpoints at a second path (not fuzzed again).
 ALIASES = ["/v1/tokenize", "/v1/detokenize"]
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# Ollama's (api.ollama): answers asked whole, not streamed (NDJSON is not
+# checked against the schema), and short (options.num_predict capped).
+OLLAMA_ENDPOINTS = ["/api/chat", "/api/generate", "/api/embed"]
+OLLAMA_OPERATIONS = {
+    ("/api/chat", "POST"),
+    ("/api/generate", "POST"),
+    ("/api/embed", "POST"),
+    ("/api/embeddings", "POST"),
+    ("/api/tags", "GET"),
+    ("/api/show", "POST"),
+    ("/api/ps", "GET"),
+    ("/api/version", "GET"),
+    ("/api/pull", "POST"),
+}
 
 
 def bounded(case, model: str) -> None:
@@ -89,6 +106,18 @@ def bounded(case, model: str) -> None:
         return
     if isinstance(body.get("model"), str):
         body["model"] = model
+    if case.operation.path.startswith("/api/"):
+        if case.operation.path == "/api/embed":
+            return
+        body["stream"] = False
+        options = body.get("options")
+        if options is None:
+            options = body["options"] = {}
+        if isinstance(options, dict):
+            limit = options.get("num_predict")
+            if type(limit) is not int or limit > MAX_TOKENS or limit < 1:
+                options["num_predict"] = MAX_TOKENS
+        return
     if case.operation.path not in GENERATION_ENDPOINTS:
         return
     names = LIMIT_FIELDS.get(case.operation.path, LIMIT_FIELDS["*"])
@@ -148,10 +177,11 @@ def test_the_document_loads_and_lists_every_endpoint(schema):
         ("/v1/responses/{response_id}", "GET"),
         ("/v1/responses/{response_id}", "DELETE"),
         ("/v1/responses/{response_id}/input_items", "GET"),
+        *OLLAMA_OPERATIONS,
     }
 
 
-@pytest.mark.parametrize("path", MODEL_ENDPOINTS)
+@pytest.mark.parametrize("path", MODEL_ENDPOINTS + OLLAMA_ENDPOINTS)
 def test_valid_requests_get_documented_answers(live, schema, path):
     """Requests that fit the schema: answered as documented, never 5xx."""
     statuses = fuzz(
@@ -163,7 +193,7 @@ def test_valid_requests_get_documented_answers(live, schema, path):
     assert 200 in statuses  # the fuzzer reached the engine
 
 
-@pytest.mark.parametrize("path", MODEL_ENDPOINTS)
+@pytest.mark.parametrize("path", MODEL_ENDPOINTS + OLLAMA_ENDPOINTS)
 def test_invalid_requests_get_documented_answers(live, schema, path):
     """Requests that break the schema: refused as documented."""
     statuses = fuzz(
@@ -175,7 +205,9 @@ def test_invalid_requests_get_documented_answers(live, schema, path):
     assert 400 in statuses
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/openapi.json"])
+@pytest.mark.parametrize(
+    "path", ["/v1/models", "/v1/openapi.json", "/api/tags", "/api/ps", "/api/version"]
+)
 def test_listings_get_documented_answers(live, schema, path):
     statuses = fuzz(live, schema[path]["GET"], schemathesis.GenerationMode.POSITIVE, 1)
     assert statuses == [200]
