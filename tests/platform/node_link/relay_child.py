@@ -1,7 +1,7 @@
 """A relay in a process of its own allowed few open files, as issue 31
 reproduced a supervisor's death (RLIMIT_NOFILE 256, 300 idle connections):
-a real NodeRelay of node "b" (node "a" known by the secret in
-RELAY_CHILD_SECRET, engine "e1" at the "port:token" in RELAY_CHILD_ENGINE),
+a real NodeRelay of node "b" (node "a" known by its secret, engine "e1" at
+its port with its token: a JSON line on stdin, {"secret", "port", "token"}),
 and a stand-in for the supervisor's other loops in the same process: a
 heartbeat thread that opens a socket and a file every BEAT_S, as a
 heartbeat's database reconnect and a read of an engine's connection file do.
@@ -13,7 +13,7 @@ the admission's caps and the handshake bound (a test's control: the relay
 as it was before issue 31)."""
 
 import asyncio
-import os
+import json
 import resource
 import socket
 import sys
@@ -48,8 +48,8 @@ def heartbeat() -> None:
 
 
 async def main(port: int, caps: bool) -> None:
-    engine_port, token = os.environ["RELAY_CHILD_ENGINE"].split(":", 1)
-    secret = os.environ["RELAY_CHILD_SECRET"]
+    given = json.loads(sys.stdin.readline())
+    secret, engine_port, token = given["secret"], given["port"], given["token"]
 
     async def authenticate(node: str, given: str) -> str | None:
         return None if (node, given) == ("a", secret) else "wrong secret"

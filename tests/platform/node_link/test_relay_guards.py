@@ -5,6 +5,7 @@ are all this host's)."""
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -266,12 +267,7 @@ async def test_an_unexpected_error_with_one_connection_drops_that_one_alone(
 async def child_relay(port: int, engine, *, caps: bool):
     """tests/platform/node_link/relay_child.py, started; its process and the
     lines it printed so far (appended as they come)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}",
-        "RELAY_CHILD_ENGINE": f"{engine.port}:{engine.token}",
-        "RELAY_CHILD_SECRET": SECRET,
-    }
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}"}
     child = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -280,8 +276,13 @@ async def child_relay(port: int, engine, *, caps: bool):
         *([] if caps else ["--no-caps"]),
         cwd=ROOT,
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
+    given = {"secret": SECRET, "port": engine.port, "token": engine.token}
+    child.stdin.write(json.dumps(given).encode() + b"\n")
+    await child.stdin.drain()
+    child.stdin.close()
     lines: list[str] = []
 
     async def read() -> None:
