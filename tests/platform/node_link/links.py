@@ -19,15 +19,20 @@ async def relay_for(
     checked: list[str] | None = None,
     serving=lambda: None,
     database=lambda: True,
+    lookup=None,
 ):
     """A relay of node "b" that knows node "a" by SECRET and engine "e1";
     `checked` collects the nodes of the hellos it looked up; `serving` and
     `database` are the node's (why it takes no streams now, whether it
-    reaches the cluster's database)."""
+    reaches the cluster's database); `lookup`, awaited with each hello's node
+    and secret before it is checked, stands in for the database's time (or
+    its errors)."""
 
     async def authenticate(node: str, secret: str) -> str | None:
         if checked is not None:
             checked.append(node)
+        if lookup is not None:
+            await lookup(node, secret)
         return None if (node, secret) == ("a", SECRET) else "wrong secret"
 
     relay = NodeRelay(

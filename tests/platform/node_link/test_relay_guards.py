@@ -5,7 +5,11 @@ are all this host's)."""
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -15,8 +19,10 @@ from node_link.admission import (
     HANDSHAKE_S,
     MAX_HANDSHAKES,
     MAX_HANDSHAKES_PER_ADDRESS,
+    MAX_LOOKUPS,
+    REFUSED,
 )
-from node_link.client import LinkPool, Peer
+from node_link.client import LinkPool, NodeUnreachable, Peer
 from node_link.gate import MAX_LINK_REQUEST_BYTES
 from node_link.protocol import MAX_STREAM_ID, OPEN, LinkRefused, link_frame
 from node_link.relay import (
@@ -30,6 +36,8 @@ from engines.launch.config import LiveConfig
 from engines.wire.client import EngineRequestError, EngineUnreachable
 from engines.wire.framing import HEADER, decode_message, encode_message, read_frame
 from engines.wire.requests import GenerateRequest, ShutdownRequest, TokenizeRequest
+from tests.conftest import ROOT
+from tests.engines.conftest import free_port
 from tests.engines.generating import SMOL
 from tests.platform.node_link.links import GREEDY, SECRET, relay_for, remote
 from tests.waiting import await_for
@@ -154,6 +162,205 @@ async def test_every_refusal_reads_the_same_and_a_failing_address_is_not_looked_
         client, pool = remote(port)  # 127.0.0.1: not throttled
         assert (await client.ping()).status == "ok"
         pool.close()
+
+
+def hello(secret: str = SECRET) -> bytes:
+    """Node a's hello, with `secret`."""
+    return encode_message({"kind": "link", "version": 1, "node": "a", "secret": secret})
+
+
+async def test_at_most_max_lookups_of_hellos_run_at_once(engine, monkeypatch):
+    """MAX_LOOKUPS + 8 hellos at once, from as many addresses, while each
+    lookup waits on the database: MAX_LOOKUPS are looked up at once and the
+    others wait their turn; once the lookups go on, every hello is looked up
+    and answered (control: every hello had reached the lookups when they
+    were counted, so more than MAX_LOOKUPS could have run)."""
+    monkeypatch.setattr(link_relay, "HANDSHAKE_S", 600)
+    hellos = MAX_LOOKUPS + 8
+    looking_up, most, looked_up = 0, 0, 0
+    go_on = asyncio.Event()
+
+    async def lookup(node: str, secret: str) -> None:
+        nonlocal looking_up, most, looked_up
+        looking_up += 1
+        most = max(most, looking_up)
+        try:
+            await go_on.wait()
+        finally:
+            looking_up -= 1
+            looked_up += 1
+
+    async with relay_for(engine, lookup=lookup) as (relay, port):
+        # A hello is checked for its address's failures just before its
+        # lookup: counted there, it has reached the lookups.
+        reached: list[str] = []
+        throttled = relay._failed.throttled
+        monkeypatch.setattr(
+            relay._failed,
+            "throttled",
+            lambda address: reached.append(address) or throttled(address),
+        )
+        connections = []
+        try:
+            for index in range(hellos):
+                reader, writer = await idle_connection(port, f"127.0.3.{index + 1}")
+                writer.write(hello("a wrong secret"))
+                connections.append((reader, writer))
+            await await_for(
+                lambda: len(reached) == hellos, what="every hello at the lookups"
+            )
+            assert looking_up == MAX_LOOKUPS
+            go_on.set()
+            for reader, _ in connections:
+                answer = decode_message(await read_frame(reader))
+                assert answer["message"] == REFUSED, answer
+            assert looked_up == hellos and most == MAX_LOOKUPS
+        finally:
+            for _, writer in connections:
+                writer.close()
+
+
+async def test_an_unexpected_error_with_one_connection_drops_that_one_alone(
+    engine, caplog
+):
+    """A lookup that raises what nobody expected (not a refusal, not the
+    database unavailable), twice: each connection is closed, the error is
+    logged once (the relay's refusal log, rate-limited), nothing reaches the
+    event loop's handler of unhandled errors, and the next link is welcomed
+    and serves (control: the log line names the error, so the relay's own
+    guard caught it)."""
+    failures = {"left": 2}
+
+    async def lookup(node: str, secret: str) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("a lookup no one expected to fail")
+
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda loop, context: unhandled.append(context))
+    try:
+        async with relay_for(engine, lookup=lookup) as (_, port):
+            with caplog.at_level(logging.WARNING, logger="roundhouse.relay"):
+                for _ in range(2):
+                    reader, writer = await idle_connection(port, "127.0.0.6")
+                    writer.write(hello())
+                    assert await closed_by_relay(reader, within=10)
+                    writer.close()
+            logged = [
+                record
+                for record in caplog.records
+                if "a lookup no one expected to fail" in record.getMessage()
+            ]
+            assert len(logged) == 1, caplog.text
+            assert "unexpected error" in logged[0].getMessage()
+            assert failures["left"] == 0
+            client, pool = remote(port)
+            assert (await client.ping()).status == "ok"
+            pool.close()
+    finally:
+        loop.set_exception_handler(handler)
+    assert unhandled == []
+
+
+async def child_relay(port: int, engine, *, caps: bool):
+    """tests/platform/node_link/relay_child.py, started; its process and the
+    lines it printed so far (appended as they come)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}"}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.platform.node_link.relay_child",
+        str(port),
+        *([] if caps else ["--no-caps"]),
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    given = {"secret": SECRET, "port": engine.port, "token": engine.token}
+    child.stdin.write(json.dumps(given).encode() + b"\n")
+    await child.stdin.drain()
+    child.stdin.close()
+    lines: list[str] = []
+
+    async def read() -> None:
+        while line := await child.stdout.readline():
+            lines.append(line.decode().strip())
+
+    reading = asyncio.ensure_future(read())
+    await await_for(lambda: "listening" in lines, timeout=60, what="the child relay")
+    return child, lines, reading
+
+
+def beats(lines: list[str], outcome: str) -> int:
+    return sum(1 for line in lines if line.startswith("beat") and outcome in line)
+
+
+async def flood_a_child_relay(engine, *, caps: bool) -> None:
+    """300 idle connections, from 300 addresses, against the relay of
+    relay_child.py (allowed 256 open files); with `caps`, what the process
+    still does then is checked, else that it ran out of files."""
+    port = free_port()
+    child, lines, reading = await child_relay(port, engine, caps=caps)
+    before, pool = remote(port)
+
+    async def new_link_serves() -> bool:
+        client, new_pool = remote(port)
+        try:
+            return (await client.ping()).status == "ok"
+        except NodeUnreachable:  # refused while the handshakes are full
+            return False
+        finally:
+            new_pool.close()
+
+    held = []
+    try:
+        if caps:
+            assert (await before.ping()).status == "ok"
+        for index in range(300):
+            source = f"127.0.{4 + index // 200}.{1 + index % 200}"
+            held.append(await idle_connection(port, source))
+        if not caps:
+            await await_for(
+                lambda: beats(lines, "failed"),
+                timeout=30,
+                what="a beat failing for lack of files",
+            )
+            assert any("Too many open files" in line for line in lines), lines
+            return
+        ok = beats(lines, "ok")
+        await await_for(
+            lambda: beats(lines, "ok") >= ok + 5, timeout=30, what="more beats"
+        )
+        assert (await before.ping()).status == "ok"
+        await await_for(new_link_serves, timeout=30, what="a new link served")
+        await await_for(
+            lambda: beats(lines, "ok") >= ok + 10, timeout=30, what="more beats"
+        )
+        assert beats(lines, "failed") == 0, lines
+        assert child.returncode is None
+    finally:
+        pool.close()
+        for _, writer in held:
+            writer.close()
+        child.kill()
+        await child.wait()
+        await reading
+
+
+async def test_a_relay_allowed_256_files_outlives_300_idle_connections(engine):
+    """Issue 31's repro: a relay in a process allowed 256 open files, 300
+    idle unauthenticated connections held open against it from 300
+    addresses. The process lives, the heartbeat thread beside the relay
+    still opens its socket and file at every beat, a link made before the
+    flood serves through it, and a new link is welcomed once the idle
+    connections' handshake bound has passed (with the 300 still held open
+    by the attacker). Control: the same process with the admission's caps
+    lifted runs out of files under the same flood (its beats fail)."""
+    await flood_a_child_relay(engine, caps=True)
+    await flood_a_child_relay(engine, caps=False)
 
 
 # -- what a link carries (points 4, 6, 15) -------------------------------------------
