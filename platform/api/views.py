@@ -77,7 +77,7 @@ async def _serve(
         return refused
     call = Call(endpoint)
     try:
-        call.key = await _authenticated(request)
+        call.authenticated(await _authenticated(request))
         # Its size was checked before it was read (roundhouse.asgi).
         payload = parse(schema, request.body)
         await call_admitted(call, payload.model, weight=payload.weight)
