@@ -122,6 +122,15 @@ def test_the_document_loads_and_lists_every_endpoint(schema):
         ("/v1/pulls/{pull_id}", "GET"),
         ("/v1/pulls/{pull_id}", "DELETE"),
         ("/v1/pulls/{pull_id}/events", "GET"),
+        ("/v1/files", "POST"),
+        ("/v1/files", "GET"),
+        ("/v1/files/{file_id}", "GET"),
+        ("/v1/files/{file_id}", "DELETE"),
+        ("/v1/files/{file_id}/content", "GET"),
+        ("/v1/batches", "POST"),
+        ("/v1/batches", "GET"),
+        ("/v1/batches/{batch_id}", "GET"),
+        ("/v1/batches/{batch_id}/cancel", "POST"),
     }
 
 
@@ -149,7 +158,9 @@ def test_invalid_requests_get_documented_answers(live, schema, path):
     assert 400 in statuses
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/openapi.json"])
+@pytest.mark.parametrize(
+    "path", ["/v1/models", "/v1/openapi.json", "/v1/files", "/v1/batches"]
+)
 def test_listings_get_documented_answers(live, schema, path):
     statuses = fuzz(live, schema[path]["GET"], schemathesis.GenerationMode.POSITIVE, 1)
     assert statuses == [200]
