@@ -6,7 +6,6 @@ a ValueError (pydantic's ValidationError) naming each by its place; a key
 that has a default may be left out. No Django here. The environment variables
 an engine reads are engines/launch/environment.py."""
 
-import contextlib
 import json
 import os
 from typing import Any
@@ -20,7 +19,7 @@ from pydantic import (
     field_validator,
 )
 
-from engines.launch.environment import CONFIG_ENV, CONFIG_FILE_ENV
+from engines.launch.environment import CONFIG_ENV, config_from_environment
 
 # Backends whose models live in device memory.
 GPU_BACKENDS = frozenset({"cuda", "rocm", "vulkan"})
@@ -264,16 +263,7 @@ class EngineConfig(Schema):
     def from_env(cls) -> "EngineConfig":
         """The configuration the supervisor handed over: the JSON in CONFIG_ENV,
         or in the file CONFIG_FILE_ENV names (deleted once read)."""
-        path = os.environ.get(CONFIG_FILE_ENV)
-        if path:
-            try:
-                with open(path, encoding="utf-8") as handle:
-                    raw = handle.read()
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        else:
-            raw = os.environ.get(CONFIG_ENV, "")
+        raw = config_from_environment()
         if not raw:
             raise SystemExit(
                 f"{CONFIG_ENV} is not set: engines are started by `manage.py supervise`"

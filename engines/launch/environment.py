@@ -4,6 +4,7 @@ with what an engine's environment may hold: what it inherits from the process
 that starts it, and what exec accepts. The schemas of what it is told are
 engines/launch/config.py."""
 
+import contextlib
 import os
 from collections.abc import Mapping
 
@@ -136,6 +137,21 @@ def lifeline_fd_from_environment() -> int | None:
     children must not watch it); None when unset. ValueError: not a number."""
     value = os.environ.pop(LIFELINE_FD_ENV, "")
     return int(value) if value else None
+
+
+def config_from_environment() -> str:
+    """The configuration JSON the supervisor handed over: CONFIG_ENV's, or the
+    content of the file CONFIG_FILE_ENV names (deleted once read); "" when
+    neither is set."""
+    path = os.environ.get(CONFIG_FILE_ENV)
+    if not path:
+        return os.environ.get(CONFIG_ENV, "")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def config_in_environment() -> bool:

@@ -21,7 +21,6 @@ import io
 import json
 import socket
 import struct
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -160,20 +159,6 @@ def frame_length(header: bytes, *, max_bytes: int) -> int:
     if size > max_bytes:
         raise FrameTooLarge(size, max_bytes)
     return size
-
-
-def split_frames(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> Iterator[bytes]:
-    """Payloads of the complete frames in a buffer; a partial tail is an error."""
-    offset = 0
-    while offset < len(data):
-        if len(data) - offset < HEADER.size:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "truncated header")
-        size = frame_length(data[offset : offset + HEADER.size], max_bytes=max_bytes)
-        offset += HEADER.size
-        if len(data) - offset < size:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "truncated frame")
-        yield data[offset : offset + size]
-        offset += size
 
 
 # -- asyncio streams ----------------------------------------------------------

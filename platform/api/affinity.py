@@ -188,7 +188,8 @@ class SharedAffinity:
                 return
 
     async def settled(self) -> None:
-        """Wait until this loop's writes are done (tests; a front stopping)."""
+        """Wait until this loop's writes are done: a front stopping
+        (roundhouse.asgi's lifespan), a test before another front looks."""
         lane = self._lanes.get(asyncio.get_running_loop())
         while lane is not None and lane.writer is not None and not lane.writer.done():
             await asyncio.shield(lane.writer)

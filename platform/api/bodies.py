@@ -1,9 +1,9 @@
 """The API's response bodies, in OpenAI's shapes, as typed models (vLLM's
 `protocol.py`): the answers (api.answers, which the Batch API records too), the
-streams' chunks (api.sse) and the model list (api.views) are these models
-serialised; the error object (api.errors.ApiError.body) is ErrorResponse's
-shape, which a test checks. /v1/openapi.json documents them from these models
-alone (api.openapi).
+streams' chunks (api.sse), the model list (api.views) and the Batch API's files
+and batches (batches.selectors) are these models serialised; the error object
+(api.errors.ApiError.body) is ErrorResponse's shape, which a test checks.
+/v1/openapi.json documents them from these models alone (api.openapi).
 
 A key the API leaves out when it has nothing to say defaults to MISSING (it is
 absent from the JSON); a key it sends as null is None. `BodySchema` documents
@@ -352,6 +352,112 @@ class ModelPullList(Body):
     has_more: bool
 
 
+# -- /v1/files and /v1/batches (batches.views) -------------------------------------
+
+FilePurpose = Literal["batch", "batch_output"]
+BatchStatus = Literal[
+    "validating",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "failed",
+    "expired",
+    "cancelling",
+    "cancelled",
+]
+
+
+class FileObject(Body):
+    """A stored file: an upload (purpose "batch") or a batch's output or error
+    file ("batch_output"). Times are Unix seconds."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: Count
+    created_at: int
+    filename: str
+    purpose: FilePurpose
+    # A file is usable once stored: there is no processing to wait for.
+    status: Literal["processed"] = "processed"
+    status_details: None = None
+
+
+class FileList(Body):
+    """The key's files (all of them: `has_more` is always false)."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    has_more: bool
+
+
+class FileDeleted(Body):
+    """A file deleted, and its bytes."""
+
+    id: str
+    object: Literal["file"] = "file"
+    deleted: Literal[True] = True
+
+
+class BatchError(Body):
+    """Why a batch failed as a whole (its lines' errors are in its error file)."""
+
+    code: str
+    message: str
+    param: str | None
+    line: int | None
+
+
+class BatchErrors(Body):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class BatchRequestCounts(Body):
+    """The batch's lines: all of them, those answered and those that failed."""
+
+    total: Count
+    completed: Count
+    failed: Count
+
+
+class Batch(Body):
+    """A batch of requests from an uploaded file, answered by the workers:
+    its status, its output and error files once done. Times are Unix seconds
+    (null until it gets there)."""
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: BatchRequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(Body):
+    """A page of batches, newest first: `has_more` says whether older ones
+    follow (ask again with `after` the page's `last_id`)."""
+
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 # -- errors -------------------------------------------------------------------------
 
 
@@ -382,5 +488,10 @@ RESPONSE_BODIES: tuple[type[Body], ...] = (
     ModelDeleted,
     ModelPull,
     ModelPullList,
+    FileObject,
+    FileList,
+    FileDeleted,
+    Batch,
+    BatchList,
     ErrorResponse,
 )

@@ -17,6 +17,7 @@ from typing import Any
 
 from django.http import HttpResponse
 
+from engines.wire.errors import ErrorCode
 from engines.wire.replies import Ending, Usage
 from routing.select import ModelRoute, Snapshot
 
@@ -73,8 +74,19 @@ class Call:
     held: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     ended: bool = False
 
-    def failed(self, error: errors.ApiError) -> HttpResponse:
+    def authenticated(self, key: ApiKey) -> None:
+        """The caller is this live key (api.pipeline.authenticate's); the one
+        place the call's key is written after it is built."""
+        self.key = key
+
+    def failed_with(self, error: errors.ApiError) -> None:
+        """Record the failure the caller is told (its status, and its code or,
+        without one, its type), however the transport frames it."""
         self.status, self.error_code = error.status, error.code or error.type
+
+    def failed(self, error: errors.ApiError) -> HttpResponse:
+        """Record the failure (`failed_with`) and answer it as HTTP."""
+        self.failed_with(error)
         return error.response()
 
     @property
@@ -96,6 +108,10 @@ class Call:
         if self.status < 400:
             self.status, self.error_code = 499, errors.ApiCode.CLIENT_CLOSED
 
+    def cancelled(self) -> None:
+        """The caller asked to stop the answer (the WebSocket chat's cancel)."""
+        self.status, self.error_code = 499, ErrorCode.CANCELLED
+
     def usage(self) -> dict[str, int]:
         """The answer's `usage` object."""
         return {
@@ -108,10 +124,22 @@ class Call:
     def counted(self, usage: Usage) -> None:
         """Take the engine's count of the request's tokens (the one place
         they are written: the prompts' at a stream's start, then the final
-        count; a stream's completion tokens also as they come)."""
+        count; a stream's completion tokens also as they come, `generated`)."""
         self.prompt_tokens = usage.prompt_tokens
         self.completion_tokens = usage.completion_tokens
         self.cached_tokens = usage.cached_tokens
+
+    def generated(self, tokens: int) -> None:
+        """A stream's next tokens: counted as they come (a stream cut short
+        gets no final count), until the engine's final count replaces them."""
+        # Built unvalidated: per token frame, from counts already checked.
+        self.counted(
+            Usage.model_construct(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens + tokens,
+                cached_tokens=self.cached_tokens,
+            )
+        )
 
     def timings(self, reply: Ending) -> dict:
         """Which engine answered, and its own times from the request's arrival

@@ -15,6 +15,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from django import db
 from django.conf import settings
@@ -43,6 +44,8 @@ from .parts import Part
 from .services import DATABASE_OUTAGE
 
 log = logging.getLogger("roundhouse.api")
+
+T = TypeVar("T")
 
 # A snapshot older than the cache's max age is still used while a fresh one loads
 # in the background, up to this age (on a cluster, up to UNREACHABLE_AFTER_S);
@@ -106,9 +109,9 @@ def unconfirmed(snapshot: Snapshot, age_s: float) -> bool:
 class Gateway:
     """The front's one router and snapshot cache (shared by every request).
 
-    `load` reads the routing snapshot (by default the fleet's, from the
-    database, in the loader thread) and `clock` times its age: a test's own
-    gateway gives its own (api.parts: `gateway.installed`)."""
+    `load` reads the routing snapshot (by default `fleet_load`: the fleet's,
+    from the database, in the loader thread) and `clock` times its age: a
+    test's own gateway gives its own (api.parts: `gateway.installed`)."""
 
     def __init__(
         self,
@@ -118,7 +121,7 @@ class Gateway:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.router = Router()
-        self.cache = SnapshotCache(load or self._load, max_age_s, clock)
+        self.cache = SnapshotCache(load or self.fleet_load, max_age_s, clock)
         # Loads run in one thread of their own, which keeps its database
         # connection: asgiref's threads reconnect for every request.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
@@ -147,10 +150,16 @@ class Gateway:
         # Node -> when (time.monotonic()) a link to it last failed.
         self._unreachable_nodes: dict[str, float] = {}
 
+    def in_loader_thread(self, work: Callable[[], T]) -> T:
+        """Run `work` in the loader thread, after what is queued there (the
+        loads in flight), and return its result: what touches the loader's
+        own database connection or the snapshot cache runs there."""
+        return self._loader.submit(work).result()
+
     def close(self) -> None:
         """Close the loader thread's database connection (it reconnects when
         needed)."""
-        self._loader.submit(db.connections.close_all).result()
+        self.in_loader_thread(db.connections.close_all)
 
     def request_sent(self, engine: str) -> None:
         """This front sent `engine` a request: one more in flight there (the
@@ -172,13 +181,14 @@ class Gateway:
         """Forget what this front knows of the fleet (the snapshot, a failed
         load, nodes passed over), after the load in flight: the next request
         reads the database. For a test that starts from a new database."""
-        self._loader.submit(self.cache.clear).result()
+        self.in_loader_thread(self.cache.clear)
         self._failing = False
         self._failed_at = -float("inf")
         self._unreachable_nodes.clear()
 
-    def _load(self) -> Snapshot:
-        """Read the fleet (in the loader thread). Heartbeats the supervisor could
+    def fleet_load(self) -> Snapshot:
+        """Read the fleet (in the loader thread): the default `load`, which a
+        test's own may wrap. Heartbeats the supervisor could
         not write during an outage this thread saw end lately are not taken for
         a dead supervisor: staleness is counted without the outage. A kept
         connection the server closed is replaced at once, not taken for an

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from . import bodies, engine_ops_schemas, errors
+from .batch_schemas import BatchRequest
 from .dialects import responses_protocol
 from .pull_schemas import PullRequest
 from .schemas import ENDPOINT_SCHEMAS
@@ -27,6 +28,11 @@ GENERATION_STEPS = ("read", "method", "key", "body", "model", "limits", "engine"
 # something is admitted in the key's limits.
 MANAGE_STEPS = ("read", "method", "key", "manage")
 PULL = "/v1/pulls/{pull_id}"
+# The Files and Batch APIs (batches.views): what creates or changes something
+# is admitted in the key's limits; reads are not.
+KEYED_STEPS = ("read", "method", "key")
+FILE = "/v1/files/{file_id}"
+BATCH = "/v1/batches/{batch_id}"
 ENDPOINT_STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     **{(path, "post"): GENERATION_STEPS for path in ENDPOINT_SCHEMAS},
     ("/v1/models", "get"): ("read", "method", "key"),
@@ -37,11 +43,36 @@ ENDPOINT_STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     (PULL, "delete"): (*MANAGE_STEPS, "limits", "lookup"),
     (PULL + "/events", "get"): (*MANAGE_STEPS, "lookup"),
     ("/v1/openapi.json", "get"): ("read", "method"),
+    ("/v1/files", "post"): (*KEYED_STEPS, "limits"),
+    ("/v1/files", "get"): KEYED_STEPS,
+    (FILE, "get"): (*KEYED_STEPS, "lookup"),
+    (FILE, "delete"): (*KEYED_STEPS, "limits", "lookup"),
+    (FILE + "/content", "get"): (*KEYED_STEPS, "lookup"),
+    ("/v1/batches", "post"): (*KEYED_STEPS, "limits", "body", "lookup"),
+    ("/v1/batches", "get"): KEYED_STEPS,
+    (BATCH, "get"): (*KEYED_STEPS, "lookup"),
+    (BATCH + "/cancel", "post"): (*KEYED_STEPS, "limits", "lookup"),
 }
 # The request bodies, by path and method.
 REQUEST_SCHEMAS: dict[tuple[str, str], type[BaseModel]] = {
     **{(path, "post"): schema for path, schema in ENDPOINT_SCHEMAS.items()},
     ("/v1/pulls", "post"): PullRequest,
+    ("/v1/batches", "post"): BatchRequest,
+}
+# The request bodies sent as a form (multipart/form-data), by path and method.
+REQUEST_FORMS: dict[tuple[str, str], dict[str, Any]] = {
+    ("/v1/files", "post"): {
+        "type": "object",
+        "properties": {
+            "file": {
+                "type": "string",
+                "contentMediaType": "application/octet-stream",
+                "description": "The batch's requests, one JSON object a line.",
+            },
+            "purpose": {"const": "batch"},
+        },
+        "required": ["file", "purpose"],
+    },
 }
 
 # -- tokenize, detokenize, rerank (api.engine_ops_schemas) ---------------------------
@@ -84,6 +115,18 @@ _PULL_ID = {
     "required": True,
     "schema": {"type": "integer", "minimum": 1},
 }
+_FILE_ID = {
+    "name": "file_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+}
+_BATCH_ID = {
+    "name": "batch_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+}
 PARAMETERS: dict[tuple[str, str], list[dict[str, Any]]] = {
     ("/v1/models/{name}", "delete"): [
         {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -105,6 +148,34 @@ PARAMETERS: dict[tuple[str, str], list[dict[str, Any]]] = {
     (PULL, "get"): [_PULL_ID],
     (PULL, "delete"): [_PULL_ID],
     (PULL + "/events", "get"): [_PULL_ID],
+    ("/v1/files", "get"): [
+        {
+            "name": "purpose",
+            "in": "query",
+            "description": "Only the files of this purpose.",
+            "schema": {"type": "string"},
+        }
+    ],
+    **{
+        (FILE + tail, method): [_FILE_ID]
+        for tail, method in (("", "get"), ("", "delete"), ("/content", "get"))
+    },
+    ("/v1/batches", "get"): [
+        {
+            "name": "limit",
+            "in": "query",
+            "description": "Batches per page (default 20).",
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+        },
+        {
+            "name": "after",
+            "in": "query",
+            "description": "The page after this batch id (a page's `last_id`).",
+            "schema": {"type": "string"},
+        },
+    ],
+    (BATCH, "get"): [_BATCH_ID],
+    (BATCH + "/cancel", "post"): [_BATCH_ID],
 }
 # A success status other than 200.
 SUCCESS_STATUS: dict[tuple[str, str], int] = {("/v1/pulls", "post"): 202}
@@ -113,18 +184,22 @@ SUCCESS_STATUS: dict[tuple[str, str], int] = {("/v1/pulls", "post"): 202}
 # documented, under its standard phrase.
 STATUS_DESCRIPTIONS = {
     400: "Invalid request: the body (the message and `param` name the field), "
-    "its Content-Length, or a model used on the wrong endpoint.",
+    "its Content-Length, or a model used on the wrong endpoint; a file to "
+    "delete that a running batch reads.",
     401: "Missing, unknown or revoked API key (a pull: the repository is "
     "gated and this host has no token for it).",
     403: "The API key may not manage models (its 'manages models' is off).",
     404: "Unknown model, or one the key may not use; an unknown pull, or a "
-    "pull's repository, file or revision.",
+    "pull's repository, file or revision; an unknown file or batch.",
     405: "Wrong method; the Allow header names the right one.",
     409: "A pull's model name is taken, or the model to delete is still "
     "placed or loaded (the message says where).",
-    413: "The body is over the size cap (ROUNDHOUSE_MAX_REQUEST_BYTES).",
+    413: "The body is over the size cap (ROUNDHOUSE_MAX_REQUEST_BYTES; an "
+    "upload: ROUNDHOUSE_MAX_FILE_BYTES, or its owner's whole storage quota).",
     429: "The key is over its requests per minute or concurrent requests, the "
-    "client over its requests with invalid keys, or the engine's queue is full.",
+    "client over its requests with invalid keys, or the engine's queue is full; "
+    "an upload or a batch: the owner's storage quota is used up, or the "
+    "server's storage is full.",
     500: "The engine failed to serve the request.",
     502: "The engine failed mid-request (a pull: the Hub failed).",
     503: "Unavailable for now (Retry-After says when to try again): no engine "
@@ -246,6 +321,44 @@ RESULTS: dict[str | tuple[str, str], dict[str, Any]] = {
         "description": "The pull each time it changes, until it ends (done, "
         "failed or cancelled).",
         "content": _progress_stream(),
+    },
+    ("/v1/files", "post"): {
+        "description": "The file, stored.",
+        "content": _json(bodies.FileObject),
+    },
+    ("/v1/files", "get"): {
+        "description": "The key's files.",
+        "content": _json(bodies.FileList),
+    },
+    (FILE, "get"): {"description": "The file.", "content": _json(bodies.FileObject)},
+    (FILE, "delete"): {
+        "description": "The file was deleted (and the batches it was the input of).",
+        "content": _json(bodies.FileDeleted),
+    },
+    (FILE + "/content", "get"): {
+        "description": "The file's bytes.",
+        "content": {
+            "application/octet-stream": {
+                "schema": {
+                    "type": "string",
+                    "contentMediaType": "application/octet-stream",
+                }
+            }
+        },
+    },
+    ("/v1/batches", "post"): {
+        "description": "The batch, queued for a worker.",
+        "content": _json(bodies.Batch),
+    },
+    ("/v1/batches", "get"): {
+        "description": "A page of the key's batches, newest first.",
+        "content": _json(bodies.BatchList),
+    },
+    (BATCH, "get"): {"description": "The batch.", "content": _json(bodies.Batch)},
+    (BATCH + "/cancel", "post"): {
+        "description": "The batch, cancelling (its lines in flight end first) "
+        "or cancelled; a finished one as it is.",
+        "content": _json(bodies.Batch),
     },
 }
 
@@ -413,6 +526,12 @@ def _operation(path: str, method: str) -> dict[str, Any]:
         operation["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": _ref(schema)}},
+        }
+    form = REQUEST_FORMS.get((path, method))
+    if form is not None:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"multipart/form-data": {"schema": form}},
         }
     success = str(SUCCESS_STATUS.get((path, method), 200))
     operation["responses"] = {

@@ -190,15 +190,6 @@ class Sampling(Strict):
                 )
         return out
 
-    def _prompt_requests(self) -> list[GenerateRequest]:
-        """One engine request per prompt, without the envelope (what the
-        request cap is checked on)."""
-        shared = self.engine_fields()
-        return [
-            GenerateRequest.model_construct(model=self.model, **shared, **prompt)
-            for prompt in self.engine_prompts()
-        ]
-
     def engine_prompts(self) -> list[dict[str, Any]]:
         """Each prompt's own engine fields."""
         raise NotImplementedError
@@ -206,9 +197,12 @@ class Sampling(Strict):
     def _within_request_cap(self) -> None:
         """Each engine request this body makes fits the engines' cap on a
         whole request (less the room the pipeline's own fields take); over
-        it, the error names the field that holds most of it."""
+        it, the error names the field that holds most of it. Measured on the
+        requests `engine_requests` builds, those sent (the envelope aside):
+        each prompt's first choice (its others differ only in their own id
+        and seed)."""
         limit = MAX_REQUEST_BYTES - ENVELOPE_BYTES
-        for request in self._prompt_requests():
+        for request in self.engine_requests()[:: self.choices_per_prompt]:
             fields = body_fields(request)
             size = request_bytes(fields)
             if size > limit:

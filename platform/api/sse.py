@@ -166,7 +166,7 @@ async def generation_stream(
         except EngineError as failure:
             # Headers are sent: the failure travels as an error event.
             error = engine_failure(failure)
-            call.status, call.error_code = error.status, error.code or ""
+            call.failed_with(error)
             yield b"".join(pending) + sse(error.body())
         finally:
             # The relay first (it stops reading the streams), then hanging up

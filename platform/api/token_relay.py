@@ -71,7 +71,7 @@ async def tokens_relayed(
                     call.first_token_at = time.perf_counter()
                     if first_token is not None:
                         first_token()
-                call.completion_tokens += frame.tokens
+                call.generated(frame.tokens)
                 if frame.prompt_logprobs:
                     yield Echo(index, frame.prompt_logprobs)
                 # Tokens inside a call's markup bring nothing: counted only.

@@ -82,7 +82,7 @@ async def serve(
         return refused
     call = Call(endpoint)
     try:
-        call.key = await _authenticated(request)
+        call.authenticated(await _authenticated(request))
         # Its size was checked before it was read (roundhouse.asgi).
         payload = parse(schema, request.body)
         if prepare is not None:

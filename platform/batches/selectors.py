@@ -1,8 +1,10 @@
-"""Reads of files and batches, and their OpenAI JSON shapes."""
+"""Reads of files and batches, and their bodies as the API answers them
+(api.bodies)."""
 
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from api import bodies
 from api.errors import ApiCode
 from api.models import ApiKey
 
@@ -26,17 +28,15 @@ def file_list(*, key: ApiKey, purpose: str | None = None) -> list[StoredFile]:
     return list(files[:10_000])
 
 
-def file_as_openai(stored: StoredFile) -> dict[str, Any]:
-    return {
-        "id": stored.id,
-        "object": "file",
-        "bytes": stored.bytes,
-        "created_at": _seconds(stored.created_at),
-        "filename": stored.filename,
-        "purpose": stored.purpose,
-        "status": "processed",
-        "status_details": None,
-    }
+def file_body(stored: StoredFile) -> bodies.FileObject:
+    """The file as the Files API answers it."""
+    return bodies.FileObject(
+        id=stored.id,
+        bytes=stored.bytes,
+        created_at=_seconds(stored.created_at),
+        filename=stored.filename,
+        purpose=stored.purpose,
+    )
 
 
 def batch_get(*, key: ApiKey, batch_id: str) -> Batch | None:
@@ -60,36 +60,31 @@ def batch_page(
     return page[:limit], len(page) > limit
 
 
-def batch_as_openai(batch: Batch) -> dict[str, Any]:
-    errors = None
-    if batch.errors:
-        errors = {"object": "list", "data": batch.errors}
-    return {
-        "id": batch.id,
-        "object": "batch",
-        "endpoint": batch.endpoint,
-        "errors": errors,
-        "input_file_id": batch.input_file_id,
-        "completion_window": batch.completion_window,
-        "status": batch.status,
-        "output_file_id": batch.output_file_id,
-        "error_file_id": batch.error_file_id,
-        "created_at": _seconds(batch.created_at),
-        "in_progress_at": _seconds(batch.in_progress_at),
-        "expires_at": _seconds(batch.expires_at),
-        "finalizing_at": _seconds(batch.finalizing_at),
-        "completed_at": _seconds(batch.completed_at),
-        "failed_at": _seconds(batch.failed_at),
-        "expired_at": _seconds(batch.expired_at),
-        "cancelling_at": _seconds(batch.cancelling_at),
-        "cancelled_at": _seconds(batch.cancelled_at),
-        "request_counts": {
-            "total": batch.total,
-            "completed": batch.completed,
-            "failed": batch.failed,
-        },
-        "metadata": batch.metadata or None,
-    }
+def batch_body(batch: Batch) -> bodies.Batch:
+    """The batch as the Batch API answers it."""
+    return bodies.Batch(
+        id=batch.id,
+        endpoint=batch.endpoint,
+        errors={"data": batch.errors} if batch.errors else None,
+        input_file_id=batch.input_file_id,
+        completion_window=batch.completion_window,
+        status=batch.status,
+        output_file_id=batch.output_file_id,
+        error_file_id=batch.error_file_id,
+        created_at=_seconds(batch.created_at),
+        in_progress_at=_seconds(batch.in_progress_at),
+        expires_at=_seconds(batch.expires_at),
+        finalizing_at=_seconds(batch.finalizing_at),
+        completed_at=_seconds(batch.completed_at),
+        failed_at=_seconds(batch.failed_at),
+        expired_at=_seconds(batch.expired_at),
+        cancelling_at=_seconds(batch.cancelling_at),
+        cancelled_at=_seconds(batch.cancelled_at),
+        request_counts=bodies.BatchRequestCounts(
+            total=batch.total, completed=batch.completed, failed=batch.failed
+        ),
+        metadata=batch.metadata or None,
+    )
 
 
 class RunState(NamedTuple):

@@ -8,16 +8,14 @@ not, so that polling a batch never uses up a key's requests."""
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated
 
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
-from pydantic import Field, StringConstraints
 
-from api import errors
+from api import bodies, errors
+from api.batch_schemas import BatchRequest
 from api.models import ApiKey
 from api.pipeline import api_error, authenticate, keyed_request
-from api.schema_base import Strict
 from api.schemas import parse
 from api.selectors import in_db_thread
 
@@ -32,31 +30,16 @@ CHUNK_BYTES = 1 << 20
 UPLOAD_FORM_BYTES = 64 * 1024
 MAX_PAGE = 100
 
-
-class BatchRequest(Strict):
-    """POST /v1/batches."""
-
-    input_file_id: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    endpoint: str
-    completion_window: str
-    metadata: (
-        Annotated[
-            dict[
-                Annotated[str, StringConstraints(max_length=64)],
-                Annotated[str, StringConstraints(max_length=512)],
-            ],
-            Field(max_length=16),
-        ]
-        | None
-    ) = None
-
-
 Handler = Callable[[HttpRequest, ApiKey], Awaitable[HttpResponse]]
 
 
 async def _api(request: HttpRequest, handlers: dict[str, Handler]) -> HttpResponse:
     """The pipeline's way in for resources; refusals framed by _refused."""
     return await keyed_request(request, handlers, refused=_refused)
+
+
+def _json(body: bodies.Body) -> JsonResponse:
+    return JsonResponse(body.model_dump(mode="json"))
 
 
 def _refused(error: errors.ApiError) -> HttpResponse:
@@ -122,15 +105,15 @@ def _store_upload(request: HttpRequest, key: ApiKey) -> StoredFile:
 
 async def _upload(request: HttpRequest, key: ApiKey) -> HttpResponse:
     stored = await in_db_thread(_store_upload)(request, key)
-    return JsonResponse(selectors.file_as_openai(stored))
+    return _json(selectors.file_body(stored))
 
 
 async def _list_files(request: HttpRequest, key: ApiKey) -> HttpResponse:
     found = await in_db_thread(selectors.file_list)(
         key=key, purpose=request.GET.get("purpose")
     )
-    data = [selectors.file_as_openai(stored) for stored in found]
-    return JsonResponse({"object": "list", "data": data, "has_more": False})
+    data = [selectors.file_body(stored) for stored in found]
+    return _json(bodies.FileList(data=data, has_more=False))
 
 
 @csrf_exempt
@@ -151,12 +134,13 @@ async def file(request: HttpRequest, file_id: str) -> HttpResponse:
     """GET and DELETE /v1/files/{file_id}."""
 
     async def get(request, key):
-        return JsonResponse(selectors.file_as_openai(await _stored(key, file_id)))
+        return _json(selectors.file_body(await _stored(key, file_id)))
 
     async def delete(request, key):
         stored = await _stored(key, file_id)
         await in_db_thread(services.file_delete)(stored=stored)
-        return JsonResponse({"id": stored.id, "object": "file", "deleted": True})
+        # The id asked for: a deleted row's own is None (Django clears it).
+        return _json(bodies.FileDeleted(id=file_id))
 
     return await _api(request, {"GET": get, "DELETE": delete})
 
@@ -200,7 +184,7 @@ async def _create_batch(request: HttpRequest, key: ApiKey) -> HttpResponse:
         completion_window=payload.completion_window,
         metadata=payload.metadata,
     )
-    return JsonResponse(selectors.batch_as_openai(batch))
+    return _json(selectors.batch_body(batch))
 
 
 async def _list_batches(request: HttpRequest, key: ApiKey) -> HttpResponse:
@@ -215,15 +199,14 @@ async def _list_batches(request: HttpRequest, key: ApiKey) -> HttpResponse:
     page, more = await in_db_thread(selectors.batch_page)(
         key=key, after=request.GET.get("after"), limit=limit
     )
-    data = [selectors.batch_as_openai(batch) for batch in page]
-    return JsonResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
+    data = [selectors.batch_body(batch) for batch in page]
+    return _json(
+        bodies.BatchList(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=more,
+        )
     )
 
 
@@ -246,7 +229,7 @@ async def batch(request: HttpRequest, batch_id: str) -> HttpResponse:
 
     async def get(request, key):
         found = await _batch(key, batch_id)
-        return JsonResponse(selectors.batch_as_openai(found))
+        return _json(selectors.batch_body(found))
 
     return await _api(request, {"GET": get})
 
@@ -258,6 +241,6 @@ async def batch_cancel(request: HttpRequest, batch_id: str) -> HttpResponse:
     async def post(request, key):
         found = await _batch(key, batch_id)
         cancelled = await in_db_thread(services.batch_cancel)(batch=found)
-        return JsonResponse(selectors.batch_as_openai(cancelled))
+        return _json(selectors.batch_body(cancelled))
 
     return await _api(request, {"POST": post})

@@ -39,7 +39,6 @@ from api.choices import (
 from api.models import ApiKey
 from api.pipeline import api_error, authenticate, call_admitted
 from api.token_relay import Ended, Token, tokens_relayed
-from engines.wire.errors import ErrorCode
 
 from .schemas import Chat, chat_request
 from .selectors import conversations_owned
@@ -119,14 +118,14 @@ class ChatStream:
                 await asyncio.shield(self._end())
                 raise
             asyncio.current_task().uncancel()
-            call.status, call.error_code = 499, ErrorCode.CANCELLED
+            call.cancelled()
             self.answer.finish_reason = "cancelled"
             await asyncio.shield(self._end())
             await self._send(self._done("cancelled"))
             return
         except Exception as error:  # the engine failing mid-stream too
             failure = api_error(error, what="chat stream")
-            call.status, call.error_code = failure.status, failure.code or "error"
+            call.failed_with(failure)
             self.answer.error_code = call.error_code
             await asyncio.shield(self._end())
             await self._send(failure.websocket_message(self.chat.id))
@@ -134,9 +133,10 @@ class ChatStream:
     async def _stream(self) -> None:
         call, chat = self.call, self.chat
         if self.key is not None:  # checked again: it may have been revoked
-            call.key = await authenticate(
+            key = await authenticate(
                 authorization=f"Bearer {self._presented_key}", client=self._client
             )
+            call.authenticated(key)
         request = chat_request(chat)
         if chat.conversation is not None:
             await self._check_conversation(chat.conversation)

@@ -3,7 +3,7 @@
 Engines stop by themselves when their supervisor dies (engines/runtime/serve.py watches
 a lifeline pipe), but one that cannot run then (stopped, stuck in the kernel)
 would keep its port and memory, and the new supervisor's engine would crash-loop
-on the port. A process counts as a leftover only when its pid *and* start time
+on the port. A process counts as an orphan only when its pid *and* start time
 match what the supervisor wrote in the engine's connection file, so a pid reused
 by another program is never touched; names and command lines are never used.
 """
@@ -24,8 +24,9 @@ log = logging.getLogger("roundhouse.supervisor")
 SAME_START_S = 1.0
 
 
-def engine_leftovers(engines_dir: Path) -> list[psutil.Process]:
-    """Processes proven to be engines listed in connection files there."""
+def orphan_engines(engines_dir: Path) -> list[psutil.Process]:
+    """The orphans: processes proven to be the engines that connection files
+    there list (a previous supervisor's)."""
     found = []
     for path in sorted(engines_dir.glob("*.json")):
         if path.name.endswith(".config.json"):
@@ -59,13 +60,13 @@ def _wait_ended(processes: list[psutil.Process], timeout: float) -> list:
         time.sleep(0.1)
 
 
-def engine_leftovers_end(run_dir: Path, *, grace_s: float) -> list[int]:
+def orphan_engines_end(run_dir: Path, *, grace_s: float) -> list[int]:
     """End the engines a previous run left: SIGTERM (they drain), SIGKILL after
     `grace_s`; remove the previous run's connection and configuration files.
     The pids ended."""
     engines_dir = Path(run_dir) / "engines"
-    leftovers = engine_leftovers(engines_dir)
-    for process in leftovers:
+    orphans = orphan_engines(engines_dir)
+    for process in orphans:
         log.warning(
             "engine pid %s of a previous supervisor is still running: stopping it",
             process.pid,
@@ -73,11 +74,11 @@ def engine_leftovers_end(run_dir: Path, *, grace_s: float) -> list[int]:
         with contextlib.suppress(psutil.Error):
             process.send_signal(signal.SIGTERM)
             process.resume()  # a stopped process acts on SIGTERM once continued
-    for process in _wait_ended(leftovers, grace_s):
+    for process in _wait_ended(orphans, grace_s):
         log.warning("engine pid %s did not stop in %g s: killing", process.pid, grace_s)
         with contextlib.suppress(psutil.Error):
             process.kill()
-    _wait_ended(leftovers, 10)
+    _wait_ended(orphans, 10)
     for path in engines_dir.glob("*.json"):
         path.unlink(missing_ok=True)
-    return [process.pid for process in leftovers]
+    return [process.pid for process in orphans]

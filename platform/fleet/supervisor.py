@@ -51,7 +51,7 @@ from .engine_processes import RunningEngine, Timing, log_tail
 from .loop_errors import LoopErrors
 from .membership import Membership
 from .models import EngineStatus
-from .orphans import engine_leftovers_end
+from .orphans import orphan_engines_end
 from .recorder import Recorder, resident_models_of
 from .selectors import DesiredEngine
 from .supervisor_lock import SupervisorLock
@@ -136,7 +136,7 @@ class Supervisor:
             except BaseException:
                 self.lock.release()
                 raise
-        engine_leftovers_end(self.run_dir, grace_s=self.timing.drain)
+        orphan_engines_end(self.run_dir, grace_s=self.timing.drain)
         self.recorder.start()
 
     def run(self) -> None:

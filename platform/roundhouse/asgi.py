@@ -12,7 +12,8 @@ the gateway to the engines, the usage writer, the dashboard's feed), so that a
 bad setting (a private CA file that cannot be read) fails the start, not the
 first request; importing this module builds none of them. On its shutdown
 (uvicorn sends it once the requests in flight are done, after a SIGTERM) the
-front writes the usage rows still queued: uvicorn then ends the process by
+front writes what it still has queued (the prompt prefixes it routed, for the
+other fronts' routing; the usage rows): uvicorn then ends the process by
 raising the signal again, which skips atexit hooks.
 """
 
@@ -86,7 +87,7 @@ def front_start() -> None:
 
 async def lifespan_application(scope, receive, send):
     """ASGI lifespan: on startup, build the front's parts (a failure fails the
-    start, with its reason); on shutdown, write the queued usage."""
+    start, with its reason); on shutdown, write the queued prefixes and usage."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
@@ -98,6 +99,9 @@ async def lifespan_application(scope, receive, send):
                 return
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            gateway = front_gateway.built()
+            if gateway is not None:
+                await gateway.affinity.settled()
             await asyncio.to_thread(usage_flush)
             await send({"type": "lifespan.shutdown.complete"})
             return

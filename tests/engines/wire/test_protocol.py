@@ -17,9 +17,9 @@ from engines.wire.framing import (
     encode_array,
     encode_message,
     read_frame,
-    split_frames,
 )
 from engines.wire.requests import parse_request
+from tests.engines.wire.frames import split_frames
 
 json_values = st.recursive(
     st.none()

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from engines.wire.client import EngineReplyInvalid, _reply
 from engines.wire.errors import ErrorCode
-from engines.wire.framing import decode_message, split_frames
+from engines.wire.framing import decode_message
 from engines.wire.replies import (
     CalledTool,
     CancelReply,
@@ -35,6 +35,7 @@ from engines.wire.replies import (
     Usage,
     parse_reply,
 )
+from tests.engines.wire.frames import split_frames
 
 MODEL = ModelState(
     name="smol",

@@ -9,9 +9,13 @@ import json
 import jsonschema_rs
 import pytest
 from asgiref.sync import sync_to_async
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import Client
+from django.utils import timezone
 from pydantic import BaseModel, ValidationError
 
 from api import bodies, errors, openapi
+from batches.models import Batch
 from engines.wire.client import write_connection_file
 from routing.select import EngineStatus, ModelRoute, Snapshot
 from tests.engines.conftest import EMBEDDER, embedder_spec, start_engine
@@ -88,6 +92,14 @@ def test_each_answer_refers_to_its_model():
         ("/v1/completions", "post"): bodies.Completion,
         ("/v1/embeddings", "post"): bodies.CreateEmbeddingResponse,
         ("/v1/models", "get"): bodies.ModelList,
+        ("/v1/files", "post"): bodies.FileObject,
+        ("/v1/files", "get"): bodies.FileList,
+        ("/v1/files/{file_id}", "get"): bodies.FileObject,
+        ("/v1/files/{file_id}", "delete"): bodies.FileDeleted,
+        ("/v1/batches", "post"): bodies.Batch,
+        ("/v1/batches", "get"): bodies.BatchList,
+        ("/v1/batches/{batch_id}", "get"): bodies.Batch,
+        ("/v1/batches/{batch_id}/cancel", "post"): bodies.Batch,
     }
     for (path, method), model in answers.items():
         responses = paths[path][method]["responses"]
@@ -134,6 +146,53 @@ def test_errors_are_the_error_body():
         errors.engine_error("internal", "Internal error."),
     ):
         fits(bodies.ErrorResponse, json.loads(error.response().content))
+
+
+@pytest.mark.django_db
+def test_the_batch_apis_answers_are_the_models(settings, tmp_path):
+    """The Files and Batch APIs' answers (a file uploaded, read and listed; a
+    batch created, read, listed, cancelled, and failed with its errors; the
+    file deleted) are the models', key for key, and what the document says;
+    so is a refusal (the file of a running batch cannot be deleted)."""
+    settings.ROUNDHOUSE_FILES_DIR = tmp_path
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {ApiKeyFactory().plaintext}")
+
+    def answered(response, model: type[BaseModel], status: int = 200) -> dict:
+        assert response.status_code == status, response.content[:300]
+        body = json.loads(response.content)
+        fits(model, body)
+        return body
+
+    upload = SimpleUploadedFile("in.jsonl", b'{"custom_id": "a"}\n')
+    form = {"file": upload, "purpose": "batch"}
+    stored = answered(client.post("/v1/files", form), bodies.FileObject)
+    assert stored["bytes"] == 19
+    listed = answered(client.get("/v1/files"), bodies.FileList)
+    assert [one["id"] for one in listed["data"]] == [stored["id"]]
+    answered(client.get(f"/v1/files/{stored['id']}"), bodies.FileObject)
+    request = {
+        "input_file_id": stored["id"],
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        "metadata": {"job": "bodies"},
+    }
+    created = client.post("/v1/batches", request, content_type="application/json")
+    batch = answered(created, bodies.Batch)
+    assert (batch["status"], batch["errors"]) == ("validating", None)
+    page = answered(client.get("/v1/batches"), bodies.BatchList)
+    assert page["first_id"] == page["last_id"] == batch["id"]
+    cancelled = client.post(f"/v1/batches/{batch['id']}/cancel")
+    assert answered(cancelled, bodies.Batch)["status"] == "cancelling"
+    in_use = client.delete(f"/v1/files/{stored['id']}")
+    answered(in_use, bodies.ErrorResponse, status=400)
+    why = {"code": "batch_crashed", "message": "x", "param": None, "line": None}
+    Batch.objects.filter(pk=batch["id"]).update(
+        status="failed", failed_at=timezone.now(), errors=[why]
+    )
+    failed = answered(client.get(f"/v1/batches/{batch['id']}"), bodies.Batch)
+    assert failed["errors"] == {"object": "list", "data": [why]}
+    deleted = answered(client.delete(f"/v1/files/{stored['id']}"), bodies.FileDeleted)
+    assert deleted == {"id": stored["id"], "object": "file", "deleted": True}
 
 
 # -- the controls ------------------------------------------------------------------

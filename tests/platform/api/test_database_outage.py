@@ -63,10 +63,10 @@ def test_the_outage_is_real(outage):
     with pytest.raises(db.OperationalError, match=refused):
         ApiKey.objects.exists()
     with pytest.raises(db.OperationalError, match=refused):
-        front_gateway()._loader.submit(front_gateway()._load).result()
+        front_gateway().in_loader_thread(front_gateway().fleet_load)
     outage.end()
     assert ApiKey.objects.exists()
-    front_gateway()._loader.submit(front_gateway()._load).result()
+    front_gateway().in_loader_thread(front_gateway().fleet_load)
 
 
 def test_a_remembered_key_keeps_working(outage, fleet_in_memory, caplog, monkeypatch):
@@ -187,7 +187,7 @@ def test_a_long_outage_routes_on_the_last_snapshot(
 
     def load():
         loads.append(1)
-        return front_gateway()._load()
+        return front_gateway().fleet_load()
 
     own_gateway(load, max_age_s=0)
     monkeypatch.setattr(gateway, "STALE_LIMIT_S", 0.0)
@@ -203,14 +203,12 @@ def test_a_long_outage_routes_on_the_last_snapshot(
     assert model.name in {item["id"] for item in answers[-1].json()["data"]}
     # The first request's load failed, and the next started one in the
     # background (the loader, one thread, runs what it is given in order).
-    front_gateway()._loader.submit(lambda: None).result()
+    front_gateway().in_loader_thread(lambda: None)
     assert len(loads) - before >= 2
     assert len(outage_logs(caplog)) == 1
     outage.end()
     assert models_with(key.plaintext).status_code == 200
-    front_gateway()._loader.submit(
-        lambda: None
-    ).result()  # its reload in the background
+    front_gateway().in_loader_thread(lambda: None)  # its reload in the background
     # The fleet read again ends the outage, so that the next one is logged.
     assert "the database is available again" in caplog.text
 
@@ -223,7 +221,7 @@ def test_heartbeats_missed_in_an_outage_are_not_a_dead_supervisor(outage):
     down, and so does the gateway once the outage is long past."""
 
     def load():
-        return front_gateway()._loader.submit(front_gateway()._load).result()
+        return front_gateway().in_loader_thread(front_gateway().fleet_load)
 
     spec = EngineSpecFactory(name="e1")
     heartbeat = timezone.now() - timedelta(seconds=HEARTBEAT_STALE_S - 1)
@@ -263,12 +261,10 @@ def test_a_kept_connection_the_server_closed_is_not_an_outage():
     if db.connection.vendor != "postgresql":
         pytest.skip("the server closes a session on PostgreSQL only")
 
-    def in_loader(work):
-        return front_gateway()._loader.submit(work).result()
-
+    in_loader = front_gateway().in_loader_thread
     front_gateway().close()
     EngineSpecFactory(name="e1")
-    assert "e1" in in_loader(front_gateway()._load).engines
+    assert "e1" in in_loader(front_gateway().fleet_load).engines
     pid = in_loader(lambda: db.connection.connection.info.backend_pid)
     with db.connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
@@ -277,10 +273,9 @@ def test_a_kept_connection_the_server_closed_is_not_an_outage():
         with db.connection.connection.cursor() as cursor:
             cursor.execute("SELECT 1")
 
-    closed = front_gateway()._loader.submit(query_the_kept_connection)
     with pytest.raises(Exception, match="terminat|closed"):
-        closed.result()
-    assert "e1" in in_loader(front_gateway()._load).engines
+        in_loader(query_the_kept_connection)
+    assert "e1" in in_loader(front_gateway().fleet_load).engines
     assert front_gateway().outages.began is None
     assert in_loader(lambda: db.connection.connection.info.backend_pid) != pid
 

@@ -101,7 +101,7 @@ def front(clock, monkeypatch):
 async def background_load_done(gateway: Gateway) -> None:
     """Wait for the load in flight (started by refresh_later, say) to end:
     the loader is one thread, which runs what it is given in order."""
-    await asyncio.to_thread(gateway._loader.submit(lambda: None).result)
+    await asyncio.to_thread(gateway.in_loader_thread, lambda: None)
 
 
 async def in_flight(database: Database) -> None:
@@ -267,7 +267,7 @@ def health_database(clock, monkeypatch, own_gateway):
     monkeypatch.setattr(gateway_module, "RELOAD_AFTER_FAILURE_S", 0.0)
     yield database
     database.release()
-    front_gateway()._loader.submit(lambda: None).result()  # its loads are over
+    front_gateway().in_loader_thread(lambda: None)  # its loads are over
 
 
 def health() -> dict:
@@ -317,7 +317,7 @@ def test_health_in_an_outage_answers_from_the_last_view_with_its_age(
     assert (body["engines"], body["engines_ready"]) == ({}, False)
     assert body["view_age_s"] == UNREACHABLE_AFTER_S + 1
     health_database.release()
-    front_gateway()._loader.submit(lambda: None).result()  # the hung load answered
+    front_gateway().in_loader_thread(lambda: None)  # the hung load answered
     body = health()
     assert (body["engines_ready"], body["view_age_s"]) == (False, 0.0)
     assert "e1" in body["engines"]

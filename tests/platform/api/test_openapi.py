@@ -5,6 +5,7 @@ import pytest
 
 from api import errors, openapi
 from api.schemas import ENDPOINT_SCHEMAS, EmbeddingRequest, parse
+from batches import quotas
 from engines.wire.errors import ErrorCode
 
 KEYED_POSTS = [(path, "post") for path in ENDPOINT_SCHEMAS]
@@ -86,6 +87,40 @@ def test_other_endpoints_document_their_statuses():
     document = [*refusals_before_the_view(), errors.method_not_allowed("GET", "x")]
     assert missing("/v1/openapi.json", "get", document) == set()
     assert 401 not in documented("/v1/openapi.json", "get")
+
+
+def test_the_batch_apis_document_their_refusals(settings):
+    """The Files and Batch APIs' refusals, from the functions that give them:
+    an upload over an owner's whole quota (413), over what is left of it or
+    the server's storage (429), a bad purpose (400); an unknown file or batch
+    (404); a batch over its owner's quota (429). The control: the files
+    listing, which looks nothing up, documents no 404."""
+    settings.ROUNDHOUSE_FILES_QUOTA_PER_OWNER_BYTES = 10
+    roomy = 10**9
+    uploads = [
+        *refusals_before_the_view(),
+        errors.method_not_allowed("POST, GET", "/v1/files"),
+        *key_refusals(),
+        quotas.Room(owner=roomy, server=roomy).refusal(11),
+        quotas.Room(owner=0, server=roomy).refusal(1),
+        quotas.Room(owner=roomy, server=0).refusal(1),
+        errors.invalid_request("not that purpose", param="purpose"),
+    ]
+    assert [error.status for error in uploads[-4:]] == [413, 429, 429, 400]
+    assert missing("/v1/files", "post", uploads) == set()
+    lookups = [*key_refusals(), errors.from_mapping(errors.NOT_FOUND, "x", code="y")]
+    for path, method in [
+        ("/v1/files/{file_id}", "get"),
+        ("/v1/files/{file_id}", "delete"),
+        ("/v1/files/{file_id}/content", "get"),
+        ("/v1/batches", "post"),
+        ("/v1/batches/{batch_id}", "get"),
+        ("/v1/batches/{batch_id}/cancel", "post"),
+    ]:
+        assert missing(path, method, lookups) == set(), path
+    over = quotas.Room(owner=0, server=roomy).refusal(1)
+    assert missing("/v1/batches", "post", [over]) == set()
+    assert 404 not in documented("/v1/files", "get")  # the control: no lookup
 
 
 def test_a_status_added_to_a_table_is_documented(monkeypatch):

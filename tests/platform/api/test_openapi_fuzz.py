@@ -178,6 +178,15 @@ def test_the_document_loads_and_lists_every_endpoint(schema):
         ("/v1/responses/{response_id}", "DELETE"),
         ("/v1/responses/{response_id}/input_items", "GET"),
         *OLLAMA_OPERATIONS,
+        ("/v1/files", "POST"),
+        ("/v1/files", "GET"),
+        ("/v1/files/{file_id}", "GET"),
+        ("/v1/files/{file_id}", "DELETE"),
+        ("/v1/files/{file_id}/content", "GET"),
+        ("/v1/batches", "POST"),
+        ("/v1/batches", "GET"),
+        ("/v1/batches/{batch_id}", "GET"),
+        ("/v1/batches/{batch_id}/cancel", "POST"),
     }
 
 
@@ -206,7 +215,16 @@ def test_invalid_requests_get_documented_answers(live, schema, path):
 
 
 @pytest.mark.parametrize(
-    "path", ["/v1/models", "/v1/openapi.json", "/api/tags", "/api/ps", "/api/version"]
+    "path",
+    [
+        "/v1/models",
+        "/v1/openapi.json",
+        "/v1/files",
+        "/v1/batches",
+        "/api/tags",
+        "/api/ps",
+        "/api/version",
+    ],
 )
 def test_listings_get_documented_answers(live, schema, path):
     statuses = fuzz(live, schema[path]["GET"], schemathesis.GenerationMode.POSITIVE, 1)

@@ -30,7 +30,7 @@ from engines.wire.bounds import (
     check_sampling,
 )
 from engines.wire.errors import ProtocolError
-from engines.wire.framing import decode_message, split_frames
+from engines.wire.framing import decode_message
 from engines.wire.requests import (
     ENVELOPE_BYTES,
     MAX_REQUEST_BYTES,
@@ -39,6 +39,7 @@ from engines.wire.requests import (
     request_bytes,
     tools_chars,
 )
+from tests.engines.wire.frames import split_frames
 
 FUZZ = settings(max_examples=300, deadline=None)
 

@@ -17,13 +17,18 @@ from playwright.sync_api import expect
 from catalog.models import PullStatus
 from catalog.pull_jobs import pull_run, pull_start
 from tests.hub import LocalHub
-from tests.platform.chat.browser import PASSWORD, TIMEOUT_MS, browser  # noqa: F401
+from tests.platform.chat import browser as chromium
+from tests.platform.chat.browser import PASSWORD, TIMEOUT_MS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO = "org/SmolLM2-135M-GGUF"
 FILE = "smol.Q4_1.gguf"
+
+
+# Chromium, from the browser tests' helpers (started after `live`).
+browser = chromium.browser
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,7 @@ def hub(monkeypatch, settings, tmp_path):
 
 
 @pytest.fixture
-def page(browser, live_server):  # noqa: F811
+def page(browser, live_server):
     """A browser page logged in to the admin as a superuser."""
     user = get_user_model().objects.create_superuser(
         "puller", "puller@example.com", PASSWORD
