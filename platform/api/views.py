@@ -56,10 +56,17 @@ async def _authenticated(request: HttpRequest) -> ApiKey:
     )
 
 
-def _method_not_allowed(request: HttpRequest, allowed: str) -> HttpResponse | None:
+def method_refused(
+    request: HttpRequest,
+    allowed: str,
+    framed: Callable[[errors.ApiError], HttpResponse] | None = None,
+) -> HttpResponse | None:
+    """None for the allowed method; else the 405, framed as the dialect
+    answers errors (`framed`: OpenAI's shape by default)."""
     if request.method == allowed:
         return None
-    response = errors.method_not_allowed(allowed, request.path).response()
+    refusal = errors.method_not_allowed(allowed, request.path)
+    response = framed(refusal) if framed is not None else refusal.response()
     response["Allow"] = allowed
     return response
 
@@ -71,18 +78,22 @@ async def serve(
     handler: Callable[[Call, Any], Awaitable[HttpResponse]],
     *,
     prepare: Callable[[Call, Any], Awaitable[Any]] | None = None,
+    caller: Callable[[HttpRequest], Awaitable[ApiKey]] | None = None,
+    framed: Callable[[errors.ApiError], HttpResponse] | None = None,
 ) -> HttpResponse:
     """The pipeline's way in, then the handler, which talks to the engine and
-    answers; any failure answered as the API's error. `prepare` turns the
-    checked body into what is admitted and handled (a dialect's translation
-    onto a chat request, knowing the caller): anything with `model` and
-    `weight`."""
-    refused = _method_not_allowed(request, "POST")
+    answers; any failure answered as the API's error. A dialect changes the
+    edges only: `prepare` turns the checked body into what is admitted and
+    handled (its translation onto a chat request, knowing the caller):
+    anything with `model` and `weight`; `caller` finds the request's key
+    (default: its `Authorization: Bearer` header); `framed` answers an error
+    in the dialect's shape (default: OpenAI's)."""
+    refused = method_refused(request, "POST", framed)
     if refused is not None:
         return refused
     call = Call(endpoint)
     try:
-        call.authenticated(await _authenticated(request))
+        call.authenticated(await (caller or _authenticated)(request))
         # Its size was checked before it was read (roundhouse.asgi).
         payload = parse(schema, request.body)
         if prepare is not None:
@@ -94,7 +105,9 @@ async def serve(
         await asyncio.shield(call.end())
         raise
     except Exception as error:
-        response = call.failed(api_error(error, what=endpoint))
+        failure = api_error(error, what=endpoint)
+        call.failed_with(failure)
+        response = framed(failure) if framed is not None else failure.response()
     if call.engine:  # who served it (on a cluster, from any node's front)
         response[ENGINE_HEADER] = call.engine
         if call.node:
@@ -160,7 +173,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
 
 async def models(request: HttpRequest) -> HttpResponse:
     """GET /v1/models: every enabled model the key may use, each once."""
-    refused = _method_not_allowed(request, "GET")
+    refused = method_refused(request, "GET")
     if refused is not None:
         return refused
     try:
@@ -183,7 +196,7 @@ async def models(request: HttpRequest) -> HttpResponse:
 
 async def openapi(request: HttpRequest) -> HttpResponse:
     """GET /v1/openapi.json (built by api.openapi)."""
-    refused = _method_not_allowed(request, "GET")
+    refused = method_refused(request, "GET")
     if refused is not None:
         return refused
     return JsonResponse(openapi_document())

@@ -3,22 +3,21 @@ steps as api.views does (key, typed body, call_admitted, the engine, one
 usage row under its `ollama.*` endpoint), with the key of access.ollama_key
 and every refusal in Ollama's shape (`{"error": "..."}`, the same status)."""
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
 from .. import errors
-from ..calls import Call, StreamBody, after_answer
+from ..calls import Call, after_answer
 from ..gateway import front_gateway
-from ..pipeline import api_error, call_admitted
+from ..pipeline import api_error
 from ..schemas import parse
 from ..selectors import in_db_thread
 from ..services import api_key_allows
-from ..views import ENGINE_HEADER, NODE_HEADER
+from ..views import method_refused, serve
 from . import listing, protocol, pulling, serving
 from .access import ollama_key, refusal
 
@@ -27,11 +26,7 @@ OLLAMA_VERSION = "0.12.0"
 
 
 def _method_refused(request: HttpRequest, allowed: str) -> HttpResponse | None:
-    if request.method == allowed:
-        return None
-    response = refusal(errors.method_not_allowed(allowed, request.path))
-    response["Allow"] = allowed
-    return response
+    return method_refused(request, allowed, refusal)
 
 
 async def _serve(
@@ -40,35 +35,11 @@ async def _serve(
     schema: type[BaseModel],
     handler: Callable[[Call, Any], Awaitable[HttpResponse]],
 ) -> HttpResponse:
-    """api.views._serve's steps, answered in Ollama's shape."""
-    refused = _method_refused(request, "POST")
-    if refused is not None:
-        return refused
-    call = Call(endpoint)
-    try:
-        call.key = await ollama_key(request)
-        # Its size was checked before it was read (roundhouse.asgi).
-        body = parse(schema, request.body)
-        await call_admitted(call, body.model, weight=body.weight)
-        response = await handler(call, body)
-    except asyncio.CancelledError:  # the caller hung up before the answer
-        call.hung_up()
-        await asyncio.shield(call.end())
-        raise
-    except Exception as error:
-        failure = api_error(error, what=endpoint)
-        call.status, call.error_code = failure.status, failure.code or failure.type
-        response = refusal(failure)
-    if call.engine:
-        response[ENGINE_HEADER] = call.engine
-        if call.node:
-            response[NODE_HEADER] = call.node
-    if isinstance(response, StreamingHttpResponse):
-        response.streaming_content = StreamBody(response.streaming_content, call)
-        return response
-    await call.end()
-    after_answer()
-    return response
+    """api.views.serve with Ollama's key (access.ollama_key) and its error
+    shape."""
+    return await serve(
+        request, endpoint, schema, handler, caller=ollama_key, framed=refusal
+    )
 
 
 @csrf_exempt
