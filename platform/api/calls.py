@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,9 +73,14 @@ class Call:
     held: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     ended: bool = False
 
-    def failed(self, error: errors.ApiError) -> HttpResponse:
+    def failed(
+        self,
+        error: errors.ApiError,
+        respond: Callable[[errors.ApiError], HttpResponse] = errors.ApiError.response,
+    ) -> HttpResponse:
+        """Record the failure; its answer (framed by `respond`: a dialect's)."""
         self.status, self.error_code = error.status, error.code or error.type
-        return error.response()
+        return respond(error)
 
     @property
     def cache_scope(self) -> str:

@@ -1,6 +1,6 @@
 """Routes of the OpenAI-compatible API (mounted at /v1/)."""
 
-from django.urls import path, re_path
+from django.urls import include, path, re_path
 
 from . import pulls, views
 
@@ -14,5 +14,6 @@ urlpatterns = [
     path("pulls/<str:pull_id>", pulls.pull),
     path("pulls/<str:pull_id>/events", pulls.pull_stream),
     path("openapi.json", views.openapi),
+    path("", include("api.dialects.anthropic.urls")),  # Anthropic's Messages
     re_path(r"^(?P<path>.*)$", views.not_found),
 ]

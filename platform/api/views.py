@@ -48,36 +48,52 @@ ENGINE_HEADER = "X-Roundhouse-Engine"
 NODE_HEADER = "X-Roundhouse-Node"
 
 
-async def _authenticated(request: HttpRequest) -> ApiKey:
+def bearer(request: HttpRequest) -> str | None:
+    """The request's `Authorization` header (OpenAI's `Bearer <key>`)."""
+    return request.headers.get("Authorization")
+
+
+async def _authenticated(
+    request: HttpRequest, authorization: Callable[[HttpRequest], str | None] = bearer
+) -> ApiKey:
     """The request's live key (api.pipeline.authenticate) from its header."""
     return await authenticate(
-        authorization=request.headers.get("Authorization"),
+        authorization=authorization(request),
         client=request.META.get("REMOTE_ADDR") or "unknown",
     )
 
 
-def _method_not_allowed(request: HttpRequest, allowed: str) -> HttpResponse | None:
+def _method_not_allowed(
+    request: HttpRequest,
+    allowed: str,
+    refused: Callable[[errors.ApiError], HttpResponse] = errors.ApiError.response,
+) -> HttpResponse | None:
     if request.method == allowed:
         return None
-    response = errors.method_not_allowed(allowed, request.path).response()
+    response = refused(errors.method_not_allowed(allowed, request.path))
     response["Allow"] = allowed
     return response
 
 
-async def _serve(
+async def serve(
     request: HttpRequest,
     endpoint: str,
     schema: type[BaseModel],
     handler: Callable[[Call, Any], Awaitable[HttpResponse]],
+    *,
+    authorization: Callable[[HttpRequest], str | None] = bearer,
+    refused: Callable[[errors.ApiError], HttpResponse] = errors.ApiError.response,
 ) -> HttpResponse:
     """The pipeline's way in, then the handler, which talks to the engine and
-    answers; any failure answered as the API's error."""
-    refused = _method_not_allowed(request, "POST")
-    if refused is not None:
-        return refused
+    answers; any failure answered as the API's error. Another API dialect
+    (api.dialects) passes how its key is sent (`authorization`: a `Bearer`
+    value) and how it frames an error (`refused`)."""
+    not_allowed = _method_not_allowed(request, "POST", refused)
+    if not_allowed is not None:
+        return not_allowed
     call = Call(endpoint)
     try:
-        call.key = await _authenticated(request)
+        call.key = await _authenticated(request, authorization)
         # Its size was checked before it was read (roundhouse.asgi).
         payload = parse(schema, request.body)
         await call_admitted(call, payload.model, weight=payload.weight)
@@ -87,7 +103,7 @@ async def _serve(
         await asyncio.shield(call.end())
         raise
     except Exception as error:
-        response = call.failed(api_error(error, what=endpoint))
+        response = call.failed(api_error(error, what=endpoint), respond=refused)
     if call.engine:  # who served it (on a cluster, from any node's front)
         response[ENGINE_HEADER] = call.engine
         if call.node:
@@ -122,7 +138,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     async def handle(call, payload):
         return await _generate(call, payload, chat=True)
 
-    return await _serve(request, "chat.completions", ChatCompletionRequest, handle)
+    return await serve(request, "chat.completions", ChatCompletionRequest, handle)
 
 
 @csrf_exempt
@@ -132,7 +148,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     async def handle(call, payload):
         return await _generate(call, payload, chat=False)
 
-    return await _serve(request, "completions", CompletionRequest, handle)
+    return await serve(request, "completions", CompletionRequest, handle)
 
 
 # -- embeddings -----------------------------------------------------------------
@@ -145,7 +161,7 @@ async def _embed(call: Call, payload: EmbeddingRequest) -> HttpResponse:
 @csrf_exempt
 async def embeddings(request: HttpRequest) -> HttpResponse:
     """POST /v1/embeddings."""
-    return await _serve(request, "embeddings", EmbeddingRequest, _embed)
+    return await serve(request, "embeddings", EmbeddingRequest, _embed)
 
 
 # -- models, OpenAPI ----------------------------------------------------------------
