@@ -4,11 +4,13 @@ documented in /v1/openapi.json) and the answers, stream events and errors
 
 Unknown keys are refused, as Anthropic refuses them. Fields Anthropic documents
 that do not change what a Roundhouse model answers are accepted and ignored
-(`metadata`, `service_tier`, `cache_control` anywhere: Roundhouse's prompt cache
-is automatic; `thinking`: these models do not think aloud; `output_config.effort`;
-thinking blocks sent back in the history). Content Roundhouse cannot read
-(images, documents, server tools) is refused by name. Every class is named
-`Anthropic...`: the OpenAPI document holds OpenAI's bodies beside them.
+(`metadata`, `service_tier`, `speed`, `inference_geo`, `diagnostics`,
+`user_profile_id`, `workspace_id`; `cache_control` anywhere: Roundhouse's prompt
+cache is automatic; `thinking`: these models do not think aloud;
+`output_config.effort`; thinking blocks sent back in the history). Content
+Roundhouse cannot read (images, documents, server tools) is refused by name.
+Every class is named `Anthropic...`: the OpenAPI document holds OpenAI's bodies
+beside them.
 """
 
 from typing import Annotated, Literal
@@ -165,6 +167,13 @@ class AnthropicMetadata(Strict):
     user_id: Annotated[str, Field(max_length=512), NoNul()] | None = None
 
 
+class AnthropicDiagnostics(Strict):
+    previous_message_id: Annotated[str, Field(max_length=200), NoNul()] | None = None
+
+
+Label = Annotated[str, Field(max_length=200), NoNul()]
+
+
 class AnthropicJsonFormat(Strict):
     type: Literal["json_schema"]
     schema_: JsonSchema = Field(alias="schema")
@@ -196,6 +205,9 @@ class AnthropicInput(Strict):
     thinking: AnthropicThinking | None = None
     output_config: AnthropicOutputConfig | None = None
     cache_control: AnthropicCacheControl | None = None
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: Label | None = None
+    workspace_id: Label | None = None
 
     @property
     def weight(self) -> int:
@@ -216,6 +228,8 @@ class AnthropicMessagesRequest(AnthropicInput):
     top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = None
     metadata: AnthropicMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    inference_geo: Label | None = None
+    diagnostics: AnthropicDiagnostics | None = None
 
 
 class AnthropicCountTokensRequest(AnthropicInput):
