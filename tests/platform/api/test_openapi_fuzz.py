@@ -44,6 +44,8 @@ MODELS = {
     "/v1/chat/completions": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/completions": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/v1/embeddings": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
+    "/v1/messages": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/v1/messages/count_tokens": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
 }
 # The longest answer a generated request may ask for.
 MAX_TOKENS = 4
@@ -56,7 +58,13 @@ BOUNDED = settings(
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=list(HealthCheck),
 )
-MODEL_ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+MODEL_ENDPOINTS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+]
 
 
 def bounded(case, model: str) -> None:

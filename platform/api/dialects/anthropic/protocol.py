@@ -13,7 +13,7 @@ Every class is named `Anthropic...`: the OpenAPI document holds OpenAI's bodies
 beside them.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, JsonValue, model_validator
 
@@ -252,7 +252,8 @@ class AnthropicToolUseBlock(Body):
     type: Literal["tool_use"] = "tool_use"
     id: str
     name: str
-    input: dict[str, JsonValue]
+    # Any JSON object (not JsonValue: the requests' schema of that name).
+    input: dict[str, Any]
 
 
 AnthropicContentBlock = Annotated[
