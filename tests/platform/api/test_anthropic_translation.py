@@ -18,6 +18,7 @@ from api.dialects.anthropic.translation import (
 )
 from api.schemas import parse
 from engines.wire.errors import ErrorCode
+from tests.platform.api.chat_front import chat_scope
 from tests.platform.api.test_openapi import pipeline_errors
 
 TOOL = {
@@ -200,3 +201,34 @@ def test_the_document_lists_every_status_in_anthropics_shape(path):
     assert {"x-api-key": []} in operation["security"]
     error_schema = operation["responses"]["400"]["content"]["application/json"]
     assert error_schema["schema"]["$ref"].endswith("/AnthropicErrorResponse")
+
+
+async def test_a_body_over_the_cap_is_refused_in_anthropics_shape(settings):
+    """The size cap refuses a Messages body before its view, in Anthropic's
+    error shape; the control: an OpenAI path's in OpenAI's."""
+    from roundhouse.asgi import api_application
+
+    settings.ROUNDHOUSE_MAX_REQUEST_BYTES = 1000
+
+    async def refused(path: str) -> tuple[int, dict]:
+        scope = chat_scope("rh-key", b"", path=path)
+        scope["headers"] = [(b"content-length", b"5000")]
+        sent: list[dict] = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await api_application(scope, receive, send)
+        body = b"".join(m.get("body", b"") for m in sent)
+        return sent[0]["status"], json.loads(body)
+
+    status, body = await refused("/v1/messages")
+    assert status == 413
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "request_too_large"
+    status, body = await refused("/v1/chat/completions")
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large"
