@@ -236,7 +236,9 @@ def test_count_tokens_matches_the_prompt_of_the_same_request(live, orm):
     """count_tokens answers the prompt's tokens as the message's usage counts
     them (evaluated plus read from the cache), tools and system included; a
     usage row records the count_tokens call."""
-    pytest.importorskip("api.tokenize", reason="api.tokenize is another helper's")
+    # api.tokenize (count_prompt_tokens) comes with the tokenize endpoints'
+    # branch; until it is merged, this test skips.
+    pytest.importorskip("api.tokenize", reason="api.tokenize not merged yet")
     request = {
         "model": CHAT,
         "system": "You check the weather.",
