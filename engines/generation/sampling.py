@@ -59,12 +59,13 @@ class TextStream:
     Bytes are decoded incrementally (a token may end inside a UTF-8 character),
     and text that could be the start of a stop string is held back until it is
     known not to be one. When a stop string appears, the text before it is the
-    last chunk and the stream is finished.
+    last chunk and the stream is finished (`stopped_by` names it).
     """
 
     stop: tuple[str, ...] = ()
     text: str = ""
     stopped: bool = False
+    stopped_by: str | None = None
     _pending: str = ""
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
@@ -97,7 +98,7 @@ class TextStream:
             if at >= 0:
                 out = self._pending[:at]
                 self._pending = ""
-                self.stopped = True
+                self.stopped, self.stopped_by = True, stop
                 self.text += out
                 return out
         hold = 0

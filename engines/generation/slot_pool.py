@@ -517,6 +517,8 @@ class SlotBackend(GenerationBackend):
                 "cached_tokens": slot.cached,
             },
         }
+        if slot.stream.stopped_by is not None:  # Anthropic's `stop_sequence`
+            done["stop_sequence"] = slot.stream.stopped_by
         if slot.calls is not None and slot.calls.calls:
             done["tool_calls"] = slot.calls.calls
             if reason == "stop":

@@ -296,6 +296,8 @@ class Ending(OkReply):
     finish_reason: FinishReason
     usage: Usage
     tool_calls: list[CalledTool] | None = None
+    # The stop string that ended the answer (finish_reason "stop"), if one did.
+    stop_sequence: str | None = None
     dropped_messages: int = 0
     timings: Timings
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from . import bodies, engine_ops_schemas, errors
 from .batch_schemas import BatchRequest
 from .dialects import responses_protocol
+from .dialects.anthropic import openapi as anthropic_openapi
 from .pull_schemas import PullRequest
 from .schemas import ENDPOINT_SCHEMAS
 
@@ -461,6 +462,35 @@ RESPONSE_BODIES = (
 
 # -- end of the Responses API ----------------------------------------------------
 
+# -- API dialects (api.dialects): their paths, with their own bodies, key
+# headers and error objects ----------------------------------------------------
+# A path's error body (else OpenAI's), its security (else bearer), the
+# statuses it answers besides its steps', and the response bodies the
+# dialects add to the components.
+ERROR_BODIES: dict[str, type[bodies.Body]] = {}
+SECURITY: dict[str, list[dict[str, list]]] = {}
+MORE_ERRORS: dict[str, dict[int, list[errors.Mapping]]] = {}
+SECURITY_SCHEMES: dict[str, dict[str, str]] = {
+    "bearer": {"type": "http", "scheme": "bearer"}
+}
+DIALECT_BODIES: list[type[bodies.Body]] = []
+
+# Anthropic's Messages API (api.dialects.anthropic).
+for _path, _method in anthropic_openapi.REQUEST_SCHEMAS:
+    ENDPOINT_STEPS[(_path, _method)] = GENERATION_STEPS
+    ERROR_BODIES[_path] = anthropic_openapi.ERROR_BODY
+    SECURITY[_path] = anthropic_openapi.SECURITY
+    MORE_ERRORS[_path] = anthropic_openapi.MORE_ERRORS
+REQUEST_SCHEMAS.update(anthropic_openapi.REQUEST_SCHEMAS)
+RESULTS.update(anthropic_openapi.results(REF_TEMPLATE))
+SECURITY_SCHEMES["x-api-key"] = anthropic_openapi.SECURITY_SCHEME
+DIALECT_BODIES += [*anthropic_openapi.RESPONSE_BODIES, anthropic_openapi.ERROR_BODY]
+STATUS_DESCRIPTIONS[anthropic_openapi.OVERLOADED] = (
+    anthropic_openapi.OVERLOADED_DESCRIPTION
+)
+
+# -- end of the dialects' block ---------------------------------------------------
+
 
 def model_schemas(model: type[BaseModel], **options: Any) -> dict[str, Any]:
     """A model's JSON Schema and its parts', by name (`options`: pydantic's)."""
@@ -488,13 +518,18 @@ def endpoint_errors(path: str, method: str) -> dict[int, list[errors.Mapping]]:
     for step in ENDPOINT_STEPS[(path, method)]:
         for mapping in errors.STEP_ERRORS[step]:
             found.setdefault(mapping.status, []).append(mapping)
+    for status, mappings in MORE_ERRORS.get(path, {}).items():
+        found.setdefault(status, []).extend(mappings)
     return found
 
 
-def _error_response(status: int, mappings: list[errors.Mapping]) -> dict[str, Any]:
+def _error_response(
+    status: int, mappings: list[errors.Mapping], path: str
+) -> dict[str, Any]:
+    error_body = ERROR_BODIES.get(path, bodies.ErrorResponse)
     response: dict[str, Any] = {
-        "description": STATUS_DESCRIPTIONS.get(status, HTTPStatus(status).phrase),
-        "content": {"application/json": {"schema": _ref(bodies.ErrorResponse)}},
+        "description": STATUS_DESCRIPTIONS.get(status) or HTTPStatus(status).phrase,
+        "content": {"application/json": {"schema": _ref(error_body)}},
     }
     headers = {}
     if any(mapping.retry_after_s is not None for mapping in mappings):
@@ -518,7 +553,7 @@ def _operation(path: str, method: str) -> dict[str, Any]:
     operation: dict[str, Any] = {"operationId": _operation_id(path, method)}
     steps = ENDPOINT_STEPS[(path, method)]
     if "key" in steps:
-        operation["security"] = [{"bearer": []}]
+        operation["security"] = SECURITY.get(path, [{"bearer": []}])
     if (path, method) in PARAMETERS:
         operation["parameters"] = PARAMETERS[(path, method)]
     schema = REQUEST_SCHEMAS.get((path, method))
@@ -537,7 +572,7 @@ def _operation(path: str, method: str) -> dict[str, Any]:
     operation["responses"] = {
         success: RESULTS.get((path, method)) or RESULTS[path],
         **{
-            str(status): _error_response(status, mappings)
+            str(status): _error_response(status, mappings, path)
             for status, mappings in sorted(endpoint_errors(path, method).items())
         },
     }
@@ -559,7 +594,7 @@ def openapi_document() -> dict[str, Any]:
     components: dict[str, Any] = {}
     for schema in REQUEST_SCHEMAS.values():
         _add_components(components, model_schemas(schema))
-    for body in RESPONSE_BODIES:
+    for body in (*RESPONSE_BODIES, *DIALECT_BODIES):
         _add_components(components, body_schemas(body))
     paths: dict[str, Any] = {}
     for path, method in ENDPOINT_STEPS:
@@ -574,6 +609,6 @@ def openapi_document() -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": SECURITY_SCHEMES,
         },
     }

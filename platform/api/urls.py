@@ -15,5 +15,6 @@ urlpatterns = [
     path("pulls/<str:pull_id>/events", pulls.pull_stream),
     path("openapi.json", views.openapi),
     path("", include("api.dialects.responses_urls")),
+    path("", include("api.dialects.anthropic.urls")),  # Anthropic's Messages
     re_path(r"^(?P<path>.*)$", views.not_found),
 ]

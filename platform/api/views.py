@@ -48,10 +48,17 @@ ENGINE_HEADER = "X-Roundhouse-Engine"
 NODE_HEADER = "X-Roundhouse-Node"
 
 
-async def _authenticated(request: HttpRequest) -> ApiKey:
+def bearer(request: HttpRequest) -> str | None:
+    """The request's `Authorization` header (OpenAI's `Bearer <key>`)."""
+    return request.headers.get("Authorization")
+
+
+async def authenticated_by(
+    request: HttpRequest, authorization: Callable[[HttpRequest], str | None] = bearer
+) -> ApiKey:
     """The request's live key (api.pipeline.authenticate) from its header."""
     return await authenticate(
-        authorization=request.headers.get("Authorization"),
+        authorization=authorization(request),
         client=request.META.get("REMOTE_ADDR") or "unknown",
     )
 
@@ -93,7 +100,7 @@ async def serve(
         return refused
     call = Call(endpoint)
     try:
-        call.authenticated(await (caller or _authenticated)(request))
+        call.authenticated(await (caller or authenticated_by)(request))
         # Its size was checked before it was read (roundhouse.asgi).
         payload = parse(schema, request.body)
         if prepare is not None:
@@ -177,7 +184,7 @@ async def models(request: HttpRequest) -> HttpResponse:
     if refused is not None:
         return refused
     try:
-        key = await _authenticated(request)
+        key = await authenticated_by(request)
         snapshot = await front_gateway().snapshot()
     except Exception as error:
         return api_error(error, what="/v1/models").response()

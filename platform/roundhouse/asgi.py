@@ -21,12 +21,14 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from channels.auth import AuthMiddlewareStack
 from channels.routing import ProtocolTypeRouter, URLRouter
 from channels.security.websocket import AllowedHostsOriginValidator
 from django.conf import settings
 from django.core.asgi import get_asgi_application
+from django.http import HttpResponse
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "roundhouse.settings")
 
@@ -40,6 +42,10 @@ sys.setswitchinterval(0.001)
 django_application = get_asgi_application()
 
 # After set-up: the app imports its models.
+from api.dialects.anthropic.translation import (  # noqa: E402
+    error_response as anthropic_error_response,
+)
+from api.errors import ApiError  # noqa: E402
 from api.gateway import front_gateway  # noqa: E402
 from api.usage import usage_flush, usage_writer  # noqa: E402
 from batches.views import UPLOAD_FORM_BYTES, upload_refusal  # noqa: E402
@@ -56,8 +62,18 @@ API_PATHS = (
     "/healthz",
     "/metrics",
 )
+# Anthropic's Messages API answers its refusals in Anthropic's error shape.
+ANTHROPIC_PATHS = ("/v1/messages",)
 
 log = logging.getLogger("roundhouse.serve")
+
+
+def refusal_framing(path: str) -> Callable[[ApiError], HttpResponse]:
+    """How a path's refusals before its view are framed: an API dialect's
+    error shape, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_response
+    return ApiError.response
 
 
 api_application = BareASGIHandler(
@@ -66,7 +82,8 @@ api_application = BareASGIHandler(
         # An upload (multipart): the file's cap, and room for the form.
         max_bytes=lambda: settings.ROUNDHOUSE_MAX_FILE_BYTES + UPLOAD_FORM_BYTES,
         refusal=upload_refusal,
-    )
+    ),
+    framing=refusal_framing,
 )
 
 

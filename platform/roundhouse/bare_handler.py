@@ -75,9 +75,18 @@ class BareASGIHandler(ASGIHandler):
     work off their path, and what little there is runs in asgiref's one shared
     sync thread."""
 
-    def __init__(self, *, upload: UploadCheck | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        upload: UploadCheck | None = None,
+        framing: Callable[[str], Callable[[errors.ApiError], HttpResponse]]
+        | None = None,
+    ) -> None:
         super().__init__()
         self.upload = upload
+        # How a path frames a refusal made here (an API dialect's error
+        # shape); by default OpenAI's.
+        self.framing = framing
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -111,7 +120,9 @@ class BareASGIHandler(ASGIHandler):
         except RequestAborted:
             return
         except errors.ApiError as refused:
-            await self.send_response(refused.response(), send)
+            framed = self.framing(scope.get("path", "")) if self.framing else None
+            response = framed(refused) if framed else refused.response()
+            await self.send_response(response, send)
             return
         try:
             request, refusal = self.create_request(scope, body_file)

@@ -119,7 +119,7 @@ def _operation(path: str, method: str, add) -> dict[str, Any]:
         }
     }
     for status, mappings in sorted(found.items()):
-        response = _error_response(status, mappings)
+        response = _error_response(status, mappings, path)
         if status != errors.TOO_LARGE.status:
             response["content"] = {
                 "application/json": {"schema": _ref(protocol.ErrorResponse)}

@@ -71,12 +71,14 @@ def test_chat_answer_arrives_as_a_stream(llm_engine):
 
 
 def test_max_tokens_and_stop_strings(llm_engine):
-    """max_tokens ends with `length`; a stop string ends the text just before it."""
+    """max_tokens ends with `length`; a stop string ends the text just before it,
+    and the answer names it (`stop_sequence`; none where no stop string ended it)."""
     client = llm_engine.client()
     fields = {"messages": chat("Write two sentences about dogs."), "temperature": 0}
     short = client.generate(GenerateRequest(model=SMOL, **fields, max_tokens=5))
     assert short.finish_reason == "length"
     assert short.usage.completion_tokens == 5
+    assert short.stop_sequence is None
 
     full = client.generate(GenerateRequest(model=SMOL, **fields, max_tokens=60)).text
     assert len(full) > 30
@@ -86,6 +88,7 @@ def test_max_tokens_and_stop_strings(llm_engine):
     )
     assert stopped.finish_reason == "stop"
     assert stopped.text == full[: full.index(stop)]
+    assert stopped.stop_sequence == stop
 
 
 def test_no_cross_talk_between_slots(llm_engine):

@@ -3,7 +3,7 @@ error tables, so a status added there cannot be left out of it."""
 
 import pytest
 
-from api import errors, openapi
+from api import bodies, errors, openapi
 from api.schemas import ENDPOINT_SCHEMAS, EmbeddingRequest, parse
 from batches import quotas
 from engines.wire.errors import ErrorCode
@@ -145,18 +145,19 @@ def test_a_status_added_to_a_table_is_documented(monkeypatch):
 
 
 def test_errors_use_the_error_object_and_say_when_to_retry():
-    """Every error response is OpenAI's error object (Ollama's paths: its
-    `{"error"}`, but for the size cap's 413, answered before routing); 429
-    and 503 document Retry-After (they always send it), 405 its Allow
-    header."""
+    """Every error response is OpenAI's error object (a dialect's path: its
+    own; Ollama's paths: its `{"error"}`, but for the size cap's 413, answered
+    before routing); 429 and 503 document Retry-After (they always send it),
+    405 its Allow header."""
     for path, methods in openapi.openapi_document()["paths"].items():
+        error_body = openapi.ERROR_BODIES.get(path, bodies.ErrorResponse).__name__
         for operation in methods.values():
             for status, response in operation["responses"].items():
                 if status.startswith("2"):
                     continue
                 schema = response["content"]["application/json"]["schema"]
                 ollama = path.startswith("/api/") and status != "413"
-                name = "OllamaErrorResponse" if ollama else "ErrorResponse"
+                name = "OllamaErrorResponse" if ollama else error_body
                 assert schema == {"$ref": f"#/components/schemas/{name}"}
                 headers = response.get("headers", {})
                 if status in ("429", "503"):

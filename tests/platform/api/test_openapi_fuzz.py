@@ -52,6 +52,8 @@ MODELS = {
     "/api/chat": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/api/generate": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
     "/api/embed": (EMBEDDER, EMBEDDER, EMBEDDER, CHAT, "no-such-model"),
+    "/v1/messages": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
+    "/v1/messages/count_tokens": (CHAT, CHAT, CHAT, EMBEDDER, "no-such-model"),
 }
 # The longest answer a generated request may ask for.
 MAX_TOKENS = 4
@@ -59,6 +61,7 @@ MAX_TOKENS = 4
 # where none is).
 LIMIT_FIELDS = {
     "/v1/responses": ("max_output_tokens",),
+    "/v1/messages": ("max_tokens",),
     "*": ("max_tokens", "max_completion_tokens"),
 }
 POSITIVE_EXAMPLES = 25
@@ -79,10 +82,17 @@ MODEL_ENDPOINTS = [
     "/v1/rerank",
     "/v2/rerank",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
 ]
 # The same endpoints at a second path (not fuzzed again).
 ALIASES = ["/v1/tokenize", "/v1/detokenize"]
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATION_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+)
 # Ollama's (api.ollama): answers asked whole, not streamed (NDJSON is not
 # checked against the schema), and short (options.num_predict capped).
 OLLAMA_ENDPOINTS = ["/api/chat", "/api/generate", "/api/embed"]
