@@ -599,8 +599,8 @@ def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for path, method in ENDPOINT_STEPS:
         paths.setdefault(path, {})[method] = _operation(path, method)
-    # Ollama's API (/api/...): its own block (api.ollama.openapi).
-    from .ollama.openapi import ollama_paths
+    # Ollama's API (/api/...): its own block (api.dialects.ollama.openapi).
+    from .dialects.ollama.openapi import ollama_paths
 
     paths.update(ollama_paths(lambda schemas: _add_components(components, schemas)))
     return {

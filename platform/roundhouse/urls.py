@@ -20,7 +20,7 @@ urlpatterns = [
     path("", include("api.engine_ops_urls")),
     path("v1/", include("batches.urls")),
     path("v1/", include("api.urls")),
-    path("api/", include("api.ollama.urls")),
+    path("api/", include("api.dialects.ollama.urls")),
     path("healthz", healthz),
     path("metrics", metrics_view),
 ]

@@ -15,7 +15,7 @@ from django.utils import timezone
 from pydantic import BaseModel, ValidationError
 
 from api import bodies, errors, openapi
-from api.ollama.openapi import ollama_paths
+from api.dialects.ollama.openapi import ollama_paths
 from batches.models import Batch
 from engines.wire.client import write_connection_file
 from routing.select import EngineStatus, ModelRoute, Snapshot
@@ -76,7 +76,7 @@ def test_the_response_schemas_are_the_models():
     for request in openapi.REQUEST_SCHEMAS.values():
         generated = request.model_json_schema(ref_template=openapi.REF_TEMPLATE)
         from_requests |= {request.__name__, *generated.get("$defs", {})}
-    # Ollama's, generated from its own models under its prefix (api.ollama).
+    # Ollama's, generated from its own models under its prefix (api.dialects.ollama).
     ollama: dict = {}
     ollama_paths(ollama.update)
     for name, schema in ollama.items():

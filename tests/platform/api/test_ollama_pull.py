@@ -1,4 +1,4 @@
-"""Ollama's /api/pull (api.ollama.pulling) through the front's ASGI handler,
+"""Ollama's /api/pull (api.dialects.ollama.pulling) through the front's ASGI handler,
 against the local hub (tests/hub.py) serving the bundled SmolLM2 GGUF as
 test_pulls_api.py does: Ollama's hf.co name becomes the pull's source and
 the model's catalog name, its progress streams as Ollama's status lines to

@@ -93,7 +93,7 @@ GENERATION_ENDPOINTS = (
     "/v1/responses",
     "/v1/messages",
 )
-# Ollama's (api.ollama): answers asked whole, not streamed (NDJSON is not
+# Ollama's (api.dialects.ollama): answers asked whole, not streamed (NDJSON is not
 # checked against the schema), and short (options.num_predict capped).
 OLLAMA_ENDPOINTS = ["/api/chat", "/api/generate", "/api/embed"]
 OLLAMA_OPERATIONS = {

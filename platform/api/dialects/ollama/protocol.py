@@ -21,9 +21,9 @@ from pydantic import (
 
 from engines.wire.bounds import MAX_STOP_STRINGS, MAX_TEXTS_PER_REQUEST
 
-from ..answer_formats import Tool
-from ..bodies import Body
-from ..schema_base import (
+from ...answer_formats import Tool
+from ...bodies import Body
+from ...schema_base import (
     FunctionName,
     JsonSchema,
     ModelName,

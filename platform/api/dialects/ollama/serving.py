@@ -21,19 +21,19 @@ from pydantic import BaseModel
 from engines.wire.client import EngineError
 from engines.wire.replies import Ending
 
-from .. import errors
-from ..answers import embedding_answer, generation_answer
-from ..calls import Call
-from ..choices import call_requests, choices_open
-from ..pipeline import engine_failure
-from ..schemas import (
+from ... import errors
+from ...answers import embedding_answer, generation_answer
+from ...calls import Call
+from ...choices import call_requests, choices_open
+from ...pipeline import engine_failure
+from ...schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     parse_object,
 )
-from ..sse import dropped_header
-from ..token_relay import Ended, Token, tokens_relayed
+from ...sse import dropped_header
+from ...token_relay import Ended, Token, tokens_relayed
 from . import protocol
 
 NDJSON = "application/x-ndjson"

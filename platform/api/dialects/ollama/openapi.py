@@ -1,6 +1,6 @@
 """Ollama's paths in /v1/openapi.json (api.openapi adds them): request
 bodies from the models that validate them, answers from the models they are
-built with (api.ollama.protocol), statuses from the same error tables and
+built with (api.dialects.ollama.protocol), statuses from the same error tables and
 steps as the OpenAI paths, every error in Ollama's shape but the size cap's
 (answered before the request is routed). The protocol's models are named
 `Ollama...` in the document, apart from the OpenAI bodies of the same name."""
@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .. import errors
-from ..openapi import (
+from ... import errors
+from ...openapi import (
     GENERATION_STEPS,
     MANAGE_STEPS,
     REF_TEMPLATE,

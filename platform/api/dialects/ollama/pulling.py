@@ -21,11 +21,11 @@ from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from catalog.models import PullStatus
 
-from .. import bodies, errors
-from ..limits import Allowance
-from ..pipeline import admission_hold
-from ..pull_schemas import MODEL_NAME_PATTERN, PullRequest
-from ..pulls import FINISHED, POLL_S, off_loop, pull_begin, pull_get
+from ... import bodies, errors
+from ...limits import Allowance
+from ...pipeline import admission_hold
+from ...pull_schemas import MODEL_NAME_PATTERN, PullRequest
+from ...pulls import FINISHED, POLL_S, off_loop, pull_begin, pull_get
 from . import protocol
 
 # hf.co/ORG/REPO, optionally :QUANTIZATION (Ollama's :latest is no quantization).

@@ -10,14 +10,14 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
-from .. import errors
-from ..calls import Call, after_answer
-from ..gateway import front_gateway
-from ..pipeline import api_error
-from ..schemas import parse
-from ..selectors import in_db_thread
-from ..services import api_key_allows
-from ..views import method_refused, serve
+from ... import errors
+from ...calls import Call, after_answer
+from ...gateway import front_gateway
+from ...pipeline import api_error
+from ...schemas import parse
+from ...selectors import in_db_thread
+from ...services import api_key_allows
+from ...views import method_refused, serve
 from . import listing, protocol, pulling, serving
 from .access import ollama_key, refusal
 

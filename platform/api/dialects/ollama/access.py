@@ -16,10 +16,10 @@ from django.conf import settings
 from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 
-from .. import errors
-from ..models import ApiKey
-from ..pipeline import authenticate
-from ..selectors import in_db_thread
+from ... import errors
+from ...models import ApiKey
+from ...pipeline import authenticate
+from ...selectors import in_db_thread
 
 # How long the loopback key, as read, is used before it is read again (a
 # revoked key stops working within this).
