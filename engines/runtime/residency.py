@@ -102,14 +102,14 @@ class ResidentModel:
             if offload is not None and offload.devices:
                 # A GGUF model's layers on the engine's cards (none: a CPU engine).
                 described["offload"] = offload.describe()
-        if self.device_cards_mib:
-            described["device_cards_mib"] = {
-                card: round(mib, 1) for card, mib in self.device_cards_mib.items()
-            }
             placement = getattr(backend, "placement_text", "")
             if placement:  # a transformers model's precision and device map
                 described["placement"] = placement
             described["copied_tokens"] = getattr(backend, "copied_tokens", 0)
+        if self.device_cards_mib:
+            described["device_cards_mib"] = {
+                card: round(mib, 1) for card, mib in self.device_cards_mib.items()
+            }
         return described
 
 
