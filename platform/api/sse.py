@@ -44,6 +44,32 @@ def sse(data: BaseModel | dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
+async def streams_closed(relay: AsyncIterator[Any], opened: list) -> None:
+    """A stream's end, however it ends: the relay first (it stops reading the
+    engine's streams), then hanging up on the engine, which cancels the
+    requests there. `opened`: (frames, start) of each engine stream."""
+    await relay.aclose()
+    for frames, _ in opened:
+        await frames.aclose()
+
+
+def streaming_response(
+    content: AsyncIterator[bytes],
+    frame: StartFrame | Ending | None,
+    *,
+    content_type: str = "text/event-stream",
+) -> StreamingHttpResponse:
+    """A streamed answer (SSE, or a dialect's NDJSON): never cached, never held
+    back by a proxy, with the header naming the fields the engine dropped
+    (its first frame's; none for a stream that is not an engine's)."""
+    response = StreamingHttpResponse(content, content_type=content_type)
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # proxies must not hold tokens back
+    if frame is not None:
+        dropped_header(response, frame)
+    return response
+
+
 def dropped_header(response: HttpResponse, frame: StartFrame | Ending) -> None:
     """How many of the oldest messages the engine dropped to fit the model's
     context (its context overflow setting allows it): the answer's header."""
@@ -169,14 +195,6 @@ async def generation_stream(
             call.failed_with(error)
             yield b"".join(pending) + sse(error.body())
         finally:
-            # The relay first (it stops reading the streams), then hanging up
-            # on the engine, which cancels the requests there.
-            await relay.aclose()
-            for frames, _ in opened:
-                await frames.aclose()
+            await streams_closed(relay, opened)
 
-    response = StreamingHttpResponse(content(), content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"  # proxies must not hold tokens back
-    dropped_header(response, first_start)
-    return response
+    return streaming_response(content(), first_start)

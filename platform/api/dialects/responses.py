@@ -29,7 +29,7 @@ from ..models import ApiKey
 from ..pipeline import api_error, keyed_request
 from ..schemas import ChatCompletionRequest, parse_object
 from ..selectors import in_db_thread
-from ..sse import dropped_header
+from ..sse import dropped_header, streaming_response, streams_closed
 from ..token_relay import Ended, Token, tokens_relayed
 from ..views import serve
 from . import responses_protocol as protocol
@@ -571,7 +571,7 @@ async def _stream(call: Call, turn: ResponseTurn) -> StreamingHttpResponse:
         except Exception as failure:
             # Headers are sent: the failure travels as events.
             error = api_error(failure, what="a streamed response")
-            call.status, call.error_code = error.status, error.code or error.type
+            call.failed_with(error)
             failed = response_body(
                 turn, status="failed", output=output.items, call=call, error=error
             )
@@ -582,17 +582,9 @@ async def _stream(call: Call, turn: ResponseTurn) -> StreamingHttpResponse:
                 param=error.param,
             ) + event("response.failed", response=failed)
         finally:
-            # The relay first (it stops reading the streams), then hanging up
-            # on the engine, which cancels the request there.
-            await relay.aclose()
-            for frames, _ in opened:
-                await frames.aclose()
+            await streams_closed(relay, opened)
 
-    response = StreamingHttpResponse(content(), content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"
-    dropped_header(response, opened[0][1])
-    return response
+    return streaming_response(content(), opened[0][1])
 
 
 # -- the views ---------------------------------------------------------------------

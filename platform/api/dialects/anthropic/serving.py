@@ -20,7 +20,7 @@ from ...answers import generation_answer
 from ...calls import Call
 from ...choices import call_requests, choices_open
 from ...pipeline import engine_failure
-from ...sse import dropped_header
+from ...sse import dropped_header, streaming_response, streams_closed
 from ...token_relay import Ended, Token, tokens_relayed
 from .protocol import (
     AnthropicContentBlockDelta,
@@ -175,17 +175,9 @@ async def message_stream(call: Call, chat: AnthropicChat) -> StreamingHttpRespon
         except EngineError as failure:
             # Headers are sent: the failure travels as an error event.
             error = engine_failure(failure)
-            call.status, call.error_code = error.status, error.code or ""
+            call.failed_with(error)
             yield event(anthropic_error(error)[1])
         finally:
-            # The relay first (it stops reading the stream), then hanging up
-            # on the engine, which cancels the request there.
-            await relay.aclose()
-            for frames, _ in opened:
-                await frames.aclose()
+            await streams_closed(relay, opened)
 
-    response = StreamingHttpResponse(content(), content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"  # proxies must not hold tokens back
-    dropped_header(response, start)
-    return response
+    return streaming_response(content(), start)

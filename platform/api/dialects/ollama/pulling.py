@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from django import db
-from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpResponse, JsonResponse
 
 from catalog.models import PullStatus
 
@@ -26,6 +26,7 @@ from ...limits import Allowance
 from ...pipeline import admission_hold
 from ...pull_schemas import MODEL_NAME_PATTERN, PullRequest
 from ...pulls import FINISHED, POLL_S, off_loop, pull_begin, pull_get
+from ...sse import streaming_response
 from . import protocol
 
 # hf.co/ORG/REPO, optionally :QUANTIZATION (Ollama's :latest is no quantization).
@@ -142,7 +143,4 @@ async def pull_answer(key, body: protocol.PullBody) -> HttpResponse:
         async for line in pull_lines(started):
             yield _encoded(line)
 
-    response = StreamingHttpResponse(content(), content_type=NDJSON)
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"
-    return response
+    return streaming_response(content(), None, content_type=NDJSON)

@@ -32,7 +32,7 @@ from ...schemas import (
     EmbeddingRequest,
     parse_object,
 )
-from ...sse import dropped_header
+from ...sse import dropped_header, streaming_response, streams_closed
 from ...token_relay import Ended, Token, tokens_relayed
 from . import protocol
 
@@ -336,18 +336,12 @@ async def _stream(
         except EngineError as failure:
             # The answer has started: the failure travels as its last line.
             error = engine_failure(failure)
-            call.status, call.error_code = error.status, error.code or ""
+            call.failed_with(error)
             yield _line({"error": error.message})
         finally:
-            await relay.aclose()
-            for frames, _ in opened:
-                await frames.aclose()
+            await streams_closed(relay, opened)
 
-    response = StreamingHttpResponse(content(), content_type=NDJSON)
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"
-    dropped_header(response, opened[0][1])
-    return response
+    return streaming_response(content(), opened[0][1], content_type=NDJSON)
 
 
 async def embedding(
