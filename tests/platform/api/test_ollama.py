@@ -16,6 +16,7 @@ import pytest
 
 from api.models import ApiKey
 from tests.platform import live_platform
+from tests.platform.api.chat_front import WEATHER_TOOL
 from tests.platform.live_platform import (
     CHAT,
     EMBEDDER,
@@ -159,18 +160,7 @@ def test_a_json_schema_format_gives_an_object_of_that_schema(live):
 def test_a_tool_conversation_is_taken(live):
     """Earlier tool calls (arguments an object) and a tool's answer (named
     by the tool, as Ollama's messages are) are taken with tools offered."""
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
+    tool = WEATHER_TOOL
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {
