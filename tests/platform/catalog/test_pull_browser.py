@@ -12,9 +12,10 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
 from django.urls import reverse
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import expect
 
-from catalog.models import PullStatus
+from catalog.models import ModelPull, PullStatus
 from catalog.pull_jobs import pull_run, pull_start
 from tests.hub import LocalHub
 from tests.platform.chat import browser as chromium
@@ -113,11 +114,21 @@ def test_the_pull_page_shows_progress_moving_then_done(page, hub, live_server):
         second = hub.stall(REPO, FILE, fraction=0.8)
         first.release.set()
         assert second.reached.wait(60), "the download never reached the second stall"
-        page.wait_for_function(
-            "at => document.getElementById('pull-bar').value > at",
-            arg=first.at,
-            timeout=TIMEOUT_MS,
-        )
+        try:
+            page.wait_for_function(
+                "at => document.getElementById('pull-bar').value > at",
+                arg=first.at,
+                timeout=TIMEOUT_MS,
+            )
+        except PlaywrightTimeout:
+            # What the row and the page said (a failure seen once, in a full
+            # PostgreSQL run, never alone): which side stopped moving.
+            row = ModelPull.objects.filter(pk=pull.pk).values().first()
+            raise AssertionError(
+                f"the bar never passed {first.at}: page bar "
+                f"{bar.evaluate('bar => bar.value')}, text {text.text_content()!r}; "
+                f"row {row}"
+            ) from None
         expect(text).not_to_have_text(shown, timeout=TIMEOUT_MS)
         expect(page.locator("#pull-status")).to_have_text("running", timeout=TIMEOUT_MS)
 
