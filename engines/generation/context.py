@@ -39,13 +39,7 @@ def fit_prompt(
     context = backend.ctx_per_slot
     tools = None
     if message.get("prompt_tokens") is not None:
-        tokens = list(message["prompt_tokens"])
-        vocabulary = backend.vocabulary_size()
-        if any(token >= vocabulary for token in tokens):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"prompt_tokens: this model's token ids are below {vocabulary}",
-            )
+        tokens = known_tokens(backend, message["prompt_tokens"], "prompt_tokens")
     else:
         # The tools are made into prompt text once, however many renders.
         tools = backend.offered_tools(message)
@@ -96,6 +90,18 @@ def fit_prompt(
     if len(tokens) < context - 1:  # short of room, the answer may end "length"
         return Prompt(tokens, dropped)
     raise _exceeded(len(tokens), context, model, dropped=dropped, can_drop=True)
+
+
+def known_tokens(backend: SlotBackend, tokens: list[int], field: str) -> list[int]:
+    """Token ids a caller sent (`field`), as a list; bad_request naming the
+    field when one is past the model's vocabulary."""
+    vocabulary = backend.vocabulary_size()
+    if any(token >= vocabulary for token in tokens):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"{field}: this model's token ids are below {vocabulary}",
+        )
+    return list(tokens)
 
 
 def prompt_tokens(backend: SlotBackend, message: dict[str, Any]) -> list[int]:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from engines.generation.context import prompt_tokens
+from engines.generation.context import known_tokens, prompt_tokens
 from engines.generation.runner import GenerationRunner
 from engines.launch.config import LOOPBACK, EngineConfig
 from engines.launch.devices import DeviceMemory, default_memory_probes
@@ -455,15 +455,10 @@ class EngineServer:
     async def handle_detokenize(self, request: DetokenizeRequest) -> Reply:
         async with self.residency.using(request.model) as model:
             backend = self._generator(model, "detokenize")
-            vocabulary = backend.vocabulary_size()
-            if any(token >= vocabulary for token in request.tokens):
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    f"tokens: this model's token ids are below {vocabulary}",
-                )
+            tokens = known_tokens(backend, request.tokens, "tokens")
             loop = asyncio.get_running_loop()
             text = await loop.run_in_executor(
-                model.executor, backend.detokenize, list(request.tokens)
+                model.executor, backend.detokenize, tokens
             )
             return DetokenizeReply(model=model.spec.name, text=text), None
 
