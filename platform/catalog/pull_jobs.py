@@ -1,7 +1,8 @@
 """Pulls as background jobs (the catalog's Celery tasks): a pull is planned
 where it is asked for (the source read, its name checked, before a byte of
 weights), kept as a ModelPull row with its plan, and run by a worker that
-holds its lease: progress written every PROGRESS_EVERY_S while bytes come
+holds its lease: progress written every PROGRESS_EVERY_S while bytes come,
+by a thread beside the download
 (bytes, rate, time left, and when they came: a stall shows, as
 catalog.pull_progress reads it), a cancel seen at the next write, a Hub that
 fails or stalls mid-file continued from what was fetched (TRANSIENT_TRIES
@@ -15,6 +16,7 @@ judged by the database's clock."""
 
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,7 +25,7 @@ from pathlib import Path
 from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models.functions import Now
 
 from .hub import HubError
@@ -160,10 +162,10 @@ def pull_run(pull_id: int) -> str:
         started_at=Now()
     )
     plan = PullPlan.model_validate(pull.plan)
-    report = _Reporter(pull_id, owner)
     try:
-        path = _fetch(plan, report)
-        report.check()
+        with _Reporter(pull_id, owner) as report:
+            path = _fetch(plan, report)
+            report.check()
         from .pull import pull_record
 
         model = pull_record(plan, path)
@@ -229,40 +231,87 @@ def _discard_partials(plan: PullPlan) -> None:
 
 
 class _Reporter:
-    """The download's progress onto the pull's row, every PROGRESS_EVERY_S
-    while bytes come (`progress_at`: when, by the database's clock; a stall
-    writes nothing, which is how it shows): it renews the lease, and raises
-    PullCancelled once a cancel is asked for and LeaseLost when another run
-    took the pull."""
+    """The download's progress onto the pull's row, written by a thread of its
+    own every PROGRESS_EVERY_S while bytes come: the download never waits on
+    the database, and the bytes that came last before a stall are on the row
+    within PROGRESS_EVERY_S (`progress_at`: when, by the database's clock; a
+    stall writes nothing more, which is how it shows). Each write renews the
+    lease; once a write saw a cancel asked for (PullCancelled) or the pull
+    taken by another run (LeaseLost), the download raises it with its next
+    bytes. A context manager: its thread ends with it."""
 
     def __init__(self, pull_id: int, owner: str) -> None:
+        self.pull_id = pull_id
         self.held = ModelPull.objects.filter(pk=pull_id, lease_owner=owner)
-        self.written = 0.0
         self.rate = 0.0
-        self.done = -1  # the bytes last written
+        self._latest: Progress | None = None
+        self._written = -1  # the bytes last written
+        self._ended: LeaseLost | PullCancelled | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._writes, name=f"pull-{pull_id}-progress", daemon=True
+        )
+
+    def __enter__(self) -> "_Reporter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
     def __call__(self, progress: Progress) -> None:
+        """The client's bytes so far (its download thread): kept for the next
+        write; what a write found raised here."""
         self.rate = progress.rate
-        now = time.monotonic()
-        if now - self.written < PROGRESS_EVERY_S and progress.done < progress.size:
-            return
-        self.written = now
-        # Stamped only when bytes came since the last write.
-        came = {"progress_at": Now()} if progress.done != self.done else {}
-        self.done = progress.done
-        self._write(
-            done_bytes=progress.done,
-            size_bytes=progress.size,
-            rate_bps=progress.rate,
-            left_s=progress.left_s,
-            **came,
-        )
+        self._latest = progress
+        if self._ended is not None:
+            raise self._ended
 
     def note(self, message: str) -> None:
         self._write(message=message[:2000])
 
     def check(self) -> None:
         self._write()
+
+    def _writes(self) -> None:
+        """The writer's loop: a write that fails is said once and tried
+        again at the next pass; the loop ends with the pull's run."""
+        failing = False
+        try:
+            while not self._stop.wait(PROGRESS_EVERY_S):
+                try:
+                    self._progress_write()
+                except (LeaseLost, PullCancelled) as ended:
+                    self._ended = ended
+                    return
+                except Exception:
+                    if not failing:
+                        log.exception(
+                            "pull %s: writing its progress failed; trying again "
+                            "every %s s",
+                            self.pull_id,
+                            PROGRESS_EVERY_S,
+                        )
+                    failing = True
+                else:
+                    failing = False
+        finally:
+            connection.close()
+
+    def _progress_write(self) -> None:
+        """The latest bytes onto the row, when some came since the last write."""
+        progress = self._latest
+        if progress is None or progress.done == self._written:
+            return
+        self._write(
+            done_bytes=progress.done,
+            size_bytes=progress.size,
+            rate_bps=progress.rate,
+            left_s=progress.left_s,
+            progress_at=Now(),
+        )
+        self._written = progress.done
 
     def _write(self, **fields) -> None:
         lease = Now() + timedelta(seconds=LEASE_S)

@@ -179,6 +179,39 @@ def test_a_pull_the_hub_holds_reads_stalled_then_moving_again(hub, monkeypatch):
     assert done["stalled_s"] is None and done["text"].startswith("done: ")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_bytes_that_came_last_before_a_stall_are_on_the_row(hub, monkeypatch):
+    """The hub holds the file a few of the client's chunks in, which come in
+    well under PROGRESS_EVERY_S: while it holds it, the row comes to say every
+    byte the client wrote to disk, not just the first chunk's (a write
+    throttle with no write after it left the page behind for the whole stall,
+    and a test waiting on the page for the bytes to pass the stall never saw
+    them). The hub releases it and the pull ends done."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_DOWNLOAD_TIMEOUT", 300)
+    stall = hub.stall(REPO, FILE, fraction=0.3)
+    pull = pull_start(source=f"hf:{REPO}:{FILE}", name="held")
+    thread, ended = in_thread(pull.pk)
+    try:
+        assert stall.reached.wait(timeout=60), "the download never reached the stall"
+        wait_for(
+            lambda: partial().exists() and partial().stat().st_size,
+            what="the client's first bytes on disk",
+        )
+        wait_for(
+            lambda: (
+                ModelPull.objects.get(pk=pull.pk).done_bytes
+                == partial().stat().st_size
+            ),
+            what="the row saying the bytes on disk during the stall",
+        )
+        # More than the client's first chunk came before the hold.
+        assert ModelPull.objects.get(pk=pull.pk).done_bytes > (stall.at // 2)
+    finally:
+        stall.release.set()
+        thread.join(timeout=120)
+    assert ended == [PullStatus.DONE]
+
+
 def test_progress_text_says_a_running_pull_with_old_bytes_has_stalled():
     """Bytes last came 7 s ago by the database's clock: stalled, no rate.
     Control: 1 s ago, it reads its rate and time left; a queued pull (no
