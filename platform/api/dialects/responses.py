@@ -11,7 +11,9 @@ alone: another key reading, deleting or chaining onto it gets a 404.
 Streams hold the call until their last byte; a caller that hangs up cancels
 the engine's request (api.calls.StreamBody), as every stream does."""
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +24,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from ..answers import generation_answer
-from ..calls import Call
+from ..calls import Call, spawn
 from ..choices import call_requests, choices_open
 from ..errors import NOT_FOUND, ApiCode, ApiError, from_mapping, invalid_request
 from ..models import ApiKey
@@ -40,6 +42,8 @@ from .responses_store import (
     stored_response_save,
     stored_size,
 )
+
+log = logging.getLogger("roundhouse.api")
 
 ENDPOINT = "responses"
 # A page of a stored response's input items: OpenAI's default and cap.
@@ -277,8 +281,10 @@ def response_body(
     output: list[Any],
     call: Call | None = None,
     error: ApiError | None = None,
+    incomplete_reason: str = "max_output_tokens",
 ) -> dict[str, Any]:
-    """The Response object of this turn (`call`: its usage, once counted)."""
+    """The Response object of this turn (`call`: its usage, once counted;
+    `incomplete_reason`: why an incomplete one stopped)."""
     request = turn.request
     fmt = request.text.format if request.text else None
     choice = request.tool_choice
@@ -294,7 +300,7 @@ def response_body(
             else None
         ),
         incomplete_details=(
-            protocol.ResponseIncompleteDetails(reason="max_output_tokens")
+            protocol.ResponseIncompleteDetails(reason=incomplete_reason)
             if status == "incomplete"
             else None
         ),
@@ -355,6 +361,18 @@ async def _stored(call: Call, turn: ResponseTurn, body: dict, answered: Answered
         input_items=turn.input_items,
         conversation=[*turn.conversation, answered.message()],
     )
+
+
+async def _stored_after_all(
+    call: Call, turn: ResponseTurn, body: dict, answered: Answered
+) -> None:
+    """Keep an answer that did not end well (failed, or its caller gone), as
+    `_stored`: a failure to store it is logged, never raised over the
+    failure the caller is being told."""
+    try:
+        await _stored(call, turn, body, answered)
+    except Exception:
+        log.exception("could not store the %s response %s", body["status"], turn.id)
 
 
 async def _answer(call: Call, turn: ResponseTurn) -> HttpResponse:
@@ -476,6 +494,13 @@ class _Output:
             delta=delta,
         )
 
+    def cut_off(self) -> bytes:
+        """The answer stopped before its end (its engine failed, or its
+        caller went away): the open item closed as incomplete, keeping what
+        it had."""
+        self.answered.cut_short = True
+        return self._close_message("incomplete") + self._close_call("incomplete")
+
     def ended(self, *, cut_short: bool) -> bytes:
         status = "incomplete" if cut_short else "completed"
         self.answered.cut_short = cut_short
@@ -535,7 +560,12 @@ class _Output:
 
 async def _stream(call: Call, turn: ResponseTurn) -> StreamingHttpResponse:
     """The streamed answer; its headers leave once the engine took the
-    request (a refusal before that is the answer's error status)."""
+    request (a refusal before that is the answer's error status). Stored (with
+    `store`) however it ends: completed or incomplete as answered; failed, with
+    its error and what was said before it, when its engine fails mid-stream
+    (the events `error` then `response.failed`); incomplete, reason
+    `client_disconnected`, when its caller goes away (stored in the
+    background: nothing is left to wait for it)."""
     requests = call_requests(turn.chat, "interactive", call=call)
     opened, usage_count = await choices_open(call, requests, per_prompt=1)
 
@@ -547,6 +577,7 @@ async def _stream(call: Call, turn: ResponseTurn) -> StreamingHttpResponse:
             "response.in_progress", response=started
         )
         relay = tokens_relayed(call, opened, usage_count)
+        kept = False  # stored (or being stored) already: never twice
         try:
             async for relayed in relay:
                 if isinstance(relayed, Token):
@@ -564,23 +595,48 @@ async def _stream(call: Call, turn: ResponseTurn) -> StreamingHttpResponse:
                     body = response_body(
                         turn, status=status, output=output.items, call=call
                     )
+                    kept = True
                     await _stored(call, turn, body, output.answered)
                     kind = f"response.{status}"
                     yield out + event(kind, response=body)
                     return
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away (api.calls.StreamBody): no event can reach
+            # it, and this task may not wait; what was said is kept.
+            if not kept:
+                output.cut_off()
+                gone = response_body(
+                    turn,
+                    status="incomplete",
+                    output=output.items,
+                    call=call,
+                    incomplete_reason="client_disconnected",
+                )
+                spawn(
+                    _stored_after_all(call, turn, gone, output.answered),
+                    "storing a response whose caller went away",
+                )
+            raise
         except Exception as failure:
             # Headers are sent: the failure travels as events.
             error = api_error(failure, what="a streamed response")
             call.failed_with(error)
+            out = output.cut_off()
             failed = response_body(
                 turn, status="failed", output=output.items, call=call, error=error
             )
-            yield event(
-                "error",
-                code=error.code or error.type,
-                message=error.message,
-                param=error.param,
-            ) + event("response.failed", response=failed)
+            if not kept:
+                await _stored_after_all(call, turn, failed, output.answered)
+            yield (
+                out
+                + event(
+                    "error",
+                    code=error.code or error.type,
+                    message=error.message,
+                    param=error.param,
+                )
+                + event("response.failed", response=failed)
+            )
         finally:
             await streams_closed(relay, opened)
 
