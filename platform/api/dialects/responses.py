@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,8 @@ class ResponseTurn:
 
     request: protocol.ResponsesRequest
     chat: ChatCompletionRequest
-    # This turn's input items as stored and listed (each with its id).
+    # The input items as stored and listed (each with its id): the chain's
+    # earlier turns' inputs and outputs, then this turn's.
     input_items: list[dict[str, Any]]
     # The chain's messages before this answer, without the instructions
     # (which OpenAI does not carry over to the next turn).
@@ -103,6 +104,7 @@ async def turn_prepared(call: Call, payload: protocol.ResponsesRequest) -> Respo
     """The request translated, after the conversation it continues (the
     call's own stored response; a 404 for any other) was read."""
     history: list[dict[str, Any]] = []
+    earlier: list[dict[str, Any]] = []
     previous = payload.previous_response_id
     if previous is not None:
         stored = await in_db_thread(stored_response_get)(
@@ -111,14 +113,19 @@ async def turn_prepared(call: Call, payload: protocol.ResponsesRequest) -> Respo
         if stored is None:
             raise previous_not_found(previous)
         history = stored.conversation
-    return turn_translated(payload, history)
+        earlier = [*stored.input_items, *stored.body.get("output", ())]
+    return turn_translated(payload, history, earlier)
 
 
 def turn_translated(
-    payload: protocol.ResponsesRequest, history: list[dict[str, Any]]
+    payload: protocol.ResponsesRequest,
+    history: list[dict[str, Any]],
+    earlier_items: Sequence[dict[str, Any]] = (),
 ) -> ResponseTurn:
     """The chat request for this turn: the instructions (a system message),
-    the earlier turns' messages, then this input's."""
+    the earlier turns' messages, then this input's. Its input items, as
+    OpenAI lists a chained response's, are `earlier_items` (the previous
+    response's input items and output) and then this input's."""
     items = payload.input
     if isinstance(items, str):
         items = [protocol.ResponseMessageItem(role="user", content=items)]
@@ -131,7 +138,7 @@ def turn_translated(
     messages = list(conversation)
     if payload.instructions is not None:
         messages.insert(0, {"role": "system", "content": payload.instructions})
-    input_items = [_stored_item(item) for item in items]
+    input_items = [*earlier_items, *(_stored_item(item) for item in items)]
     if payload.store and stored_size(input_items, conversation) > MAX_STORED_BYTES:
         raise invalid_request(
             f"This turn's conversation is over the {MAX_STORED_BYTES} bytes a "
@@ -682,7 +689,9 @@ async def response(request: HttpRequest, response_id: str) -> HttpResponse:
 
 async def input_items(request: HttpRequest, response_id: str) -> HttpResponse:
     """GET /v1/responses/{response_id}/input_items: a page of the items the
-    request sent (`limit`, `order` (desc by default, as OpenAI's), `after`)."""
+    response answered (`limit`, `order` (desc by default, as OpenAI's),
+    `after`): with `previous_response_id`, the whole chain's, as OpenAI
+    lists them (every earlier turn's input and output, then this turn's)."""
 
     async def listed(request: HttpRequest, key: ApiKey) -> HttpResponse:
         limit_text = request.GET.get("limit", str(ITEMS_PAGE))

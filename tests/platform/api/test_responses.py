@@ -320,6 +320,45 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(live, orm):
         client.responses.retrieve(reply.id)
 
 
+def test_a_chained_responses_input_items_are_the_whole_chain(live):
+    """A response chained with previous_response_id lists as its input
+    items every earlier turn's input and output, then its own, as OpenAI
+    does, paged by limit and after in either order. The control: the first
+    turn lists its own input alone."""
+    client = live.client()
+    fields = {"model": CHAT, "max_output_tokens": 3, "temperature": 0}
+    first = client.responses.create(input="One.", **fields)
+    second = client.responses.create(
+        input="Two.", previous_response_id=first.id, **fields
+    )
+    third = client.responses.create(
+        input="Three.", previous_response_id=second.id, **fields
+    )
+
+    def texts(page) -> list[str]:
+        return [item.content[0].text for item in page.data]
+
+    assert texts(client.responses.input_items.list(first.id)) == ["One."]
+    chain = [
+        "One.",
+        first.output_text,
+        "Two.",
+        second.output_text,
+        "Three.",
+    ]
+    listed = client.responses.input_items.list(third.id, order="asc")
+    assert texts(listed) == chain
+    assert listed.data[1].role == "assistant"
+    assert listed.data[1].id == first.output[0].id
+    newest = client.responses.input_items.list(third.id, limit=2)
+    assert texts(newest) == chain[::-1][:2] and newest.has_more
+    rest = client.responses.input_items.list(third.id, limit=10, after=newest.last_id)
+    assert texts(rest) == chain[::-1][2:] and not rest.has_more
+    # The client's own paging walks the whole chain too.
+    walked = client.responses.input_items.list(third.id, order="asc", limit=2)
+    assert [item.content[0].text for item in walked] == chain
+
+
 def test_another_key_cannot_read_or_chain_a_stored_response(live):
     """A stored response is its key's: another key reading, listing,
     deleting or chaining onto it gets a 404, as for one that does not exist;
