@@ -58,6 +58,24 @@ class ResidentModel:
     runner: GenerationRunner | None = None
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
+    # The idle time the last request asked for (Ollama's `keep_alive`), in
+    # seconds: None, the model's own keep_alive_s; below 0, no limit; 0,
+    # unloaded as soon as it is idle.
+    asked_keep_alive_s: float | None = None
+
+    def keep_alive_limit(self) -> float | None:
+        """Idle seconds before the watcher unloads the model (None: no limit).
+        A model whose own keep-alive is 0 stays until its memory is needed
+        whatever a request asks: an operator chose that, or its replica is
+        placed on this engine (the supervisor would load it again). Otherwise
+        the last request's ask, if it made one, else the model's own."""
+        own = self.spec.keep_alive_s
+        if not own:
+            return None
+        asked = self.asked_keep_alive_s
+        if asked is None:
+            return float(own)
+        return None if asked < 0 else asked
 
     @property
     def queued(self) -> int:
@@ -78,6 +96,7 @@ class ResidentModel:
             "estimated_mib": self.estimated_mib and round(self.estimated_mib, 1),
             "loaded_at": self.loaded_at,
             "idle_s": round(time.monotonic() - self.last_used, 1),
+            "keep_alive_s": self.keep_alive_limit(),
             "inflight": self.inflight,
             "queued": self.queued,
             "busy": self.busy,
@@ -213,17 +232,23 @@ class Residency:
     # -- leases -----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def using(self, name: str):
+    async def using(self, name: str, *, keep_alive_s: float | None = None):
         """Lease a resident model for one request: loaded if needed, and never
-        evicted while leased."""
+        evicted while leased. The request's `keep_alive_s` (None: the model's
+        own) is how long the model may stay idle after it: set as the lease
+        is taken (what the engine's state then tells) and again as it ends,
+        so that of requests that overlap, the last to end decides, as with
+        Ollama's `keep_alive`."""
         model = await self.ensure_loaded(name)
         model.inflight += 1  # no await since the lookup: eviction cannot slip in
         model.last_used = time.monotonic()
+        model.asked_keep_alive_s = keep_alive_s
         try:
             yield model
         finally:
             model.inflight -= 1
             model.last_used = time.monotonic()
+            model.asked_keep_alive_s = keep_alive_s
             if model.inflight == 0:
                 async with self._room:
                     self._room.notify_all()
@@ -577,13 +602,27 @@ class Residency:
         for model in list(self.models.values()):
             await self._unload(model)
 
+    def keep_alive_set(self, name: str, keep_alive_s: float | None) -> bool:
+        """Ask that a resident model stay idle at most `keep_alive_s` (as a
+        request's keep-alive does; 0: unload it once idle). False when the
+        model is not resident here."""
+        model = self.models.get(name)
+        if model is None:
+            return False
+        model.asked_keep_alive_s = keep_alive_s
+        return True
+
     async def expire_idle(self) -> None:
-        """Unload models idle longer than their keep-alive (0: no time limit)."""
+        """Unload models idle for their keep-alive (keep_alive_limit) or longer."""
         now = time.monotonic()
         for model in list(self.models.values()):
-            keep = model.spec.keep_alive_s
-            if keep and model.inflight == 0 and now - model.last_used > keep:
-                log.info("unloading %s: idle for %d s", model.spec.name, keep)
+            keep = model.keep_alive_limit()
+            if (
+                keep is not None
+                and model.inflight == 0
+                and now - model.last_used >= keep
+            ):
+                log.info("unloading %s: idle for %g s", model.spec.name, keep)
                 await self._unload(model)
                 async with self._room:
                     self._room.notify_all()

@@ -242,13 +242,17 @@ class EngineServer:
                 request = parse_request(decode_message(payload), size=len(payload))
                 if isinstance(request, GenerateRequest):
                     received = time.perf_counter()
-                    async with self.residency.using(request.model) as model:
+                    async with self._leased(request.model, request.keep_alive_s) as (
+                        model,
+                        load_ms,
+                    ):
                         await serve_generation(
                             model,
                             request,
                             reader,
                             writer,
                             received=received,
+                            load_ms=load_ms,
                             generations=self._generations,
                             count_tokens=self._count_tokens,
                         )
@@ -353,20 +357,40 @@ class EngineServer:
     def _count_tokens(self, count: int) -> None:
         self.tokens_generated += count
 
+    @contextlib.asynccontextmanager
+    async def _leased(self, name: str, keep_alive_s: float | None):
+        """Residency.using for one request, with how long it waited for the
+        model to be loaded (ms; 0 when it was resident as the request came)."""
+        resident = name in self.residency.models and name not in (
+            self.residency.draining()
+        )
+        asked = time.perf_counter()
+        async with self.residency.using(name, keep_alive_s=keep_alive_s) as model:
+            yield model, 0.0 if resident else (time.perf_counter() - asked) * 1000
+
     async def handle_load(self, request: LoadRequest) -> Reply:
-        model = await self.residency.ensure_loaded(request.model)
-        return LoadReply(model=ModelState(**model.describe())), None
+        async with self._leased(request.model, request.keep_alive_s) as (model, _):
+            return LoadReply(model=ModelState(**model.describe())), None
 
     async def handle_unload(self, request: UnloadRequest) -> Reply:
-        """Drain, then unload (see Residency.unload_drained)."""
+        """Drain, then unload (see Residency.unload_drained); `when_idle`: as
+        its keep-alive would, now if it is idle, else once it is (the
+        watcher's next look)."""
+        if request.when_idle:
+            if self.residency.keep_alive_set(request.model, 0.0):
+                await self.residency.expire_idle()
+            return UnloadReply(drained=request.model not in self.residency.models), None
         await self.residency.unload_drained(request.model)
         return UnloadReply(drained=True), None
 
     async def handle_embed(self, request: EmbedRequest) -> Reply:
-        async with self.residency.using(request.model) as model:
-            return await self._embed(model, request)
+        async with self._leased(request.model, request.keep_alive_s) as leased:
+            model, load_ms = leased
+            return await self._embed(model, request, load_ms=load_ms)
 
-    async def _embed(self, model: ResidentModel, request: EmbedRequest) -> Reply:
+    async def _embed(
+        self, model: ResidentModel, request: EmbedRequest, *, load_ms: float = 0.0
+    ) -> Reply:
         texts = request.texts
         if model.spec.task == "rerank":  # its batches take pairs, not texts
             raise ProtocolError(
@@ -382,6 +406,7 @@ class EngineServer:
             usage=EmbedUsage(prompt_tokens=tokens),
             encoding=request.encoding,
             embeddings=rows.tolist() if request.encoding == "json" else None,
+            load_ms=round(load_ms, 3) if load_ms else None,
         )
         return reply, encode_array(rows) if request.encoding == "npy" else None
 

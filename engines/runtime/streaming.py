@@ -92,6 +92,7 @@ async def serve_generation(
     writer: asyncio.StreamWriter,
     *,
     received: float,
+    load_ms: float = 0.0,
     generations: dict[str, GenerationRunner],
     count_tokens: Callable[[int], None] = lambda _: None,
 ) -> None:
@@ -100,7 +101,8 @@ async def serve_generation(
     per text chunk and a final frame; for generate one frame with the whole
     text. `generations` maps request ids to runners (for
     `cancel` from another connection). The final frame's `timings` are measured
-    from the request's arrival (a load it waited for included)."""
+    from the request's arrival (a load it waited for included, and told
+    apart: `load_ms`, measured by the caller)."""
     stream = request.kind == "generate_stream"
     runner = model.runner
     if runner is None:
@@ -206,7 +208,9 @@ async def serve_generation(
                     "request_id": generation.id,
                     "dropped_messages": prompt.dropped_messages,
                     "timings": Timings(
-                        first_token_ms=first_token_ms, total_ms=_ms_since(received)
+                        first_token_ms=first_token_ms,
+                        total_ms=_ms_since(received),
+                        load_ms=round(load_ms, 3) if load_ms else None,
                     ),
                 }
                 if stream:

@@ -146,10 +146,14 @@ class _Stream:
         return frame
 
 
-def _embed_request(model: str, texts: list[str], encoding: Encoding) -> EmbedRequest:
+def _embed_request(
+    model: str, texts: list[str], encoding: Encoding, keep_alive_s: float | None
+) -> EmbedRequest:
     """An embed request, built, not checked here: the caller's edge checked
     its texts (the REST schema), and the engine checks what arrives."""
-    return EmbedRequest.model_construct(model=model, texts=texts, encoding=encoding)
+    return EmbedRequest.model_construct(
+        model=model, texts=texts, encoding=encoding, keep_alive_s=keep_alive_s
+    )
 
 
 def _rerank_request(model: str, query: str, documents: list[str]) -> RerankRequest:
@@ -364,12 +368,22 @@ class AsyncEngineClient(_EngineAddress):
         reply, _ = await self.request(StateRequest())
         return cast(StateReply, reply)
 
-    async def load(self, model: str, *, timeout: float | None = None) -> LoadReply:
-        reply, _ = await self.request(LoadRequest(model=model), timeout=timeout)
+    async def load(
+        self,
+        model: str,
+        *,
+        keep_alive_s: float | None = None,
+        timeout: float | None = None,
+    ) -> LoadReply:
+        request = LoadRequest(model=model, keep_alive_s=keep_alive_s)
+        reply, _ = await self.request(request, timeout=timeout)
         return cast(LoadReply, reply)
 
-    async def unload(self, model: str, *, timeout: float | None = None) -> UnloadReply:
-        reply, _ = await self.request(UnloadRequest(model=model), timeout=timeout)
+    async def unload(
+        self, model: str, *, when_idle: bool = False, timeout: float | None = None
+    ) -> UnloadReply:
+        request = UnloadRequest(model=model, when_idle=when_idle)
+        reply, _ = await self.request(request, timeout=timeout)
         return cast(UnloadReply, reply)
 
     async def embed(
@@ -379,13 +393,19 @@ class AsyncEngineClient(_EngineAddress):
         return rows
 
     async def embed_counted(
-        self, model: str, texts: list[str], *, encoding: Encoding = "npy"
-    ) -> tuple[np.ndarray, int]:
-        """The rows and the texts' token total, as the model counted them."""
-        message = _embed_request(model, texts, encoding)
+        self,
+        model: str,
+        texts: list[str],
+        *,
+        encoding: Encoding = "npy",
+        keep_alive_s: float | None = None,
+    ) -> tuple[np.ndarray, EmbedReply]:
+        """The rows and the reply's header: the texts' token total, as the
+        model counted them, and the wait for its load."""
+        message = _embed_request(model, texts, encoding, keep_alive_s)
         reply, array = await self.request(message)
         header = cast(EmbedReply, reply)
-        return _embeddings(header, array), header.usage.prompt_tokens
+        return _embeddings(header, array), header
 
     async def rerank(self, model: str, query: str, documents: list[str]) -> RerankReply:
         """Each document's relevance to the query, in their order."""
@@ -486,12 +506,22 @@ class EngineClient(_EngineAddress):
         reply, _ = self.request(StateRequest())
         return cast(StateReply, reply)
 
-    def load(self, model: str, *, timeout: float | None = None) -> LoadReply:
-        reply, _ = self.request(LoadRequest(model=model), timeout=timeout)
+    def load(
+        self,
+        model: str,
+        *,
+        keep_alive_s: float | None = None,
+        timeout: float | None = None,
+    ) -> LoadReply:
+        request = LoadRequest(model=model, keep_alive_s=keep_alive_s)
+        reply, _ = self.request(request, timeout=timeout)
         return cast(LoadReply, reply)
 
-    def unload(self, model: str, *, timeout: float | None = None) -> UnloadReply:
-        reply, _ = self.request(UnloadRequest(model=model), timeout=timeout)
+    def unload(
+        self, model: str, *, when_idle: bool = False, timeout: float | None = None
+    ) -> UnloadReply:
+        request = UnloadRequest(model=model, when_idle=when_idle)
+        reply, _ = self.request(request, timeout=timeout)
         return cast(UnloadReply, reply)
 
     def embed(
@@ -501,13 +531,19 @@ class EngineClient(_EngineAddress):
         return rows
 
     def embed_counted(
-        self, model: str, texts: list[str], *, encoding: Encoding = "npy"
-    ) -> tuple[np.ndarray, int]:
-        """The rows and the texts' token total, as the model counted them."""
-        message = _embed_request(model, texts, encoding)
+        self,
+        model: str,
+        texts: list[str],
+        *,
+        encoding: Encoding = "npy",
+        keep_alive_s: float | None = None,
+    ) -> tuple[np.ndarray, EmbedReply]:
+        """The rows and the reply's header: the texts' token total, as the
+        model counted them, and the wait for its load."""
+        message = _embed_request(model, texts, encoding, keep_alive_s)
         reply, array = self.request(message)
         header = cast(EmbedReply, reply)
-        return _embeddings(header, array), header.usage.prompt_tokens
+        return _embeddings(header, array), header
 
     def rerank(self, model: str, query: str, documents: list[str]) -> RerankReply:
         """Each document's relevance to the query, in their order."""

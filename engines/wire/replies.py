@@ -94,6 +94,9 @@ class ModelState(Part):
     estimated_mib: float | None = None
     loaded_at: float
     idle_s: float
+    # Idle seconds before it is unloaded (ResidentModel.keep_alive_limit;
+    # None: no limit).
+    keep_alive_s: float | None = None
     inflight: int
     queued: int
     busy: int
@@ -182,6 +185,8 @@ class EmbedReply(OkReply):
     usage: EmbedUsage
     encoding: Literal["json", "npy"]
     embeddings: list[list[float]] | None = None
+    # The wait for the model to be loaded, as a generation's Timings.load_ms.
+    load_ms: float | None = None
 
 
 class RerankReply(OkReply):
@@ -260,6 +265,9 @@ class Timings(Part):
 
     first_token_ms: float | None = None
     total_ms: float
+    # Of those, the wait for the model to be loaded (its load, or another
+    # request's it waited for); None: it was resident when the request came.
+    load_ms: float | None = None
 
 
 class StartFrame(OkReply):

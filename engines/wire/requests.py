@@ -39,6 +39,12 @@ from engines.wire.framing import frame_bytes
 # leave slots free for them, and sit out a pass while an interactive prompt is
 # being read (engines/generation/runner.py, engines/generation/slot_pool.py).
 PRIORITIES = ("interactive", "batch")
+# How long a model may stay idle after a request (Ollama's `keep_alive`, in
+# seconds; engines/runtime/residency.py): None, the model's own keep-alive;
+# below 0, no limit; 0, unloaded once idle. Bounded at a year: a larger
+# number is the same as none.
+MAX_KEEP_ALIVE_S = 366 * 24 * 3600.0
+KeepAlive = Annotated[float, Field(ge=-1, le=MAX_KEEP_ALIVE_S, allow_inf_nan=False)]
 
 # Tools a request may offer, and the serialized size of a JSON schema (a
 # response format's, or one tool's parameters): grammars are compiled from
@@ -180,6 +186,7 @@ class GenerateRequest(Wire):
     parallel_tool_calls: bool = True
     # Send the prompt's text back with the answer (completions' `echo`).
     echo: bool = False
+    keep_alive_s: KeepAlive | None = None
 
     @property
     def offers_tools(self) -> bool:
@@ -207,15 +214,23 @@ class StateRequest(Wire):
 
 
 class LoadRequest(Wire):
+    """Load a model now (Ollama's empty prompt: its `keep_alive_s` then says
+    how long it may stay idle)."""
+
     kind: Literal["load"] = "load"
     model: str
+    keep_alive_s: KeepAlive | None = None
 
 
 class UnloadRequest(Wire):
-    """Unload once the model's requests in flight have drained."""
+    """Unload once the model's requests in flight have drained; with
+    `when_idle` (Ollama's keep_alive 0), as its keep-alive would: once it is
+    idle, not if it is kept until its memory is needed, and a model not
+    resident is no error."""
 
     kind: Literal["unload"] = "unload"
     model: str
+    when_idle: bool = False
 
 
 class EmbedRequest(Wire):
@@ -225,6 +240,7 @@ class EmbedRequest(Wire):
     model: str
     texts: list[str]
     encoding: Literal["json", "npy"] = "npy"
+    keep_alive_s: KeepAlive | None = None
 
 
 class RerankRequest(Wire):

@@ -101,13 +101,22 @@ def _echoed(request: GenerateRequest, reply: GenerateAnswer) -> str:
     return reply.prompt_text or ""
 
 
-async def embedding_answer(call: Call, payload: EmbeddingRequest) -> dict[str, Any]:
+async def embedding_answer(
+    call: Call, payload: EmbeddingRequest, *, keep_alive_s: float | None = None
+) -> dict[str, Any]:
     """Embed on the routed engine; the answer's body (ApiError when it fails,
-    or when the model's dimensions are not the ones asked for)."""
+    or when the model's dimensions are not the ones asked for).
+    `keep_alive_s`: how long the model may then stay idle (Ollama's
+    keep_alive; None: its own keep-alive)."""
     texts, route = payload.texts(), call.route
-    rows, prompt_tokens = await with_engine(
-        call, lambda client: client.embed_counted(route.name, texts)
+    rows, header = await with_engine(
+        call,
+        lambda client: client.embed_counted(
+            route.name, texts, keep_alive_s=keep_alive_s
+        ),
     )
+    prompt_tokens = header.usage.prompt_tokens
+    call.load_ms = header.load_ms or 0.0
     if payload.dimensions is not None and payload.dimensions != rows.shape[1]:
         raise errors.invalid_request(
             f"The model '{route.name}' returns {rows.shape[1]} dimensions; "

@@ -65,6 +65,9 @@ class Call:
     completion_tokens: int = 0
     # Prompt tokens the engine took from a slot's cache instead of evaluating.
     cached_tokens: int = 0
+    # What the engine waited for the model to be loaded (its reply's load_ms;
+    # 0: it was resident).
+    load_ms: float = 0.0
     status: int = 200
     error_code: str = ""
     started: float = field(default_factory=time.perf_counter)

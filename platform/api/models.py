@@ -214,7 +214,10 @@ class StoredResponse(models.Model):
     )
     model = models.CharField(max_length=200)
     body = models.JSONField(help_text="The Response object as it was answered.")
-    input_items = models.JSONField(help_text="This turn's input items, with ids.")
+    input_items = models.JSONField(
+        help_text="The input items, with ids: the chain's earlier turns' inputs "
+        "and outputs, then this turn's."
+    )
     conversation = models.JSONField(
         help_text="The chain's messages up to and with this answer (chat's shape)."
     )

@@ -51,6 +51,10 @@ def resident_models_of(state: StateReply) -> list[dict]:
             "memory_mib": item.memory_mib,
             "queued": item.queued,
             "busy": item.busy,
+            # How long it has been idle, and may stay so (None: no limit):
+            # when it would be unloaded (Ollama's /api/ps).
+            "idle_s": item.idle_s,
+            "keep_alive_s": item.keep_alive_s,
             # A generation model's slots and the KV pool they share.
             **{
                 field: getattr(item, field)

@@ -11,10 +11,12 @@ alone: another key reading, deleting or chaining onto it gets a 404.
 Streams hold the call until their last byte; a caller that hangs up cancels
 the engine's request (api.calls.StreamBody), as every stream does."""
 
+import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +24,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from ..answers import generation_answer
-from ..calls import Call
+from ..calls import Call, spawn
 from ..choices import call_requests, choices_open
 from ..errors import NOT_FOUND, ApiCode, ApiError, from_mapping, invalid_request
 from ..models import ApiKey
@@ -40,6 +42,8 @@ from .responses_store import (
     stored_response_save,
     stored_size,
 )
+
+log = logging.getLogger("roundhouse.api")
 
 ENDPOINT = "responses"
 # A page of a stored response's input items: OpenAI's default and cap.
@@ -61,7 +65,8 @@ class ResponseTurn:
 
     request: protocol.ResponsesRequest
     chat: ChatCompletionRequest
-    # This turn's input items as stored and listed (each with its id).
+    # The input items as stored and listed (each with its id): the chain's
+    # earlier turns' inputs and outputs, then this turn's.
     input_items: list[dict[str, Any]]
     # The chain's messages before this answer, without the instructions
     # (which OpenAI does not carry over to the next turn).
@@ -99,6 +104,7 @@ async def turn_prepared(call: Call, payload: protocol.ResponsesRequest) -> Respo
     """The request translated, after the conversation it continues (the
     call's own stored response; a 404 for any other) was read."""
     history: list[dict[str, Any]] = []
+    earlier: list[dict[str, Any]] = []
     previous = payload.previous_response_id
     if previous is not None:
         stored = await in_db_thread(stored_response_get)(
@@ -107,14 +113,19 @@ async def turn_prepared(call: Call, payload: protocol.ResponsesRequest) -> Respo
         if stored is None:
             raise previous_not_found(previous)
         history = stored.conversation
-    return turn_translated(payload, history)
+        earlier = [*stored.input_items, *stored.body.get("output", ())]
+    return turn_translated(payload, history, earlier)
 
 
 def turn_translated(
-    payload: protocol.ResponsesRequest, history: list[dict[str, Any]]
+    payload: protocol.ResponsesRequest,
+    history: list[dict[str, Any]],
+    earlier_items: Sequence[dict[str, Any]] = (),
 ) -> ResponseTurn:
     """The chat request for this turn: the instructions (a system message),
-    the earlier turns' messages, then this input's."""
+    the earlier turns' messages, then this input's. Its input items, as
+    OpenAI lists a chained response's, are `earlier_items` (the previous
+    response's input items and output) and then this input's."""
     items = payload.input
     if isinstance(items, str):
         items = [protocol.ResponseMessageItem(role="user", content=items)]
@@ -127,7 +138,7 @@ def turn_translated(
     messages = list(conversation)
     if payload.instructions is not None:
         messages.insert(0, {"role": "system", "content": payload.instructions})
-    input_items = [_stored_item(item) for item in items]
+    input_items = [*earlier_items, *(_stored_item(item) for item in items)]
     if payload.store and stored_size(input_items, conversation) > MAX_STORED_BYTES:
         raise invalid_request(
             f"This turn's conversation is over the {MAX_STORED_BYTES} bytes a "
@@ -277,8 +288,10 @@ def response_body(
     output: list[Any],
     call: Call | None = None,
     error: ApiError | None = None,
+    incomplete_reason: str = "max_output_tokens",
 ) -> dict[str, Any]:
-    """The Response object of this turn (`call`: its usage, once counted)."""
+    """The Response object of this turn (`call`: its usage, once counted;
+    `incomplete_reason`: why an incomplete one stopped)."""
     request = turn.request
     fmt = request.text.format if request.text else None
     choice = request.tool_choice
@@ -294,7 +307,7 @@ def response_body(
             else None
         ),
         incomplete_details=(
-            protocol.ResponseIncompleteDetails(reason="max_output_tokens")
+            protocol.ResponseIncompleteDetails(reason=incomplete_reason)
             if status == "incomplete"
             else None
         ),
@@ -355,6 +368,18 @@ async def _stored(call: Call, turn: ResponseTurn, body: dict, answered: Answered
         input_items=turn.input_items,
         conversation=[*turn.conversation, answered.message()],
     )
+
+
+async def _stored_after_all(
+    call: Call, turn: ResponseTurn, body: dict, answered: Answered
+) -> None:
+    """Keep an answer that did not end well (failed, or its caller gone), as
+    `_stored`: a failure to store it is logged, never raised over the
+    failure the caller is being told."""
+    try:
+        await _stored(call, turn, body, answered)
+    except Exception:
+        log.exception("could not store the %s response %s", body["status"], turn.id)
 
 
 async def _answer(call: Call, turn: ResponseTurn) -> HttpResponse:
@@ -476,6 +501,13 @@ class _Output:
             delta=delta,
         )
 
+    def cut_off(self) -> bytes:
+        """The answer stopped before its end (its engine failed, or its
+        caller went away): the open item closed as incomplete, keeping what
+        it had."""
+        self.answered.cut_short = True
+        return self._close_message("incomplete") + self._close_call("incomplete")
+
     def ended(self, *, cut_short: bool) -> bytes:
         status = "incomplete" if cut_short else "completed"
         self.answered.cut_short = cut_short
@@ -535,7 +567,12 @@ class _Output:
 
 async def _stream(call: Call, turn: ResponseTurn) -> StreamingHttpResponse:
     """The streamed answer; its headers leave once the engine took the
-    request (a refusal before that is the answer's error status)."""
+    request (a refusal before that is the answer's error status). Stored (with
+    `store`) however it ends: completed or incomplete as answered; failed, with
+    its error and what was said before it, when its engine fails mid-stream
+    (the events `error` then `response.failed`); incomplete, reason
+    `client_disconnected`, when its caller goes away (stored in the
+    background: nothing is left to wait for it)."""
     requests = call_requests(turn.chat, "interactive", call=call)
     opened, usage_count = await choices_open(call, requests, per_prompt=1)
 
@@ -547,6 +584,7 @@ async def _stream(call: Call, turn: ResponseTurn) -> StreamingHttpResponse:
             "response.in_progress", response=started
         )
         relay = tokens_relayed(call, opened, usage_count)
+        kept = False  # stored (or being stored) already: never twice
         try:
             async for relayed in relay:
                 if isinstance(relayed, Token):
@@ -564,23 +602,48 @@ async def _stream(call: Call, turn: ResponseTurn) -> StreamingHttpResponse:
                     body = response_body(
                         turn, status=status, output=output.items, call=call
                     )
+                    kept = True
                     await _stored(call, turn, body, output.answered)
                     kind = f"response.{status}"
                     yield out + event(kind, response=body)
                     return
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away (api.calls.StreamBody): no event can reach
+            # it, and this task may not wait; what was said is kept.
+            if not kept:
+                output.cut_off()
+                gone = response_body(
+                    turn,
+                    status="incomplete",
+                    output=output.items,
+                    call=call,
+                    incomplete_reason="client_disconnected",
+                )
+                spawn(
+                    _stored_after_all(call, turn, gone, output.answered),
+                    "storing a response whose caller went away",
+                )
+            raise
         except Exception as failure:
             # Headers are sent: the failure travels as events.
             error = api_error(failure, what="a streamed response")
             call.failed_with(error)
+            out = output.cut_off()
             failed = response_body(
                 turn, status="failed", output=output.items, call=call, error=error
             )
-            yield event(
-                "error",
-                code=error.code or error.type,
-                message=error.message,
-                param=error.param,
-            ) + event("response.failed", response=failed)
+            if not kept:
+                await _stored_after_all(call, turn, failed, output.answered)
+            yield (
+                out
+                + event(
+                    "error",
+                    code=error.code or error.type,
+                    message=error.message,
+                    param=error.param,
+                )
+                + event("response.failed", response=failed)
+            )
         finally:
             await streams_closed(relay, opened)
 
@@ -626,7 +689,9 @@ async def response(request: HttpRequest, response_id: str) -> HttpResponse:
 
 async def input_items(request: HttpRequest, response_id: str) -> HttpResponse:
     """GET /v1/responses/{response_id}/input_items: a page of the items the
-    request sent (`limit`, `order` (desc by default, as OpenAI's), `after`)."""
+    response answered (`limit`, `order` (desc by default, as OpenAI's),
+    `after`): with `previous_response_id`, the whole chain's, as OpenAI
+    lists them (every earlier turn's input and output, then this turn's)."""
 
     async def listed(request: HttpRequest, key: ApiKey) -> HttpResponse:
         limit_text = request.GET.get("limit", str(ITEMS_PAGE))

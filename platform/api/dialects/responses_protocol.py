@@ -331,7 +331,10 @@ class ResponseError(Body):
 
 
 class ResponseIncompleteDetails(Body):
-    reason: Literal["max_output_tokens"]
+    """Why a response stopped short: its max_output_tokens, or (Roundhouse's
+    own reason) a streamed one's caller went away before its end."""
+
+    reason: Literal["max_output_tokens", "client_disconnected"]
 
 
 class ResponseReasoning(Body):

@@ -287,6 +287,47 @@ async def test_keep_alive_unloads_idle_models_only(make, tiny_llama):
     await lease.release()
 
 
+async def test_a_requests_keep_alive_decides_how_long_the_model_stays(make):
+    """The last request's keep-alive (Ollama's) replaces the model's own: 0
+    unloads it once idle, below 0 keeps it however long it idles, and a
+    request that asks nothing brings back the model's own (300 s here).
+    Control: the same idle model with its own keep-alive stays."""
+    residency = make()  # a, b, c: keep-alive 300 s
+    async with residency.using("a", keep_alive_s=0):
+        pass
+    await use(residency, "b")
+    async with residency.using("c", keep_alive_s=-1):
+        pass
+    assert residency.models["c"].keep_alive_limit() is None
+    residency.models["c"].last_used = time.monotonic() - 3600
+    await residency.expire_idle()
+    assert sorted(residency.models) == ["b", "c"]
+    await use(residency, "c")  # asks nothing: its own 300 s again
+    assert residency.models["c"].describe()["keep_alive_s"] == 300
+    residency.models["c"].last_used = time.monotonic() - 3600
+    await residency.expire_idle()
+    assert sorted(residency.models) == ["b"]
+
+
+async def test_a_model_kept_until_its_memory_is_needed_ignores_requests(
+    make, tiny_llama
+):
+    """A model whose own keep-alive is 0 (an operator's choice, or a replica
+    placed on the engine) stays whatever a request or an unload `when_idle`
+    asks (keep_alive_set); the control, a model with a keep-alive, goes."""
+    residency = make(
+        tiny("kept", tiny_llama, keep_alive_s=0),
+        tiny("timed", tiny_llama, keep_alive_s=300),
+    )
+    for name in ("kept", "timed"):
+        async with residency.using(name, keep_alive_s=0):
+            pass
+    assert residency.keep_alive_set("kept", 0.0)
+    await residency.expire_idle()
+    assert sorted(residency.models) == ["kept"]
+    assert not residency.keep_alive_set("timed", 0.0)  # not resident: no-op
+
+
 async def test_unload_drains_the_leases_then_a_late_request_reloads(make):
     """`unload_drained` waits for the model's leases; a request arriving
     meanwhile waits for the drain, then gets the model loaded afresh."""

@@ -4,6 +4,8 @@ of test_openai, started once for this module). Answers are greedy
 (temperature 0) and short."""
 
 import json
+import os
+import signal
 
 import openai
 import pydantic
@@ -318,6 +320,45 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(live, orm):
         client.responses.retrieve(reply.id)
 
 
+def test_a_chained_responses_input_items_are_the_whole_chain(live):
+    """A response chained with previous_response_id lists as its input
+    items every earlier turn's input and output, then its own, as OpenAI
+    does, paged by limit and after in either order. The control: the first
+    turn lists its own input alone."""
+    client = live.client()
+    fields = {"model": CHAT, "max_output_tokens": 3, "temperature": 0}
+    first = client.responses.create(input="One.", **fields)
+    second = client.responses.create(
+        input="Two.", previous_response_id=first.id, **fields
+    )
+    third = client.responses.create(
+        input="Three.", previous_response_id=second.id, **fields
+    )
+
+    def texts(page) -> list[str]:
+        return [item.content[0].text for item in page.data]
+
+    assert texts(client.responses.input_items.list(first.id)) == ["One."]
+    chain = [
+        "One.",
+        first.output_text,
+        "Two.",
+        second.output_text,
+        "Three.",
+    ]
+    listed = client.responses.input_items.list(third.id, order="asc")
+    assert texts(listed) == chain
+    assert listed.data[1].role == "assistant"
+    assert listed.data[1].id == first.output[0].id
+    newest = client.responses.input_items.list(third.id, limit=2)
+    assert texts(newest) == chain[::-1][:2] and newest.has_more
+    rest = client.responses.input_items.list(third.id, limit=10, after=newest.last_id)
+    assert texts(rest) == chain[::-1][2:] and not rest.has_more
+    # The client's own paging walks the whole chain too.
+    walked = client.responses.input_items.list(third.id, order="asc", limit=2)
+    assert [item.content[0].text for item in walked] == chain
+
+
 def test_another_key_cannot_read_or_chain_a_stored_response(live):
     """A stored response is its key's: another key reading, listing,
     deleting or chaining onto it gets a 404, as for one that does not exist;
@@ -392,3 +433,72 @@ def test_a_hang_up_mid_stream_frees_the_engine_slot(live, orm):
     )
     row = wait_for_usage(endpoint="responses", status=499)
     assert row.error_code == "client_closed"
+
+
+def test_a_hang_up_mid_stream_is_stored_incomplete(live, orm):
+    """A stored (store=true) stream whose client hangs up is kept as
+    incomplete, reason client_disconnected, with the text said before it
+    (the stored text begins with the deltas the client read)."""
+    stream = live.client().responses.create(
+        model=CHAT,
+        input="Write a very long essay.",
+        max_output_tokens=400,
+        stream=True,
+    )
+    events = iter(stream)
+    created = next(events)
+    said = ""
+    while len(said) < 10:
+        event = next(events)
+        if event.type == "response.output_text.delta":
+            said += event.delta
+    stream.close()
+    stored = wait_for(
+        lambda: StoredResponse.objects.filter(id=created.response.id).first(),
+        timeout=30,
+        what="the cut-off response stored",
+    )
+    again = live.client().responses.retrieve(stored.id)
+    assert again.status == "incomplete"
+    assert again.incomplete_details.reason == "client_disconnected"
+    assert again.output_text.startswith(said)
+    assert again.output[0].status == "incomplete"
+
+
+def test_an_engine_failing_mid_stream_ends_it_failed_and_stored_so(live, orm):
+    """The engine is killed while it streams: the stream ends with an `error`
+    event (engine_died), then `response.failed`; the stored response reads
+    back failed, with that error and the text said before it. (The
+    supervisor starts the engine again for the tests after this one.)"""
+    engine = live.engine()
+    stream = live.client().responses.create(
+        model=CHAT,
+        input="Write a very long essay.",
+        max_output_tokens=400,
+        stream=True,
+    )
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    os.kill(engine.state().pid, signal.SIGKILL)
+    events.extend(stream)
+    kinds = [event.type for event in events]
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert events[-2].code == "engine_died"
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "engine_died"
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    stored = live.client().responses.retrieve(failed.id)
+    assert stored.status == "failed" and stored.error.code == "engine_died"
+    assert said and stored.output_text.startswith(said)
+
+    def answers() -> bool:
+        try:
+            live.client().embeddings.create(model=EMBEDDER, input="back again")
+        except openai.APIStatusError:
+            return False
+        return True
+
+    wait_for(answers, timeout=120, what="the respawned engine answering")

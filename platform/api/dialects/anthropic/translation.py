@@ -68,9 +68,17 @@ def chat_request(body: AnthropicInput) -> AnthropicChat:
     for index, message in enumerate(body.messages):
         messages.extend(_turns(message.role, message.content, f"messages.{index}"))
     if body.messages[-1].role == "assistant":
+        # Continuing a partial assistant turn needs the engine to render the
+        # chat template without closing that turn (Hugging Face's
+        # continue_final_message); the engines' templating always opens a
+        # new one (engines/generation/prompts.py), so the prefill would be
+        # answered, not continued: refused rather than silently wrong.
         raise errors.invalid_request(
             "A last assistant message (a prefill for the model to continue) is "
-            "not supported: end with a user message.",
+            "not supported: Roundhouse's engines always start a new assistant "
+            "turn and cannot continue a partial one. End with a user message "
+            "(and ask there for the answer's opening, or use stop_sequences or "
+            "output_config.format to shape it).",
             param="messages",
         )
     fields: dict[str, Any] = {"model": body.model, "messages": messages}

@@ -192,7 +192,8 @@ def running(*, allowed: set[str]) -> protocol.PsResponse:
     """Every model loaded on an engine, per engine, of those `allowed`: its
     memory there and when it would be unloaded if left idle (the supervisor's
     last record: its heartbeat, less the model's idle time, plus its
-    keep-alive)."""
+    keep-alive there: the engine's account, which a request's keep_alive
+    sets, else the catalog's)."""
     held: list[tuple[EngineState, dict[str, Any]]] = []
     for state in EngineState.objects.select_related("spec", "spec__node").order_by(
         "spec__name"
@@ -206,10 +207,17 @@ def running(*, allowed: set[str]) -> protocol.PsResponse:
         found = facts.get(item["name"])
         if found is None:
             continue
-        keep = found.model.keep_alive_s
+        if "keep_alive_s" in item:  # None: no limit
+            keep = item["keep_alive_s"]
+        else:  # an engine that does not say
+            keep = found.model.keep_alive_s or None
         seen = state.heartbeat_at or datetime.now(UTC)
         idle = float(item.get("idle_s") or 0)
-        expires = seen + timedelta(seconds=keep - idle) if keep else FOREVER
+        expires = (
+            seen + timedelta(seconds=float(keep) - idle)
+            if keep is not None
+            else FOREVER
+        )
         node = state.spec.node
         out.append(
             protocol.RunningModel(

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     MISSING,
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -34,9 +35,14 @@ from ...schema_base import (
     Text,
     field_error,
 )
+from .durations import keep_alive_seconds
 
-# Ollama's keep_alive: a duration ("5m", "1h"), seconds, or -1 (forever).
-KeepAlive = Annotated[str, Field(max_length=32), NoNul()] | float
+# Ollama's keep_alive: a duration ("5m", "1h"), seconds, or below 0 (no
+# limit); read as seconds (durations.keep_alive_seconds: -1 for no limit).
+KeepAlive = Annotated[
+    Annotated[str, Field(max_length=32), NoNul()] | float,
+    AfterValidator(keep_alive_seconds),
+]
 Format = Literal["", "json"] | JsonSchema
 
 
@@ -92,8 +98,8 @@ class Generation(Strict):
     stream: bool = True
     format: Format | None = None
     options: Options | None = None
-    # Accepted, not honoured per request: a model stays loaded for its
-    # catalog keep-alive (docs/using/ollama.md).
+    # How long the model may stay idle after this request (serving.py;
+    # docs/using/ollama.md).
     keep_alive: KeepAlive | None = None
     think: bool | Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
@@ -216,7 +222,7 @@ class AnswerMessage(Body):
 class Final(Body):
     """The counts and times (nanoseconds) an answer's last object carries."""
 
-    done_reason: Literal["stop", "length", "load"] = MISSING
+    done_reason: Literal["stop", "length", "load", "unload"] = MISSING
     total_duration: int = MISSING
     load_duration: int = MISSING
     prompt_eval_count: int = MISSING

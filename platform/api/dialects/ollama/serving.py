@@ -10,6 +10,7 @@ api.token_relay), and answered in Ollama's shapes: one JSON object, or with
 chat template (task `completion`), the prompt is sent as it is."""
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -25,7 +26,8 @@ from ... import errors
 from ...answers import embedding_answer, generation_answer
 from ...calls import Call
 from ...choices import call_requests, choices_open
-from ...pipeline import engine_failure
+from ...gateway import front_gateway
+from ...pipeline import engine_failure, with_engine
 from ...schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +38,12 @@ from ...sse import dropped_header, streaming_response, streams_closed
 from ...token_relay import Ended, Token, tokens_relayed
 from . import protocol
 
+log = logging.getLogger("roundhouse.api")
+
 NDJSON = "application/x-ndjson"
+# A load ahead (an empty prompt) may read gigabytes from disk: as long as an
+# operator's load order waits (fleet.services.MODEL_LOAD_TIMEOUT_S).
+LOAD_TIMEOUT_S = 600.0
 # Options with the same name and meaning in the pipeline's requests.
 SAMPLING_OPTIONS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 # Those the pipeline's requests lack, sent to the engine as they are (bounded
@@ -45,29 +52,32 @@ ENGINE_OPTIONS = ("top_k", "min_p", "repeat_penalty")
 
 
 class OllamaChat(ChatCompletionRequest):
-    """A chat request with the engine's own samplers Ollama's options name."""
+    """A chat request with the engine's own samplers Ollama's options name,
+    and its keep-alive (seconds)."""
 
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    keep_alive_s: float | None = None
 
     def engine_fields(self) -> dict[str, Any]:
         return {**super().engine_fields(), **_engine_options(self)}
 
 
 class OllamaCompletion(CompletionRequest):
-    """A completion request with the engine's own samplers."""
+    """A completion request with the engine's own samplers and keep-alive."""
 
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    keep_alive_s: float | None = None
 
     def engine_fields(self) -> dict[str, Any]:
         return {**super().engine_fields(), **_engine_options(self)}
 
 
 def _engine_options(request: BaseModel) -> dict[str, Any]:
-    out = {name: getattr(request, name) for name in ENGINE_OPTIONS}
+    out = {name: getattr(request, name) for name in (*ENGINE_OPTIONS, "keep_alive_s")}
     return {name: value for name, value in out.items() if value is not None}
 
 
@@ -86,6 +96,8 @@ def _common(body: protocol.Generation) -> dict[str, Any]:
     if body.logprobs:
         raise _unsupported("logprobs", "use /v1/chat/completions for them")
     fields: dict[str, Any] = {"model": body.model}
+    if body.keep_alive is not None:
+        fields["keep_alive_s"] = body.keep_alive
     options = body.options or protocol.Options()
     for name in (*SAMPLING_OPTIONS, *ENGINE_OPTIONS):
         value = getattr(options, name)
@@ -216,18 +228,19 @@ def done_reason(finish_reason: str) -> str:
 
 def final(call: Call, ending: Ending) -> dict[str, Any]:
     """The last object's counts and times, in nanoseconds: the whole call's
-    (as this front saw it), the prompt's (to the first token, as the engine
-    saw it: a wait for a load or a slot included) and the answer's (the
-    rest). Loads are not told apart: load_duration is 0."""
-    total_ms = ending.timings.total_ms
-    first_ms = ending.timings.first_token_ms
-    first_ms = total_ms if first_ms is None else first_ms
+    (as this front saw it), the model's load (what the engine waited for it
+    to be loaded; 0 when it was resident), the prompt's (from then to the
+    first token, as the engine saw it: a wait for a slot included) and the
+    answer's (the rest)."""
+    timings = ending.timings
+    total_ms, load_ms = timings.total_ms, timings.load_ms or 0.0
+    first_ms = total_ms if timings.first_token_ms is None else timings.first_token_ms
     return {
         "done_reason": done_reason(ending.finish_reason),
         "total_duration": int((time.perf_counter() - call.started) * 1e9),
-        "load_duration": 0,
+        "load_duration": int(load_ms * 1e6),
         "prompt_eval_count": call.prompt_tokens,
-        "prompt_eval_duration": int(first_ms * 1e6),
+        "prompt_eval_duration": int(max(0.0, first_ms - load_ms) * 1e6),
         "eval_count": call.completion_tokens,
         "eval_duration": int(max(0.0, total_ms - first_ms) * 1e6),
     }
@@ -258,16 +271,56 @@ def _line(body: BaseModel | dict) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
 
-def loaded(body: protocol.Generation, *, chat: bool) -> HttpResponse:
-    """An empty prompt: Ollama loads the model and answers at once (tools
-    use it to warm a model up). Roundhouse's engines load on demand: the
-    answer says done, with `load` as the reason."""
+async def loaded(call: Call, body: protocol.Generation, *, chat: bool) -> HttpResponse:
+    """Nothing to answer (an empty prompt, no messages): Ollama's way to load
+    a model ahead (tools warm one up so), or with keep_alive 0 to unload it.
+    A load goes to the engine the request is routed to, which keeps the
+    model for the keep-alive asked (load_duration: the load as this front
+    waited for it); an unload to every engine that could hold it
+    (`unloaded`)."""
+    started = time.perf_counter()
+    if body.keep_alive == 0:
+        await unloaded(call)
+        reason, load_ns = "unload", 0
+    else:
+        await with_engine(
+            call,
+            lambda client: client.load(
+                call.model, keep_alive_s=body.keep_alive, timeout=LOAD_TIMEOUT_S
+            ),
+        )
+        reason, load_ns = "load", int((time.perf_counter() - started) * 1e9)
     shape = protocol.ChatChunk if chat else protocol.GenerateChunk
     text = {"message": protocol.AnswerMessage(content="")} if chat else {"response": ""}
     answer = shape(
-        model=body.model, created_at=now_text(), done=True, done_reason="load", **text
+        model=call.model,
+        created_at=now_text(),
+        done=True,
+        done_reason=reason,
+        total_duration=int((time.perf_counter() - call.started) * 1e9),
+        load_duration=load_ns,
+        **text,
     )
     return JsonResponse(answer.model_dump(mode="json"))
+
+
+async def unloaded(call: Call) -> None:
+    """Ask every engine that serves the model's format and is up to unload it
+    as its keep-alive would (engines.wire.requests.UnloadRequest.when_idle):
+    now where it is idle, once its requests end where it is busy; nothing
+    where it is not resident, or is kept until its memory is needed. An
+    engine that cannot be asked is logged and skipped: its keep-alive still
+    applies there."""
+    route, snapshot = call.route, call.snapshot
+    assert route is not None and snapshot is not None, "model_route first"
+    gateway = front_gateway()
+    for name, status in sorted(snapshot.engines.items()):
+        if not status.usable_for(route.format):
+            continue
+        try:
+            await gateway.client(name, snapshot).unload(call.model, when_idle=True)
+        except EngineError as error:
+            log.warning("engine %s could not unload %s: %s", name, call.model, error)
 
 
 async def generation(
@@ -345,11 +398,16 @@ async def _stream(
 
 
 async def embedding(
-    call: Call, payload: EmbeddingRequest, *, legacy: bool
+    call: Call,
+    payload: EmbeddingRequest,
+    *,
+    legacy: bool,
+    keep_alive_s: float | None = None,
 ) -> HttpResponse:
     """/api/embed's answer (every input's vector), or /api/embeddings' (the
-    one prompt's)."""
-    answer = await embedding_answer(call, payload)
+    one prompt's); the model then kept for `keep_alive_s` (None: its own
+    keep-alive)."""
+    answer = await embedding_answer(call, payload, keep_alive_s=keep_alive_s)
     vectors = [row["embedding"] for row in answer["data"]]
     if legacy:
         out: BaseModel = protocol.EmbeddingsResponse(embedding=vectors[0])
@@ -358,7 +416,7 @@ async def embedding(
             model=call.model,
             embeddings=vectors,
             total_duration=int((time.perf_counter() - call.started) * 1e9),
-            load_duration=0,
+            load_duration=int(call.load_ms * 1e6),
             prompt_eval_count=call.prompt_tokens,
         )
     return JsonResponse(out.model_dump(mode="json"))

@@ -48,7 +48,7 @@ async def chat(request: HttpRequest) -> HttpResponse:
 
     async def handle(call: Call, body: protocol.ChatBody) -> HttpResponse:
         if not body.messages:
-            return serving.loaded(body, chat=True)
+            return await serving.loaded(call, body, chat=True)
         payload = serving.chat_request(body)
         return await serving.generation(call, payload, stream=body.stream, chat=True)
 
@@ -61,7 +61,7 @@ async def generate(request: HttpRequest) -> HttpResponse:
 
     async def handle(call: Call, body: protocol.GenerateBody) -> HttpResponse:
         if not body.prompt and not body.images:
-            return serving.loaded(body, chat=False)
+            return await serving.loaded(call, body, chat=False)
         task = call.route.task if call.route is not None else "chat"
         payload = serving.generate_request(body, task=task)
         return await serving.generation(call, payload, stream=body.stream, chat=False)
@@ -75,7 +75,9 @@ async def embed(request: HttpRequest) -> HttpResponse:
 
     async def handle(call: Call, body: protocol.EmbedBody) -> HttpResponse:
         payload = serving.embedding_request(body)
-        return await serving.embedding(call, payload, legacy=False)
+        return await serving.embedding(
+            call, payload, legacy=False, keep_alive_s=body.keep_alive
+        )
 
     return await _serve(request, "ollama.embed", protocol.EmbedBody, handle)
 
@@ -86,7 +88,9 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
 
     async def handle(call: Call, body: protocol.EmbeddingsBody) -> HttpResponse:
         payload = serving.embedding_request(body)
-        return await serving.embedding(call, payload, legacy=True)
+        return await serving.embedding(
+            call, payload, legacy=True, keep_alive_s=body.keep_alive
+        )
 
     return await _serve(request, "ollama.embed", protocol.EmbeddingsBody, handle)
 
