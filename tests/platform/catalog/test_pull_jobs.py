@@ -199,8 +199,7 @@ def test_the_bytes_that_came_last_before_a_stall_are_on_the_row(hub, monkeypatch
         )
         wait_for(
             lambda: (
-                ModelPull.objects.get(pk=pull.pk).done_bytes
-                == partial().stat().st_size
+                ModelPull.objects.get(pk=pull.pk).done_bytes == partial().stat().st_size
             ),
             what="the row saying the bytes on disk during the stall",
         )
