@@ -1,4 +1,6 @@
-"""Admin for API keys and their usage."""
+"""Admin for API keys, their usage and their stored responses."""
+
+from datetime import datetime
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
@@ -7,7 +9,11 @@ from django.utils.html import format_html
 
 from fleet.admin import SingletonAdmin
 
-from .models import ApiKey, Usage, UserLimitOverride, UserLimits
+from .dialects.responses_store import (
+    stored_response_expires_at,
+    stored_responses_listed,
+)
+from .models import ApiKey, StoredResponse, Usage, UserLimitOverride, UserLimits
 from .selectors import api_keys_with_usage_totals, user_allowances_forget
 from .services import api_key_issue, api_key_revoke
 
@@ -142,6 +148,54 @@ class UsageAdmin(admin.ModelAdmin):
         self, request: HttpRequest, obj: Usage | None = None
     ) -> bool:
         return False
+
+
+@admin.register(StoredResponse)
+class StoredResponseAdmin(admin.ModelAdmin):
+    """Stored Responses answers, listed to be seen and deleted; never written
+    here. What they say stays their owner's: neither the list nor a row's page
+    shows the answer, its items or the conversation, only their size."""
+
+    list_display = ["id", "owner", "model", "status", "created_at", "expires_at"]
+    fields = [
+        "id",
+        "key",
+        "user",
+        "model",
+        "status",
+        "size_bytes",
+        "created_at",
+        "expires_at",
+    ]
+    readonly_fields = fields
+    search_fields = ["id", "model"]
+    list_select_related = ["key", "user"]
+    date_hierarchy = "created_at"
+    # Every stored turn is a row: skip counting the whole table per page.
+    show_full_result_count = False
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[StoredResponse]:
+        return stored_responses_listed(super().get_queryset(request))
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(
+        self, request: HttpRequest, obj: StoredResponse | None = None
+    ) -> bool:
+        return False
+
+    @admin.display(description="owner")
+    def owner(self, stored: StoredResponse) -> str:
+        return str(stored.key or stored.user)
+
+    @admin.display(description="status")
+    def status(self, stored: StoredResponse) -> str:
+        return stored.status or ""
+
+    @admin.display(description="expires")
+    def expires_at(self, stored: StoredResponse) -> datetime | str:
+        return stored_response_expires_at(stored) or "never"
 
 
 class UserLimitOverrideInline(admin.TabularInline):

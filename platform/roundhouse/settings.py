@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parents[2]
 
@@ -206,6 +207,19 @@ ROUNDHOUSE_BATCH_CONCURRENCY = env.int("ROUNDHOUSE_BATCH_CONCURRENCY", default=1
 # comes from this host's loopback address through no proxy, for tools that
 # cannot send a key; its limits, models and usage apply. Empty: off.
 ROUNDHOUSE_OLLAMA_LOOPBACK_KEY = env.str("ROUNDHOUSE_OLLAMA_LOOPBACK_KEY", default="")
+# ROUNDHOUSE_RESPONSES_RETENTION_DAYS: how many days a stored Responses API
+# answer (`store`, true by default) is kept, counted from when it was stored
+# by the database's clock; older ones read as unknown at once and are deleted
+# by beat's expire-stored-responses. 30, as OpenAI keeps them; 0: until its
+# owner deletes it.
+ROUNDHOUSE_RESPONSES_RETENTION_DAYS = env.int(
+    "ROUNDHOUSE_RESPONSES_RETENTION_DAYS", default=30
+)
+if ROUNDHOUSE_RESPONSES_RETENTION_DAYS < 0:
+    raise ImproperlyConfigured(
+        "ROUNDHOUSE_RESPONSES_RETENTION_DAYS must be 0 (keep stored responses "
+        "until deleted) or a number of days."
+    )
 # Django's own cap on request.body, kept in step.
 DATA_UPLOAD_MAX_MEMORY_SIZE = ROUNDHOUSE_MAX_REQUEST_BYTES
 
@@ -291,6 +305,12 @@ CELERY_BEAT_SCHEDULE = {
     "resume-batches": {"task": "batches.resume", "schedule": 60.0},
     # Model pulls likewise (catalog.pull_jobs.pulls_resume).
     "resume-pulls": {"task": "catalog.resume_pulls", "schedule": 60.0},
+    # Stored Responses answers past ROUNDHOUSE_RESPONSES_RETENTION_DAYS are
+    # deleted (they already read as unknown; this frees their rows).
+    "expire-stored-responses": {
+        "task": "api.expire_stored_responses",
+        "schedule": 3600.0,
+    },
 }
 # A worker takes one message at a time: a long batch does not hold back
 # messages another worker could take.

@@ -1,10 +1,18 @@
 """Stored responses (api.models.StoredResponse): written, read and deleted
 for their owner only, a key or a logged-in user; another's is as if it did
-not exist. Synchronous: the API runs these in its database thread
-(api.selectors.in_db_thread)."""
+not exist. Each is kept ROUNDHOUSE_RESPONSES_RETENTION_DAYS from when it was
+stored, by the database's clock: past that it reads as unknown at once, and
+beat's pass (api.tasks.expire_stored_responses) deletes it. Synchronous: the
+API runs these in its database thread (api.selectors.in_db_thread)."""
 
 import json
+from datetime import datetime, timedelta
 from typing import Any
+
+from django.conf import settings
+from django.db.models import QuerySet
+from django.db.models.fields.json import KT
+from django.db.models.functions import Now
 
 from ..models import ApiKey, StoredResponse
 
@@ -19,11 +27,30 @@ def stored_size(*parts: Any) -> int:
     return sum(len(json.dumps(part, separators=(",", ":"))) for part in parts)
 
 
-def _owned(*, key: ApiKey | None, user: Any):
+# Expired responses are deleted this many to a statement: a pass over a large
+# backlog never holds the table's write lock (SQLite has one writer) for long
+# nor sends the database one huge delete.
+EXPIRE_BATCH = 500
+
+
+def _retention() -> timedelta | None:
+    """How long a stored response is kept; None: until it is deleted."""
+    days = settings.ROUNDHOUSE_RESPONSES_RETENTION_DAYS
+    return timedelta(days=days) if days else None
+
+
+def _kept() -> QuerySet[StoredResponse]:
+    retention = _retention()
+    if retention is None:
+        return StoredResponse.objects.all()
+    return StoredResponse.objects.filter(created_at__gt=Now() - retention)
+
+
+def _owned(*, key: ApiKey | None, user: Any) -> QuerySet[StoredResponse]:
     if key is not None:
-        return StoredResponse.objects.filter(key=key)
+        return _kept().filter(key=key)
     if user is not None:
-        return StoredResponse.objects.filter(user=user, key__isnull=True)
+        return _kept().filter(user=user, key__isnull=True)
     return StoredResponse.objects.none()
 
 
@@ -64,3 +91,38 @@ def stored_response_delete(
     """Delete the owner's stored response; whether there was one."""
     deleted, _ = _owned(key=key, user=user).filter(id=response_id).delete()
     return bool(deleted)
+
+
+def stored_responses_expire(*, batch: int = EXPIRE_BATCH) -> int:
+    """Delete every stored response past the retention, `batch` rows to a
+    statement (each committed on its own); how many were deleted."""
+    retention = _retention()
+    if retention is None:
+        return 0
+    expired = StoredResponse.objects.filter(created_at__lte=Now() - retention)
+    deleted = 0
+    while True:
+        ids = list(expired.order_by().values_list("pk", flat=True)[:batch])
+        if not ids:
+            return deleted
+        _, per_model = StoredResponse.objects.filter(pk__in=ids).delete()
+        deleted += per_model.get(StoredResponse._meta.label, 0)
+        if len(ids) < batch:
+            return deleted
+
+
+def stored_responses_listed(
+    queryset: QuerySet[StoredResponse],
+) -> QuerySet[StoredResponse]:
+    """These stored responses for a listing: each with its `status` (the
+    answer's), without the answers, items and conversations themselves
+    (megabytes each, and their owners' to read)."""
+    return queryset.defer("body", "input_items", "conversation").annotate(
+        status=KT("body__status")
+    )
+
+
+def stored_response_expires_at(stored: StoredResponse) -> datetime | None:
+    """When this stored response expires; None: it is kept until deleted."""
+    retention = _retention()
+    return None if retention is None else stored.created_at + retention
