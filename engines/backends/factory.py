@@ -131,7 +131,11 @@ def load_backend(
         from engines.backends.gguf import LlamaBackend
 
         loaded = LlamaBackend(
-            spec.path, offload=offload, kv_groups=plan.kv_groups, **generation
+            spec.path,
+            offload=offload,
+            kv_groups=plan.kv_groups,
+            kv_streams=plan.kv_streams,
+            **generation,
         )
     elif spec.format == "transformers":
         from engines.backends.hf import TransformersBackend

@@ -8,7 +8,12 @@ up to its context, more than an equal share). llama.cpp's attention scans
 every cell in use in a context, a conversation's own or not: with 32
 conversations of ~900 tokens in one context each token costs ~3.5x what it
 costs alone; in four contexts each token scans a quarter of the cells, for one
-more decode call per group and step."""
+more decode call per group and step.
+
+KV streams: where the pool holds every slot's whole context
+(memory.SlotPlan.kv_streams), one context with a KV stream per slot
+(llama.cpp's kv_unified off): a token's attention scans its own
+conversation's cells alone, and a step is one decode call."""
 
 import ctypes
 import logging
@@ -81,10 +86,12 @@ class LlamaBackend(SlotBackend):
         prompt_cache: bool = True,
         pool_tokens: int | None = None,
         kv_groups: int = 1,
+        kv_streams: bool = False,
     ) -> None:
         init_llama_cpp()
         self.n_slots = n_slots
-        self.kv_groups = max(1, min(kv_groups, n_slots))
+        self.kv_streams = kv_streams and n_slots > 1
+        self.kv_groups = 1 if self.kv_streams else max(1, min(kv_groups, n_slots))
         self.prompt_cache = prompt_cache
         self.model = None
         self.groups: list[_Group] = []
@@ -110,18 +117,21 @@ class LlamaBackend(SlotBackend):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         trained = llama_cpp.llama_model_n_ctx_train(self.model)
         self.size_context(context_length, trained, pool_tokens)
+        if self.kv_streams:  # every slot's stream holds its whole context
+            self.pool_tokens = self.ctx_per_slot * self.n_slots
         self.slots = [Slot(index=index) for index in range(self.n_slots)]
         threads = n_threads or usable_cores()
         for group in range(self.kv_groups):
             members = [s for s in self.slots if self.group_of(s) == group]
             cparams = llama_cpp.llama_context_default_params()
-            # The group's KV (unified): a sequence may hold up to its
-            # context, more than an equal share of the pool.
+            # The group's KV, unified: a sequence may hold up to its context,
+            # more than an equal share of the pool. With KV streams, each
+            # sequence's own stream of the pool's equal share (its context).
             cparams.n_ctx = self.group_pool()
             cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
             cparams.n_seq_max = len(members)
             cparams.n_threads = cparams.n_threads_batch = threads
-            cparams.kv_unified = True
+            cparams.kv_unified = not self.kv_streams
             cparams.no_perf = True
             ctx = llama_cpp.llama_init_from_model(self.model, cparams)
             if not ctx:
@@ -243,11 +253,14 @@ class LlamaBackend(SlotBackend):
         cache's cells shared, not duplicated. Across groups: the source
         sequence's KV copied into the target's context (llama.cpp's sequence
         state, ~23 KiB a token for SmolLM2: a memory copy, not a pass of the
-        model), then cut after `count`; 0 where that context has no room."""
+        model), then cut after `count`; 0 where that context has no room.
+        Between KV streams (one context): as across groups."""
         group, to = self._where(target)
         source_group, origin = self._where(source)
         llama_cpp.llama_memory_seq_rm(group.memory, to, -1, -1)
-        if source_group is group:
+        # Between KV streams llama.cpp copies whole streams only: the
+        # sequence's state is copied instead, as across groups.
+        if source_group is group and not self.kv_streams:
             llama_cpp.llama_memory_seq_cp(group.memory, origin, to, 0, count)
             return count
         size = llama_cpp.llama_state_seq_get_size(source_group.ctx, origin)

@@ -147,6 +147,9 @@ class SlotPlan:
     kv_mib: float
     auto: bool
     kv_groups: int = 1
+    # A GGUF model whose pool holds every slot's whole context: one context
+    # with a KV stream per slot (llama.cpp's kv_unified off), no groups.
+    kv_streams: bool = False
 
     def describe(self) -> dict:
         return {
@@ -156,6 +159,7 @@ class SlotPlan:
             "kv_pool_tokens": self.pool_tokens,
             "kv_mib": round(self.kv_mib, 1),
             "kv_groups": self.kv_groups,
+            "kv_streams": self.kv_streams,
         }
 
 
@@ -168,8 +172,11 @@ def plan_slots(spec: ModelSpec, limits: Limits) -> SlotPlan:
     (Limits.max_slots_per_model), at least one. A GGUF model's KV groups: as
     many as leave each group GROUP_MIN_SLOTS slots and GROUP_MIN_CONTEXTS
     contexts of the pool, up to MAX_KV_GROUPS (so a conversation can still
-    hold its whole context, more than an equal share). Reads file headers:
-    run it off the event loop."""
+    hold its whole context, more than an equal share); but where the pool
+    holds every slot's whole context, no groups: a KV stream per slot
+    (`kv_streams`), each token's attention over its own conversation's
+    cells alone, in one decode call a step. Reads file headers: run it off
+    the event loop."""
     try:
         shape = _shape(spec)
     except (OSError, ValueError, KeyError):
@@ -184,12 +191,20 @@ def plan_slots(spec: ModelSpec, limits: Limits) -> SlotPlan:
         share = min(context, AUTO_SLOT_TOKENS)
         slots = max(1, min(limits.max_slots_per_model, budget // share))
     pool = max(context, min(budget, slots * context))
-    groups = 1
-    if spec.format == "gguf":
+    groups, streams = 1, False
+    if spec.format == "gguf" and slots > 1 and pool >= slots * context:
+        streams = True
+    elif spec.format == "gguf":
         by_pool = pool // (GROUP_MIN_CONTEXTS * context)
         groups = max(1, min(MAX_KV_GROUPS, slots // GROUP_MIN_SLOTS, by_pool))
     return SlotPlan(
-        slots, context, pool, pool * per_token, auto=not spec.slots, kv_groups=groups
+        slots,
+        context,
+        pool,
+        pool * per_token,
+        auto=not spec.slots,
+        kv_groups=groups,
+        kv_streams=streams,
     )
 
 

@@ -112,6 +112,7 @@ class ModelState(Part):
     kv_pool_tokens: int | None = None
     kv_mib: float | None = None
     kv_groups: int | None = None
+    kv_streams: bool | None = None
     copied_tokens: int | None = None
     offload: OffloadState | None = None
     # Measured: a generation model's tokens per second of its decode steps over

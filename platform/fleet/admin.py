@@ -259,7 +259,12 @@ def _residence_text(where) -> str:
     if where.slots:
         text += f": {where.slots} slot{'s' if where.slots > 1 else ''}"
         text += " (auto)" if where.slots_auto else ""
-        if where.kv_pool_tokens:
+        if where.kv_pool_tokens and where.kv_streams:
+            text += (
+                f", a KV stream of {where.context:,} tokens each "
+                f"({where.kv_mib or 0:.0f} MiB in all)"
+            )
+        elif where.kv_pool_tokens:
             text += (
                 f" sharing a {where.kv_pool_tokens:,}-token KV pool "
                 f"({where.kv_mib or 0:.0f} MiB)"

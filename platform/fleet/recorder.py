@@ -40,6 +40,7 @@ SLOT_PLAN_FIELDS = (
     "kv_pool_tokens",
     "kv_mib",
     "kv_groups",
+    "kv_streams",
 )
 
 

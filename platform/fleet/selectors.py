@@ -407,6 +407,7 @@ class Residence:
     kv_mib: float | None = None
     context: int | None = None
     kv_groups: int = 1
+    kv_streams: bool = False  # a KV stream per slot instead of a shared pool
     # A GGUF model's offload plan there: the one-line reason (layers on the
     # cards, MiB per card, the rest on the CPU), "" when none was recorded.
     offload: str = ""
@@ -432,6 +433,7 @@ def model_residence(*, name: str) -> list[Residence]:
                         kv_mib=item.get("kv_mib"),
                         context=item.get("context"),
                         kv_groups=item.get("kv_groups") or 1,
+                        kv_streams=bool(item.get("kv_streams")),
                         offload=(item.get("offload") or {}).get("reason", ""),
                         tokens_per_s=item.get("tokens_per_s"),
                         device_cards_mib=item.get("device_cards_mib"),

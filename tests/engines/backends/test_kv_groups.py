@@ -183,3 +183,58 @@ def test_a_prefix_still_being_read_is_waited_for_and_copied(models_dir):
     assert answers["a"]["final"]["usage"]["cached_tokens"] == 0
     for name, text in report["alone"].items():
         assert answers[name]["text"] == text, name
+
+
+STREAMS = """
+streamed = LlamaBackend(
+    MODEL, n_slots=4, kv_streams=True, context_length=512, n_threads=2,
+)
+run = Run(streamed)
+first = run.admit("a", chat(streamed, QUESTIONS[0]), max_tokens=40)
+run.until(lambda: first["text"])  # a's prompt is in its stream
+copied = []
+for name, question in zip("bcd", QUESTIONS[1:]):
+    before = streamed.copied_tokens
+    run.admit(name, chat(streamed, question))
+    copied.append(streamed.copied_tokens - before)
+    streamed.step()
+answers = run.finish()
+# Every stream holds its whole context at once: four ~450-token prompts.
+full = Run(streamed)
+for name, word in zip("wxyz", ("boat", "wave", "tide", "gull")):
+    full.admit(name, "Count the " + word + "s: " + (word + " ") * 440, max_tokens=8)
+filled = full.finish()
+flat = backend(1, 1200)
+alone = {}
+for name, question in zip("abcd", QUESTIONS):
+    one = Run(flat)
+    one.admit(name, chat(flat, question), max_tokens=40 if name == "a" else 12)
+    alone[name] = one.finish()[name]["text"]
+print(json.dumps({
+    "answers": answers, "copied": copied, "alone": alone, "filled": filled,
+    "groups": streamed.kv_groups, "pool": streamed.pool_tokens,
+}))
+"""
+
+
+def test_kv_streams_copy_a_prefix_and_each_holds_its_whole_context(models_dir):
+    """One context with a KV stream per slot (llama.cpp's kv_unified off):
+    the system prompt `a` read is copied into b's, c's and d's streams (the
+    sequence's state: llama.cpp copies only whole streams), and each greedy
+    answer is the one the prompt gets alone in a unified context (a copy
+    that went wrong would change it). Four prompts near the context's length
+    at once all finish: each stream holds its own whole context (a unified
+    pool of the same size, shared, would hold them too; a pool of one
+    context would not: test_new_conversations_go_to_the_emptier_group...)."""
+    report = drive(models_dir, STREAMS)
+    assert (report["groups"], report["pool"]) == (1, 4 * 512)
+    answers = report["answers"]
+    assert all(count > 100 for count in report["copied"]), report["copied"]
+    for name, count in zip("bcd", report["copied"], strict=True):
+        assert answers[name]["final"]["usage"]["cached_tokens"] == count
+    for name, text in report["alone"].items():
+        assert answers[name]["final"]["event"] == "done", answers[name]
+        assert answers[name]["text"] == text, name
+    for name, record in report["filled"].items():
+        assert record["final"]["event"] == "done", (name, record)
+        assert record["final"]["usage"]["prompt_tokens"] > 440

@@ -118,21 +118,31 @@ def test_auto_slots_follow_the_kv_budget_up_to_the_cap():
 
 def test_a_gguf_models_slots_split_into_kv_groups_of_at_least_two_contexts():
     """KV groups (one llama.cpp context each): as many as leave each group 4
-    slots and two whole contexts of the pool, at most 4; transformers keeps
-    one (its slots hold their own tensors)."""
+    slots and two whole contexts of the pool, at most 4; but a pool that
+    holds every slot's whole context gets a KV stream per slot in one
+    context instead; transformers keeps one group (its slots hold their own
+    tensors)."""
     model = spec("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", 2048)
     default = plan_slots(model, Limits())  # 1 GiB: 46,603 tokens, 32 slots
     assert (default.slots, default.kv_groups) == (32, 4)
     assert default.describe()["kv_groups"] == 4
+    assert not default.kv_streams  # 46,603 tokens, under 32 whole contexts
     roomy = plan_slots(model, Limits(kv_cache_mib=1024, max_slots_per_model=8))
-    assert roomy.kv_groups == 2  # 8 slots: two groups of four
+    assert (roomy.kv_groups, roomy.kv_streams) == (1, True)  # 8 whole contexts
+    assert roomy.describe()["kv_streams"]
+    just = plan_slots(model, Limits(kv_cache_mib=1440, max_slots_per_model=32))
+    assert (just.pool_tokens, just.kv_groups, just.kv_streams) == (32 * 2048, 1, True)
+    under = plan_slots(model, Limits(kv_cache_mib=1439, max_slots_per_model=32))
+    assert (under.kv_groups, under.kv_streams) == (4, False)  # the control
     tight = plan_slots(model, Limits(kv_cache_mib=180, max_slots_per_model=32))
     assert (tight.slots, tight.pool_tokens // 4096) == (8, 2)
-    assert tight.kv_groups == 2  # 8,192 tokens: two groups of two contexts
+    assert (tight.kv_groups, tight.kv_streams) == (2, False)  # two of two contexts
     small = plan_slots(model, Limits(kv_cache_mib=90, max_slots_per_model=32))
     assert small.kv_groups == 1  # 4,096 tokens hold two contexts: one group
     hf = spec("transformers", "SmolLM2-135M-Instruct.Q4_1.gguf", 2048)
     assert plan_slots(hf, Limits()).kv_groups == 1
+    hf_roomy = plan_slots(hf, Limits(kv_cache_mib=1024, max_slots_per_model=8))
+    assert not hf_roomy.kv_streams
 
 
 def test_the_default_context_is_the_trained_one_up_to_4096():

@@ -316,6 +316,27 @@ def test_model_change_form_shows_owner_engine_and_memory_where_resident(
         "cpu0 (312 MiB): 8 slots (auto) sharing a 16,384-token KV pool (360 MiB) "
         "in 2 groups, up to 2,048 tokens per conversation"
     ) in body
+    # One whose pool holds every slot's context: a KV stream per slot.
+    EngineState.objects.filter(spec=engine).update(
+        resident_models=[
+            {
+                "name": "chatty",
+                "memory_mib": 312.4,
+                "slots": 8,
+                "slots_auto": True,
+                "context": 2048,
+                "kv_pool_tokens": 16384,
+                "kv_mib": 360.0,
+                "kv_groups": 1,
+                "kv_streams": True,
+            }
+        ]
+    )
+    body = admin_client.get(url).content.decode()
+    assert (
+        "cpu0 (312 MiB): 8 slots (auto), a KV stream of 2,048 tokens each "
+        "(360 MiB in all)"
+    ) in body
     # A GGUF model on a GPU engine: its offload plan there.
     offload = {
         "gpu_layers": 18,
