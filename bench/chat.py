@@ -1,30 +1,41 @@
 """Chat as people use it: many conversations at once, each turn resending the
-whole conversation after a shared system prompt.
+whole conversation after a shared system prompt, and the same conversations
+again in a second pass.
 
-Run: .venv/bin/python bench/chat.py [--users 32] [--turns 6] [--only NAME ...]
+Run: .venv/bin/python bench/chat.py [--users 32] [--turns 4] [--passes 2]
+     [--only NAME ...]
 
 Each simulated user opens a conversation with the same ~400-token system prompt,
 asks a short question, waits for the whole streamed answer (SSE, at most
-`--answer-tokens` tokens, greedy), thinks for a moment (0.5-1.5 s, seeded) and
-asks the next question with the conversation so far, `--turns` times. Users
-start within the first second, in a seeded order.
+`--answer-tokens` tokens, 48 by default, greedy), thinks for a moment
+(0.5-1.5 s, seeded) and asks the next question with the conversation so far,
+`--turns` times. Users start within the first second, in a seeded order. A
+second pass sends the same conversations again (greedy: the same answers), the
+servers' caches warm, as people come back to a chat.
 
 Servers, one after the other, each on the same conversations:
+- `llama-server-tuned` (the anchor): llama.cpp's C++ server on the same GGUF
+  file and thread count, tuned to Roundhouse's default shape for the model
+  (`-np 32 -c 46592`: its slots and its KV pool), through its
+  /v1/chat/completions. Built as bench/README.md says and found through
+  ROUNDHOUSE_LLAMA_SERVER; left out without it;
+- `llama-server`: the same with its own defaults (4 slots; `--only` it);
 - `roundhouse`: the platform with the settings a fresh `make run` gives (its own
   temporary run dir, the bundled models, `manage.py supervise`, the front), through
   /v1/chat/completions with an API key;
+- `roundhouse-streams`: the same with a KV budget that holds every slot's whole
+  context (1,440 MiB), which gives a KV stream per slot instead of KV groups;
 - `roundhouse-nocache`: the same with the model's prompt cache switched off in
-  the admin (ModelConfig.prompt_cache), the control for the cache's effect;
-- `llama-server` (the anchor): llama.cpp's C++ server with its own defaults on the
-  same GGUF file and thread count, through its /v1/chat/completions. Built as
-  bench/README.md says and found through ROUNDHOUSE_LLAMA_SERVER; left out
-  without it.
+  the admin (ModelConfig.prompt_cache), the control for the cache's effect.
+By default the anchor and `roundhouse` run.
 
-Reported per server: aggregate completion tokens/s over the whole run, p50 and p99
-time to first token per turn, prompt tokens sent and the share the server took
-from its cache. Ratios: Roundhouse's tokens/s over the anchor's (goal >= 1.0),
-its turn-6 p50 TTFT over the anchor's (goal <= 1.0), and its turn-6 p50 TTFT
-with the cache over without (goal <= 0.25).
+Reported per server and pass: aggregate completion tokens/s over the pass,
+p50 and p99 time to first token per turn (and the engine's own part of it),
+prompt tokens sent and the share the server took from its cache. Ratios, per
+pass: Roundhouse's tokens/s over the anchor's (goals: >= 1.2 on the first
+pass, >= 1.0 on the second) and each turn's p50 TTFT over the anchor's (goal
+<= 1.0 each); with `roundhouse-nocache`, the last turn's p50 TTFT with the
+cache over without (goal <= 0.25).
 """
 
 import argparse

@@ -45,6 +45,7 @@ django_application = get_asgi_application()
 from api.dialects.anthropic.translation import (  # noqa: E402
     error_response as anthropic_error_response,
 )
+from api.dialects.ollama.access import refusal as ollama_refusal  # noqa: E402
 from api.errors import ApiError  # noqa: E402
 from api.gateway import front_gateway  # noqa: E402
 from api.usage import usage_flush, usage_writer  # noqa: E402
@@ -62,8 +63,10 @@ API_PATHS = (
     "/healthz",
     "/metrics",
 )
-# Anthropic's Messages API answers its refusals in Anthropic's error shape.
+# Anthropic's Messages API answers its refusals in Anthropic's error shape,
+# Ollama's API in Ollama's.
 ANTHROPIC_PATHS = ("/v1/messages",)
+OLLAMA_PATHS = ("/api/",)
 
 log = logging.getLogger("roundhouse.serve")
 
@@ -73,6 +76,8 @@ def refusal_framing(path: str) -> Callable[[ApiError], HttpResponse]:
     error shape, else OpenAI's."""
     if path.startswith(ANTHROPIC_PATHS):
         return anthropic_error_response
+    if path.startswith(OLLAMA_PATHS):
+        return ollama_refusal
     return ApiError.response
 
 

@@ -203,9 +203,10 @@ def test_the_document_lists_every_status_in_anthropics_shape(path):
     assert error_schema["schema"]["$ref"].endswith("/AnthropicErrorResponse")
 
 
-async def test_a_body_over_the_cap_is_refused_in_anthropics_shape(settings):
+async def test_a_body_over_the_cap_is_refused_in_each_dialects_shape(settings):
     """The size cap refuses a Messages body before its view, in Anthropic's
-    error shape; the control: an OpenAI path's in OpenAI's."""
+    error shape, and an Ollama body in Ollama's (`{"error": "..."}`); the
+    control: an OpenAI path's in OpenAI's."""
     from roundhouse.asgi import api_application
 
     settings.ROUNDHOUSE_MAX_REQUEST_BYTES = 1000
@@ -229,6 +230,9 @@ async def test_a_body_over_the_cap_is_refused_in_anthropics_shape(settings):
     assert status == 413
     assert body["type"] == "error"
     assert body["error"]["type"] == "request_too_large"
+    status, body = await refused("/api/chat")
+    assert status == 413
+    assert set(body) == {"error"} and "the limit is 1000 bytes" in body["error"]
     status, body = await refused("/v1/chat/completions")
     assert status == 413
     assert body["error"]["code"] == "request_too_large"
