@@ -196,10 +196,12 @@ def pull_form(**fields) -> dict:
     }
 
 
+@pytest.mark.django_db(transaction=True)
 def test_pull_starts_the_job_and_opens_its_page(admin_client, hub, settings):
     """The Pull button queues the pull (the plan read, no weights) and opens
     its page; run, the page links the model. Control for the header-only
-    read: the run fetches the whole file."""
+    read: the run fetches the whole file. (Committed rows: the run's
+    progress is written by a thread of its own, on its own connection.)"""
     commit = hub.commit_sha(REPO)
     answer = admin_client.post(PAGE, pull_form(commit=commit))
     pull = ModelPull.objects.get(name="smol-pulled")
