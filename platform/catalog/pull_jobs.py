@@ -2,17 +2,16 @@
 where it is asked for (the source read, its name checked, before a byte of
 weights), kept as a ModelPull row with its plan, and run by a worker that
 holds its lease: progress written every PROGRESS_EVERY_S while bytes come,
-by a thread beside the download
-(bytes, rate, time left, and when they came: a stall shows, as
-catalog.pull_progress reads it), a cancel seen at the next write, a Hub that
-fails or stalls mid-file continued from what was fetched (TRANSIENT_TRIES
-times), and a worker killed mid-pull resumed by the next worker to start (or
-by beat, once its lease expired) from the partial file it left. On a cluster
-a pull may name its node: it goes to that node's queue (pull_queue_name),
-which the node's own worker takes; one that names none goes where its
-caller's `node_default` says (the fleet's: where the model's first replica is
-placed, fleet.pull_node), the reason kept on the row. Leases are stamped and
-judged by the database's clock."""
+by a thread beside the download (bytes, rate, time left, and when they came:
+a stall shows, as catalog.pull_progress reads it), a cancel seen at the next
+write, a Hub that fails or stalls mid-file continued from what was fetched
+(TRANSIENT_TRIES times), and a worker killed mid-pull resumed by the next
+worker to start (or by beat, once its lease expired) from the partial file
+it left. On a cluster a pull may name its node: it goes to that node's queue
+(pull_queue_name), which the node's own worker takes; one that names none
+goes where its caller's `node_default` says (the fleet's: where the model's
+first replica is placed, fleet.pull_node), the reason kept on the row.
+Leases are stamped and judged by the database's clock."""
 
 import logging
 import shutil
@@ -243,7 +242,6 @@ class _Reporter:
     def __init__(self, pull_id: int, owner: str) -> None:
         self.pull_id = pull_id
         self.held = ModelPull.objects.filter(pk=pull_id, lease_owner=owner)
-        self.rate = 0.0
         self._latest: Progress | None = None
         self._written = -1  # the bytes last written
         self._ended: LeaseLost | PullCancelled | None = None
@@ -260,10 +258,14 @@ class _Reporter:
         self._stop.set()
         self._thread.join()
 
+    @property
+    def rate(self) -> float:
+        """The download's rate as last reported (0 before any bytes)."""
+        return self._latest.rate if self._latest is not None else 0.0
+
     def __call__(self, progress: Progress) -> None:
         """The client's bytes so far (its download thread): kept for the next
         write; what a write found raised here."""
-        self.rate = progress.rate
         self._latest = progress
         if self._ended is not None:
             raise self._ended
