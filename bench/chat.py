@@ -58,13 +58,7 @@ from bench.front import MODEL, Platform, http_open  # noqa: E402
 from bench.generation import MODEL_PATH, THREADS, free_port, wait_http  # noqa: E402
 
 SEED = 20261201
-SERVERS = [
-    "llama-server",
-    "llama-server-tuned",
-    "roundhouse",
-    "roundhouse-streams",
-    "roundhouse-nocache",
-]
+LLAMA_SERVERS = ("llama-server", "llama-server-tuned")
 TIMEOUT_S = 600.0  # one answer, queueing included
 
 SYSTEM_PROMPT = " ".join(
@@ -431,7 +425,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="*",
-        choices=SERVERS,
+        choices=[*LLAMA_SERVERS, *VARIANTS],
         help="run only these servers (default: all but llama-server's defaults "
         "and roundhouse-nocache)",
     )
@@ -445,7 +439,7 @@ def main() -> None:
     wanted = args.only or ["llama-server-tuned", "roundhouse"]
     runs = []
     binary = os.environ.get("ROUNDHOUSE_LLAMA_SERVER")
-    for name in ("llama-server", "llama-server-tuned"):
+    for name in LLAMA_SERVERS:
         if name not in wanted:
             continue
         if binary:
