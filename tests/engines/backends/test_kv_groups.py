@@ -62,27 +62,37 @@ def chat(model, question):
         {"role": "user", "content": question},
     ]
     return model.render_prompt({"messages": messages})
+
+
+# `a` reads the system prompt, then b, c and d arrive while it runs: their
+# answers and the prompt tokens each copied instead of reading.
+def copied_while_a_runs(model):
+    run = Run(model)
+    first = run.admit("a", chat(model, QUESTIONS[0]), max_tokens=40)
+    run.until(lambda: first["text"])  # a's prompt is in its slot's KV
+    copied = []
+    for name, question in zip("bcd", QUESTIONS[1:]):
+        before = model.copied_tokens
+        run.admit(name, chat(model, question))
+        copied.append(model.copied_tokens - before)
+        model.step()
+    return run.finish(), copied
+
+
+# The same four prompts, each alone in a single-group model.
+def answered_alone():
+    flat = backend(1, 1200)
+    alone = {}
+    for name, question in zip("abcd", QUESTIONS):
+        one = Run(flat)
+        one.admit(name, chat(flat, question), max_tokens=40 if name == "a" else 12)
+        alone[name] = one.finish()[name]["text"]
+    return alone
 """
 
 COPY_WITHIN_AND_ACROSS = """
-grouped = backend(2, 1200)
-run = Run(grouped)
-first = run.admit("a", chat(grouped, QUESTIONS[0]), max_tokens=40)
-run.until(lambda: first["text"])  # a's prompt is in its slot's KV
-copied = []
-for name, question in zip("bcd", QUESTIONS[1:]):
-    before = grouped.copied_tokens
-    run.admit(name, chat(grouped, question))
-    copied.append(grouped.copied_tokens - before)
-    grouped.step()
-answers = run.finish()
-flat = backend(1, 1200)
-alone = {}
-for name, question in zip("abcd", QUESTIONS):
-    one = Run(flat)
-    one.admit(name, chat(flat, question), max_tokens=40 if name == "a" else 12)
-    alone[name] = one.finish()[name]["text"]
-print(json.dumps({"answers": answers, "copied": copied, "alone": alone}))
+answers, copied = copied_while_a_runs(backend(2, 1200))
+print(json.dumps({"answers": answers, "copied": copied, "alone": answered_alone()}))
 """
 
 
@@ -189,29 +199,15 @@ STREAMS = """
 streamed = LlamaBackend(
     MODEL, n_slots=4, kv_streams=True, context_length=512, n_threads=2,
 )
-run = Run(streamed)
-first = run.admit("a", chat(streamed, QUESTIONS[0]), max_tokens=40)
-run.until(lambda: first["text"])  # a's prompt is in its stream
-copied = []
-for name, question in zip("bcd", QUESTIONS[1:]):
-    before = streamed.copied_tokens
-    run.admit(name, chat(streamed, question))
-    copied.append(streamed.copied_tokens - before)
-    streamed.step()
-answers = run.finish()
+answers, copied = copied_while_a_runs(streamed)
 # Every stream holds its whole context at once: four ~450-token prompts.
 full = Run(streamed)
 for name, word in zip("wxyz", ("boat", "wave", "tide", "gull")):
     full.admit(name, "Count the " + word + "s: " + (word + " ") * 440, max_tokens=8)
 filled = full.finish()
-flat = backend(1, 1200)
-alone = {}
-for name, question in zip("abcd", QUESTIONS):
-    one = Run(flat)
-    one.admit(name, chat(flat, question), max_tokens=40 if name == "a" else 12)
-    alone[name] = one.finish()[name]["text"]
 print(json.dumps({
-    "answers": answers, "copied": copied, "alone": alone, "filled": filled,
+    "answers": answers, "copied": copied, "alone": answered_alone(),
+    "filled": filled,
     "groups": streamed.kv_groups, "pool": streamed.pool_tokens,
 }))
 """
