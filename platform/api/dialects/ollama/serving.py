@@ -51,9 +51,10 @@ SAMPLING_OPTIONS = ("temperature", "top_p", "presence_penalty", "frequency_penal
 ENGINE_OPTIONS = ("top_k", "min_p", "repeat_penalty")
 
 
-class OllamaChat(ChatCompletionRequest):
-    """A chat request with the engine's own samplers Ollama's options name,
-    and its keep-alive (seconds)."""
+class _OllamaFields(BaseModel):
+    """What Ollama's requests carry beyond OpenAI's: the engine's own samplers
+    its options name, and the request's keep-alive (seconds); sent to the
+    engine where set."""
 
     top_k: int | None = None
     min_p: float | None = None
@@ -61,24 +62,17 @@ class OllamaChat(ChatCompletionRequest):
     keep_alive_s: float | None = None
 
     def engine_fields(self) -> dict[str, Any]:
-        return {**super().engine_fields(), **_engine_options(self)}
+        out = {name: getattr(self, name) for name in (*ENGINE_OPTIONS, "keep_alive_s")}
+        mine = {name: value for name, value in out.items() if value is not None}
+        return {**super().engine_fields(), **mine}
 
 
-class OllamaCompletion(CompletionRequest):
-    """A completion request with the engine's own samplers and keep-alive."""
-
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    keep_alive_s: float | None = None
-
-    def engine_fields(self) -> dict[str, Any]:
-        return {**super().engine_fields(), **_engine_options(self)}
+class OllamaChat(_OllamaFields, ChatCompletionRequest):
+    """A chat request with Ollama's samplers and keep-alive."""
 
 
-def _engine_options(request: BaseModel) -> dict[str, Any]:
-    out = {name: getattr(request, name) for name in (*ENGINE_OPTIONS, "keep_alive_s")}
-    return {name: value for name, value in out.items() if value is not None}
+class OllamaCompletion(_OllamaFields, CompletionRequest):
+    """A completion request with Ollama's samplers and keep-alive."""
 
 
 # -- requests ----------------------------------------------------------------------
