@@ -111,6 +111,19 @@ class Live:
     def engine(self) -> EngineClient:
         return EngineClient.for_engine(self.run_dir, ENGINE)
 
+    def wait_engine_back(self) -> None:
+        """Until the engine (killed by the test, respawned by the supervisor)
+        answers an embedding through the front."""
+
+        def answers() -> bool:
+            try:
+                self.client().embeddings.create(model=EMBEDDER, input="back again")
+            except openai.APIStatusError:
+                return False
+            return True
+
+        wait_for(answers, timeout=120, what="the respawned engine answering")
+
     def get(self, path: str) -> tuple[int, Message, bytes]:
         try:
             with urllib.request.urlopen(self.base_url + path, timeout=30) as reply:

@@ -418,11 +418,4 @@ def test_engine_killed_mid_request_is_502_then_respawned(live):
     assert outcome["error"].status_code == 502
     assert outcome["error"].body["code"] == "engine_died"
 
-    def answers() -> bool:
-        try:
-            live.client().embeddings.create(model=EMBEDDER, input="back again")
-        except openai.APIStatusError:
-            return False
-        return True
-
-    wait_for(answers, timeout=120, what="the respawned engine answering")
+    live.wait_engine_back()

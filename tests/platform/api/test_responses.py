@@ -494,11 +494,4 @@ def test_an_engine_failing_mid_stream_ends_it_failed_and_stored_so(live, orm):
     assert stored.status == "failed" and stored.error.code == "engine_died"
     assert said and stored.output_text.startswith(said)
 
-    def answers() -> bool:
-        try:
-            live.client().embeddings.create(model=EMBEDDER, input="back again")
-        except openai.APIStatusError:
-            return False
-        return True
-
-    wait_for(answers, timeout=120, what="the respawned engine answering")
+    live.wait_engine_back()
