@@ -358,7 +358,9 @@ def test_full_queue_and_queue_timeout_answer_overloaded(llm_engine, engine_limit
             target=lambda: outcome.setdefault(
                 "queued",
                 client.generate(
-                    GenerateRequest(model=SMOL, prompt="Wait", max_tokens=2)
+                    GenerateRequest(
+                        model=SMOL, prompt="Wait", max_tokens=2, ignore_eos=True
+                    )
                 ),
             )
         )

@@ -103,7 +103,7 @@ def test_a_busy_model_is_never_evicted_the_load_waits(engine, engine_limits):
 
     def ask_b():
         outcome["reply"] = engine.client().generate(
-            GenerateRequest(model="b", prompt="hi", max_tokens=2)
+            GenerateRequest(model="b", prompt="hi", max_tokens=2, ignore_eos=True)
         )
 
     waiter = threading.Thread(target=ask_b)
@@ -180,7 +180,9 @@ def test_unload_drains_in_flight_and_queued_work(engine, engine_limits):
         has begun, the request waits for it, then for a fresh load."""
         try:
             return engine.client().generate(
-                GenerateRequest(model="slow", prompt="hi", max_tokens=2)
+                GenerateRequest(
+                    model="slow", prompt="hi", max_tokens=2, ignore_eos=True
+                )
             )
         except EngineRequestError as error:
             assert "already wait" in error.message, error
@@ -243,7 +245,7 @@ def test_a_queued_model_is_never_evicted(engine, engine_limits):
     waiting = run(
         "a",
         lambda: engine.client().generate(
-            GenerateRequest(model="a", prompt="the cat", max_tokens=2)
+            GenerateRequest(model="a", prompt="the cat", max_tokens=2, ignore_eos=True)
         ),
     )
     wait_for(lambda: model_state(engine, "a").queued == 1, what="a queued")
