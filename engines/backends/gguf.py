@@ -48,6 +48,20 @@ SCORED_TOKENS = 32
 PENALTY_WINDOW = 64
 
 
+def _penalised(params: SamplingParams) -> bool:
+    return bool(
+        params.repeat_penalty != 1.0
+        or params.frequency_penalty
+        or params.presence_penalty
+    )
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy sampling with no penalty: nothing for a sampler chain to do
+    but take the highest logit."""
+    return params.temperature <= 0 and not _penalised(params)
+
+
 @dataclass
 class _Group:
     """One llama.cpp context: a KV group's slots (sequence id = the slot's
@@ -227,12 +241,16 @@ class LlamaBackend(SlotBackend):
     # -- slots ---------------------------------------------------------------------
 
     def _open(self, slot: Slot) -> None:
-        slot.state = self._sampler(slot.request.params)  # the slot's sampler chain
+        """The slot's sampler chain; none for greedy sampling with no
+        penalty: its token is the row's argmax (_sample_at)."""
+        params = slot.request.params
+        slot.state = None if _plain_greedy(params) else self._sampler(params)
 
     def _close(self, slot: Slot) -> None:
         """Free the request's sampler; the slot's KV stays (its prompt cache)."""
         if slot.state is not None:
             llama_cpp.llama_sampler_free(slot.state)
+            slot.state = None
 
     def _where(self, slot: Slot) -> tuple[_Group, int]:
         """The slot's group and its sequence id in the group's context."""
@@ -287,11 +305,7 @@ class LlamaBackend(SlotBackend):
             llama_cpp.llama_sampler_chain_default_params()
         )
         add = llama_cpp.llama_sampler_chain_add
-        if (
-            params.repeat_penalty != 1.0
-            or params.frequency_penalty
-            or params.presence_penalty
-        ):
+        if _penalised(params):
             add(
                 chain,
                 llama_cpp.llama_sampler_init_penalties(
@@ -441,19 +455,23 @@ class LlamaBackend(SlotBackend):
         group, index = where
         params = slot.request.params
         logprobs = self._logprobs(group.ctx, index) if params.logprobs else None
+        pointer = llama_cpp.llama_get_logits_ith(group.ctx, index)
+        logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
         if slot.matcher is not None:
             # Only the tokens the grammar allows next (in place: the sampler
             # reads these logits).
-            pointer = llama_cpp.llama_get_logits_ith(group.ctx, index)
-            logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
             np.putmask(logits, ~self.grammars.allowed(slot.index), -np.inf)
-        token = llama_cpp.llama_sampler_sample(slot.state, group.ctx, index)
+        if slot.state is None:  # greedy: llama.cpp's greedy sampler's pick
+            # (the first highest logit) without its copy of the vocabulary
+            token = int(logits.argmax())
+        else:
+            token = llama_cpp.llama_sampler_sample(slot.state, group.ctx, index)
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"the sampler returned token {token}")
         # NaN or inf logits (a broken model, numerical overflow) let the sampler
         # pick anything: the chosen token's own logit tells, at the cost of one
         # read instead of a pass over the vocabulary.
-        logit = llama_cpp.llama_get_logits_ith(group.ctx, index)[token]
+        logit = logits[token]
         if not math.isfinite(logit):
             raise ValueError("the model produced non-finite logits (NaN or inf)")
         entry = None

@@ -70,3 +70,51 @@ def test_a_first_token_leaves_before_running_streams_tokens(models_dir):
     # Every stream produced a token in that pass, the new one first.
     assert sorted(tokens) == ["a", "b", "c"], events
     assert tokens[0] == "c", events
+
+
+GREEDY_AGAINST_SAMPLER = """
+import json
+from engines.backends.gguf import LlamaBackend
+from engines.generation.runner import GenerationRequest
+from engines.generation.sampling import SamplingParams
+
+backend = LlamaBackend(MODEL, n_slots=4, context_length=512, n_threads=2)
+texts = {}
+
+def request(name, prompt, **sampling):
+    def emit(event, name=name):
+        if event["event"] == "token":
+            texts[name] = texts.get(name, "") + event["text"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **sampling)
+    return GenerationRequest(backend.tokenize(prompt), params, emit)
+
+prompts = {"ships": "The history of ships", "bread": "To bake bread, first"}
+for name, prompt in prompts.items():
+    # greedy with no penalty: no sampler chain, the row's argmax
+    backend.admit(request(name + "/greedy", prompt, temperature=0.0))
+    # llama.cpp's chain keeping one candidate: top-k 1, then its dist sampler
+    backend.admit(request(name + "/top1", prompt, temperature=0.7, top_k=1))
+chains = [slot.state is not None for slot in backend.slots]
+while backend.active():
+    backend.step()
+print(json.dumps({"texts": texts, "chains": chains}))
+backend.close()
+"""
+
+
+def test_greedy_picks_what_llama_cpps_sampler_picks(models_dir):
+    """Greedy requests with no penalty take each row's argmax with no sampler
+    chain (one numpy pass instead of llama.cpp's copy of the vocabulary); the
+    text equals that of llama.cpp's own chain keeping only the top candidate,
+    run in the same passes."""
+    model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    result = run_python(
+        f"MODEL = {str(model)!r}\n{GREEDY_AGAINST_SAMPLER}", timeout=300
+    )
+    assert result.returncode == 0, f"decode died ({result.returncode}): {result.stderr}"
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["chains"] == [False, True, False, True]  # the argmax path ran
+    texts = report["texts"]
+    for name in ("ships", "bread"):
+        assert texts[f"{name}/greedy"].strip(), texts
+        assert texts[f"{name}/greedy"] == texts[f"{name}/top1"], texts
