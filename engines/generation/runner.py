@@ -2,12 +2,13 @@
 and the one decode thread per model that runs them."""
 
 import abc
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,49 @@ class GenerationBackend(abc.ABC):
         """Free the model and every slot."""
 
 
+class Handoff:
+    """Callbacks for an event loop from the decode thread, held while it runs a
+    pass and handed over when the pass ends, in one call_soon_threadsafe per
+    loop: 32 streams' next tokens wake the loop once, not 32 times, and the
+    loop turns them into frames beside the next llama_decode (which releases
+    the GIL) instead of taking turns at the GIL with the pass that samples
+    them. The order of the callbacks is kept. From any other thread, or from
+    the decode thread outside a pass, a callback is handed over at once."""
+
+    def __init__(self) -> None:
+        self._holder: int | None = None  # the thread running a pass
+        self._held: dict[Any, list[tuple[Callable, Any]]] = {}
+
+    def call_soon(self, loop: Any, callback: Callable[[Any], None], arg: Any) -> None:
+        """Run `callback(arg)` on `loop` (at once, or when the pass ends)."""
+        if self._holder == threading.get_ident():
+            self._held.setdefault(loop, []).append((callback, arg))
+            return
+        _hand_over(loop, callback, arg)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold the calling thread's callbacks until the block ends."""
+        self._holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._holder = None
+            held, self._held = self._held, {}
+            for loop, calls in held.items():
+                _hand_over(loop, _run_each, calls)
+
+
+def _hand_over(loop: Any, callback: Callable[[Any], None], arg: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop closed at exit
+        loop.call_soon_threadsafe(callback, arg)
+
+
+def _run_each(calls: list[tuple[Callable, Any]]) -> None:
+    for callback, arg in calls:
+        callback(arg)
+
+
 class DecodeThread:
     """The engine's one decode thread: it steps every generation model in turn.
 
@@ -139,6 +183,8 @@ class DecodeThread:
         # parallel requests); admission happens on this thread only.
         self.max_parallel = max_parallel
         self.died: str = ""  # why the loop ended, if it ever does
+        # Events for the event loop, handed over once per pass.
+        self.handoff = Handoff()
         self.progress_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
@@ -305,6 +351,11 @@ class GenerationRunner:
             return True
 
     @property
+    def handoff(self) -> Handoff:
+        """How this model's events reach an event loop (its decode thread's)."""
+        return self._decoder.handoff
+
+    @property
     def queued(self) -> int:
         return len(self._pending)
 
@@ -404,7 +455,8 @@ class GenerationRunner:
         if step and self.backend.active():
             started = time.perf_counter()
             try:
-                self.backend.step()
+                with self._decoder.handoff.holding():
+                    self.backend.step()
             except Exception as error:
                 log.exception("decode step of %s failed", self.name)
                 self.backend.fail_running(

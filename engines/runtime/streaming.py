@@ -117,7 +117,8 @@ async def serve_generation(
     prompt, matcher = await _prompt(model, request, fields, params)
     prompt_tokens = prompt.tokens
     loop = asyncio.get_running_loop()
-    # The decode thread's events land here; `ready` wakes this coroutine for
+    # The decode thread's events land here (a pass's events for every stream
+    # in one hand-over: runner.Handoff); `ready` wakes this coroutine for
     # them or for the caller hanging up. Events that arrived together leave in
     # one write (a last token and the final frame, typically): each write wakes
     # the caller, which costs both sides CPU.
@@ -129,8 +130,7 @@ async def serve_generation(
         ready.set()
 
     def emit(event: dict) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed at exit
-            loop.call_soon_threadsafe(arrived, event)
+        runner.handoff.call_soon(loop, arrived, event)
 
     generation = GenerationRequest(
         prompt_tokens=prompt_tokens,
