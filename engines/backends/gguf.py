@@ -454,9 +454,11 @@ class LlamaBackend(SlotBackend):
         """Sample the slot's next token from its group's output row."""
         group, index = where
         params = slot.request.params
-        logprobs = self._logprobs(group.ctx, index) if params.logprobs else None
         pointer = llama_cpp.llama_get_logits_ith(group.ctx, index)
         logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        # The raw row's copy, for its log-probabilities: a grammar's mask
+        # changes the row in place below.
+        logprobs = logits.copy() if params.logprobs else None
         if slot.matcher is not None:
             # Only the tokens the grammar allows next (in place: the sampler
             # reads these logits).
@@ -481,8 +483,8 @@ class LlamaBackend(SlotBackend):
 
     def _logprobs(self, ctx, index: int) -> np.ndarray:
         """A copy of an output row's raw logits (float32), for its
-        log-probabilities: a grammar's mask then changes llama.cpp's row in
-        place before sampling."""
+        log-probabilities (a prompt row's: llama.cpp's buffer is reused by
+        the next pass)."""
         pointer = llama_cpp.llama_get_logits_ith(ctx, index)
         return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
 

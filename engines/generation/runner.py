@@ -455,7 +455,7 @@ class GenerationRunner:
         if step and self.backend.active():
             started = time.perf_counter()
             try:
-                with self._decoder.handoff.holding():
+                with self.handoff.holding():
                     self.backend.step()
             except Exception as error:
                 log.exception("decode step of %s failed", self.name)
