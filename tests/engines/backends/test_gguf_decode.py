@@ -19,13 +19,19 @@ print(json.dumps({"tokens": tokens,
 """
 
 
+def decode_report(models_dir, script: str):
+    """Run a decode script on the bundled SmolLM2 in a child process (a
+    crash shows as a signal); its last line of output, as JSON."""
+    model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    result = run_python(f"MODEL = {str(model)!r}\n{script}", timeout=300)
+    assert result.returncode == 0, f"decode died ({result.returncode}): {result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def test_decode_produces_tokens_without_amx(models_dir):
     """A real decode runs in a child process (a crash would show as a signal) and
     the build reports no AMX kernels."""
-    model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    result = run_python(f"MODEL = {str(model)!r}\n{DECODE}", timeout=300)
-    assert result.returncode == 0, f"decode died ({result.returncode}): {result.stderr}"
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = decode_report(models_dir, DECODE)
     assert len(report["tokens"]) == 8
     assert "Paris" in report["text"]
     assert "AMX_INT8 = 1" not in report["system_info"]
@@ -62,10 +68,7 @@ def test_a_first_token_leaves_before_running_streams_tokens(models_dir):
     """In a pass where one slot's prompt ends while others decode, the new
     stream's first token is emitted before the running streams' next tokens
     (the relays downstream pass tokens on in the order they leave)."""
-    model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    result = run_python(f"MODEL = {str(model)!r}\n{FIRST_TOKENS_FIRST}", timeout=300)
-    assert result.returncode == 0, f"decode died ({result.returncode}): {result.stderr}"
-    events = json.loads(result.stdout.strip().splitlines()[-1])
+    events = decode_report(models_dir, FIRST_TOKENS_FIRST)
     tokens = [name for name, kind in events if kind == "token"]
     # Every stream produced a token in that pass, the new one first.
     assert sorted(tokens) == ["a", "b", "c"], events
@@ -107,12 +110,7 @@ def test_greedy_picks_what_llama_cpps_sampler_picks(models_dir):
     chain (one numpy pass instead of llama.cpp's copy of the vocabulary); the
     text equals that of llama.cpp's own chain keeping only the top candidate,
     run in the same passes."""
-    model = models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    result = run_python(
-        f"MODEL = {str(model)!r}\n{GREEDY_AGAINST_SAMPLER}", timeout=300
-    )
-    assert result.returncode == 0, f"decode died ({result.returncode}): {result.stderr}"
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = decode_report(models_dir, GREEDY_AGAINST_SAMPLER)
     assert report["chains"] == [False, True, False, True]  # the argmax path ran
     texts = report["texts"]
     for name in ("ships", "bread"):
