@@ -118,7 +118,7 @@ async def serve_generation(
     prompt_tokens = prompt.tokens
     loop = asyncio.get_running_loop()
     # The decode thread's events land here (a pass's events for every stream
-    # in one hand-over: runner.Handoff); `ready` wakes this coroutine for
+    # in one hand-over: handoff.Handoff); `ready` wakes this coroutine for
     # them or for the caller hanging up. Events that arrived together leave in
     # one write (a last token and the final frame, typically): each write wakes
     # the caller, which costs both sides CPU.

@@ -1,14 +1,15 @@
-"""runner.Handoff: what the decode thread emits during a pass reaches the event
-loop in one hand-over when the pass ends, in order; from another thread, or
-outside a pass, at once. A real event loop in its own thread; the hand-overs
-are counted on the way to its call_soon_threadsafe."""
+"""Handoff (engines/generation/handoff.py): what the decode thread emits
+during a pass reaches the event loop in one hand-over when the pass ends, in
+order; from another thread, or outside a pass, at once. A real event loop in
+its own thread; the hand-overs are counted on the way to its
+call_soon_threadsafe."""
 
 import asyncio
 import threading
 
 import pytest
 
-from engines.generation.runner import Handoff
+from engines.generation.handoff import Handoff
 
 
 class CountingLoop:
