@@ -16,15 +16,16 @@ servers' caches warm, as people come back to a chat.
 Servers, one after the other, each on the same conversations:
 - `llama-server-tuned` (the anchor): llama.cpp's C++ server on the same GGUF
   file and thread count, tuned to Roundhouse's default shape for the model
-  (`-np 32 -c 46592`: its slots and its KV pool), through its
+  (`-np 32 -c 65536`: its slots and its KV pool), through its
   /v1/chat/completions. Built as bench/README.md says and found through
   ROUNDHOUSE_LLAMA_SERVER; left out without it;
 - `llama-server`: the same with its own defaults (4 slots; `--only` it);
 - `roundhouse`: the platform with the settings a fresh `make run` gives (its own
   temporary run dir, the bundled models, `manage.py supervise`, the front), through
   /v1/chat/completions with an API key;
-- `roundhouse-streams`: the same with a KV budget that holds every slot's whole
-  context (1,440 MiB), which gives a KV stream per slot instead of KV groups;
+- `roundhouse-groups`: the same with the KV budget of before 2026-12-08 (1,024
+  MiB: 46,603 tokens, under 32 whole contexts), which splits the slots into 4
+  KV groups instead of a KV stream per slot (the default since);
 - `roundhouse-nocache`: the same with the model's prompt cache switched off in
   the admin (ModelConfig.prompt_cache), the control for the cache's effect.
 By default the anchor and `roundhouse` run.
@@ -256,19 +257,20 @@ async def conversations(server: str, port: int, key: str, args) -> Run:
 
 
 # What each Roundhouse variant changes in the admin before it starts: nothing
-# (a fresh `make run`), the model's prompt cache off (the cache's control), or
-# a KV budget that holds every slot's whole context (32 x 2,048 tokens of
-# SmolLM2: 1,440 MiB), which gives a KV stream per slot instead of groups.
+# (a fresh `make run`: SmolLM2's 32 slots with a KV stream each), the model's
+# prompt cache off (the cache's control), or the KV budget of before
+# 2026-12-08 (1,024 MiB, under every slot's whole context), which gives KV
+# groups instead of a stream per slot.
 VARIANTS = {
     "roundhouse": "",
     "roundhouse-nocache": (
         "from catalog.models import ModelConfig\n"
         f"ModelConfig.objects.filter(name={MODEL!r}).update(prompt_cache=False)"
     ),
-    "roundhouse-streams": (
+    "roundhouse-groups": (
         "from fleet.models import ConcurrencySettings\n"
         "limits = ConcurrencySettings.load()\n"
-        "limits.kv_cache_mib = 1440\n"
+        "limits.kv_cache_mib = 1024\n"
         "limits.save()"
     ),
 }
@@ -419,9 +421,9 @@ def main() -> None:
         "--passes", type=int, default=2, help="the same conversations, again"
     )
     # Roundhouse's default shape for the bundled SmolLM2 (a fresh `make run`:
-    # 32 auto slots sharing a 46,603-token pool): llama-server tuned to it.
+    # 32 auto slots of 2,048 tokens, a KV stream each): llama-server tuned to it.
     parser.add_argument("--tuned-slots", type=int, default=32)
-    parser.add_argument("--tuned-context", type=int, default=46592)
+    parser.add_argument("--tuned-context", type=int, default=65536)
     parser.add_argument(
         "--only",
         nargs="*",

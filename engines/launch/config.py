@@ -98,8 +98,10 @@ class Limits(Schema):
     max_parallel_requests: int = 32
     # The most slots a model with `auto` slots gets (engines/backends/memory.py).
     max_slots_per_model: int = 32
-    # Memory for a generation model's KV pool, which its slots share.
-    kv_cache_mib: int = 1024
+    # Memory for a generation model's KV pool, which its slots share (1.5 GiB:
+    # SmolLM2's 32 auto slots of 2,048 tokens each hold their whole context,
+    # a KV stream each; engines/backends/memory.py).
+    kv_cache_mib: int = 1536
     queue_limit: int = 64
     queue_timeout_s: float = 60.0
     models_max: int = 3

@@ -471,7 +471,7 @@ class ConcurrencySettings(SingletonModel):
     )
     kv_cache_mib = models.PositiveIntegerField(
         "KV cache (MiB)",
-        default=1024,
+        default=1536,
         validators=[MinValueValidator(16)],
         help_text="Memory for one generation model's KV cache, a pool its slots "
         "share (a long conversation may use more than its share). Auto slots: "

@@ -123,10 +123,14 @@ def test_a_gguf_models_slots_split_into_kv_groups_of_at_least_two_contexts():
     context instead; transformers keeps one group (its slots hold their own
     tensors)."""
     model = spec("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", 2048)
-    default = plan_slots(model, Limits())  # 1 GiB: 46,603 tokens, 32 slots
-    assert (default.slots, default.kv_groups) == (32, 4)
-    assert default.describe()["kv_groups"] == 4
-    assert not default.kv_streams  # 46,603 tokens, under 32 whole contexts
+    # The default 1.5 GiB holds 32 whole contexts: a KV stream per slot.
+    default = plan_slots(model, Limits())
+    assert (default.slots, default.pool_tokens) == (32, 32 * 2048)
+    assert (default.kv_groups, default.kv_streams) == (1, True)
+    grouped = plan_slots(model, Limits(kv_cache_mib=1024))  # 46,603 tokens
+    assert (grouped.slots, grouped.kv_groups) == (32, 4)
+    assert grouped.describe()["kv_groups"] == 4
+    assert not grouped.kv_streams  # under 32 whole contexts
     roomy = plan_slots(model, Limits(kv_cache_mib=1024, max_slots_per_model=8))
     assert (roomy.kv_groups, roomy.kv_streams) == (1, True)  # 8 whole contexts
     assert roomy.describe()["kv_streams"]
