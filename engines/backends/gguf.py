@@ -46,6 +46,15 @@ log = logging.getLogger("roundhouse.engine.gguf")
 SCORED_TOKENS = 32
 # Repeat/frequency/presence penalties look at this many previous tokens.
 PENALTY_WINDOW = 64
+# Prompt tokens a step reads while it has company: streams running, or other
+# prompts waiting. A prompt alone takes whole BATCH_TOKENS chunks. When many
+# turns arrive at once (32 people chatting, their turns bunched), all of them
+# in one step would give every first token at the end of that long step;
+# in short steps, oldest first, the first ones leave early: in bench/chat.py
+# the median first token of a bunched turn came ~1/3 sooner. Running streams
+# meanwhile get a token every short step; a long prompt beside them takes
+# ~20% longer to read (the streams' tokens ride in more steps).
+PROMPT_TOKENS_SHARED = 128
 
 
 def _penalised(params: SamplingParams) -> bool:
@@ -359,8 +368,11 @@ class LlamaBackend(SlotBackend):
             group.firsts, group.running, group.reading = [], [], []
             group.scored = []
         # Each group's KV room: its running slots' tokens, then prompt chunks
-        # (the pass takes at most BATCH_TOKENS in all).
+        # (the pass takes at most BATCH_TOKENS in all; PROMPT_TOKENS_SHARED
+        # of prompts when they have company).
         budget = BATCH_TOKENS - len(going)
+        if going or sum(1 for s in active if s.todo) > 1:
+            budget = min(budget, PROMPT_TOKENS_SHARED)
         room = []
         for number in range(self.kv_groups):
             mine = [s for s in going if self.group_of(s) == number]

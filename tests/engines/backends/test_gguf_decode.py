@@ -116,3 +116,61 @@ def test_greedy_picks_what_llama_cpps_sampler_picks(models_dir):
     for name in ("ships", "bread"):
         assert texts[f"{name}/greedy"].strip(), texts
         assert texts[f"{name}/greedy"] == texts[f"{name}/top1"], texts
+
+
+BUNCHED_PROMPTS = """
+import json
+import engines.backends.gguf as gguf
+from engines.backends.gguf import LlamaBackend
+from engines.generation.runner import GenerationRequest
+from engines.generation.sampling import SamplingParams
+
+SHARED = gguf.PROMPT_TOKENS_SHARED if CAPPED else gguf.BATCH_TOKENS
+gguf.PROMPT_TOKENS_SHARED = SHARED
+backend = LlamaBackend(MODEL, n_slots=6, context_length=768, n_threads=2)
+firsts = []
+
+def request(name, prompt):
+    def emit(event, name=name):
+        if event["event"] == "token" and name not in firsts:
+            firsts.append(name)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    return GenerationRequest(backend.tokenize(prompt), params, emit)
+
+backend.admit(request("running", "Once upon a time"))
+while "running" not in firsts:
+    backend.step()
+# Four turns arrive at once beside the running stream, ~60 tokens each.
+turn = "the ferry leaves at dawn " * 12
+for name in "abcd":
+    backend.admit(request(name, f"Question {name}: {turn}"))
+steps = []
+while len(firsts) < 5:
+    backend.step()
+    steps.append([name for name in "abcd" if name in firsts])
+# A long prompt alone reads whole chunks of BATCH_TOKENS.
+for slot in backend.slots:
+    if slot.request is not None:
+        backend.cancel(slot.request.id)
+backend.admit(request("long", "the harbour at dawn was quiet " * 60))
+alone = 0
+while "long" not in firsts:
+    backend.step()
+    alone += 1
+print(json.dumps({"shared": SHARED, "steps": steps, "alone": alone}))
+"""
+
+
+def test_bunched_prompts_beside_a_stream_get_their_first_tokens_in_turn(models_dir):
+    """Four ~60-token prompts arriving together beside a running stream are
+    read PROMPT_TOKENS_SHARED (128) tokens a step, oldest first: the first
+    two have their first token after one step, the last two a step later
+    (control: with the cap at BATCH_TOKENS all four come in the same step).
+    A ~360-token prompt alone is read in one step."""
+    report = decode_report(models_dir, f"CAPPED = True\n{BUNCHED_PROMPTS}")
+    assert report["shared"] == 128
+    assert report["steps"][0] == ["a", "b"], report
+    assert report["steps"][1] == ["a", "b", "c", "d"], report
+    assert report["alone"] == 1, report
+    control = decode_report(models_dir, f"CAPPED = False\n{BUNCHED_PROMPTS}")
+    assert control["steps"][0] == ["a", "b", "c", "d"], control
