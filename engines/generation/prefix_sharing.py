@@ -127,7 +127,11 @@ class PrefixSharing:
     ) -> tuple[Slot, int]:
         """The free slot to take: the one that starts with the longest prefix
         of the prompt, from its own cache or copied from a slot in use in its
-        group (ties: the KV group whose requests hold the fewest tokens, then
+        group (ties: the slot whose cache loses the fewest tokens, those past
+        the prefix it shares, then the one holding more of it itself, so that
+        a conversation's next turn keeps its own slot and no other
+        conversation's cache is dropped for a prefix a slot in use could
+        lend; then the KV group whose requests hold the fewest tokens, then
         the least recently used slot); and its own cache's share."""
         held: Counter[int] = Counter()
         for slot in slots:
@@ -143,7 +147,8 @@ class PrefixSharing:
             score = max(shared, self._lender(lent_in, group)[1])
             if score < MIN_SHARED_PREFIX:
                 score = 0
-            key = (score, -held[group], -slot.used_at)
+            lost = len(slot.tokens) - shared
+            key = (score, -lost, shared, -held[group], -slot.used_at)
             if best_key is None or key > best_key:
                 best, best_key, best_shared = slot, key, shared
         return best, best_shared
