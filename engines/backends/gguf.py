@@ -50,8 +50,9 @@ PENALTY_WINDOW = 64
 # prompts waiting. A prompt alone takes whole BATCH_TOKENS chunks. When many
 # turns arrive at once (32 people chatting, their turns bunched), all of them
 # in one step would give every first token at the end of that long step;
-# in short steps, oldest first, the first ones leave early: in bench/chat.py
-# the median first token of a bunched turn came ~1/3 sooner. Running streams
+# in short steps, oldest first, the first ones leave early (bench/chat.py:
+# turn 2's p50 first token 1.1 s, 2.8 s before with this and a KV stream per
+# slot; bench/README.md). Running streams
 # meanwhile get a token every short step; a long prompt beside them takes
 # ~20% longer to read (the streams' tokens ride in more steps).
 PROMPT_TOKENS_SHARED = 128
