@@ -49,12 +49,12 @@ PENALTY_WINDOW = 64
 # Prompt tokens a step reads while it has company: streams running, or other
 # prompts waiting. A prompt alone takes whole BATCH_TOKENS chunks. When many
 # turns arrive at once (32 people chatting, their turns bunched), all of them
-# in one step would give every first token at the end of that long step;
-# in short steps, oldest first, the first ones leave early (bench/chat.py:
-# turn 2's p50 first token 1.1 s, 2.8 s before with this and a KV stream per
-# slot; bench/README.md). Running streams
-# meanwhile get a token every short step; a long prompt beside them takes
-# ~20% longer to read (the streams' tokens ride in more steps).
+# in one step would give every first token at the end of that long step; in
+# short steps, oldest first, the first ones leave early (bench/chat.py, with
+# a KV stream per slot as well: turn 2's p50 first token 1.1 s, 2.8 s
+# before; bench/README.md). Running streams meanwhile get a token every
+# short step; a long prompt beside them takes ~20% longer to read (the
+# streams' tokens ride in more steps).
 PROMPT_TOKENS_SHARED = 128
 
 

@@ -28,12 +28,13 @@ def test_a_next_turn_keeps_its_own_slot_when_a_busy_peer_holds_the_same_prefix()
     sharing = PrefixSharing(group_of=lambda slot: 0, copy=lambda s, t, n: n)
     so_far = SYSTEM + QUESTION + ANSWER
     own = Slot(index=0, tokens=list(so_far), used_at=5)
-    other = Slot(index=1, tokens=SYSTEM + list(range(900, 980)), used_at=1)
-    empty = Slot(index=2, used_at=0)
+    # The least recently used free slot: a third conversation's cache.
+    other = Slot(index=1, tokens=SYSTEM + list(range(900, 980)), used_at=0)
+    empty = Slot(index=2, used_at=0)  # never used
     peer = busy(3, so_far + list(range(800, 820)))
     prompt = so_far + list(range(810, 830))
     choice = sharing.choose([own, other, empty, peer], prompt, whole=False)
-    assert choice.slot is own
+    assert choice.slot is own, choice.slot.index
     assert choice.shared == len(so_far)
     # A new conversation (only the system prompt shared) takes the empty
     # slot: nobody's cache is dropped for what a busy slot can lend.
