@@ -337,6 +337,85 @@ def tokens_per_s(run: Run) -> float:
     return sum(t.completion_tokens for t in run.turns) / run.wall_s
 
 
+def inter_token_ms(run: Run, turn: int) -> float:
+    """The p50 of a turn's mean interval between tokens after its first: the
+    time each of its tokens waited on the server's steps."""
+    values = [
+        (t.ended - t.started - t.first_token_s) / (t.completion_tokens - 1) * 1000
+        for t in run.turns
+        if t.turn == turn and t.first_token_s and t.completion_tokens > 1
+    ]
+    return statistics.median(values) if values else float("nan")
+
+
+def work_report(runs: list[Run], args) -> None:
+    """Where each pass's time went: the prompt tokens the server evaluated
+    (sent less cached), the tokens it generated, both together a second of
+    the pass's wall time, and each turn's p50 interval between tokens."""
+    width = 28
+    print(
+        f"{'work':<{width}}{'evaluated':>10}{'generated':>10}{'processed/s':>12}"
+        + "".join(f"{'t' + str(n) + ' itl ms':>11}" for n in range(1, args.turns + 1))
+    )
+    for whole in runs:
+        for number in range(1, len(whole.walls) + 1):
+            run = whole.of_pass(number)
+            evaluated = sum(t.prompt_tokens - t.cached_tokens for t in run.turns)
+            generated = sum(t.completion_tokens for t in run.turns)
+            line = f"{run.server:<{width}}{evaluated:>10}{generated:>10}"
+            line += f"{(evaluated + generated) / run.wall_s:>12.1f}"
+            line += "".join(
+                f"{inter_token_ms(run, turn):>11.0f}"
+                for turn in range(1, args.turns + 1)
+            )
+            print(line)
+
+
+def anchor_of(by_name: dict[str, Run]) -> Run | None:
+    return by_name.get("llama-server-tuned") or by_name.get("llama-server")
+
+
+def ratios(runs: list[Run]) -> list[tuple[int, float, list[float]]]:
+    """Each pass's Roundhouse / anchor ratios: tokens/s, and each turn's p50
+    time to first token (none without both servers)."""
+    by_name = {run.server: run for run in runs}
+    ours, anchor = by_name.get("roundhouse"), anchor_of(by_name)
+    if not (ours and anchor):
+        return []
+    found = []
+    for number in range(1, min(len(ours.walls), len(anchor.walls)) + 1):
+        mine, theirs = ours.of_pass(number), anchor.of_pass(number)
+        turns = sorted({t.turn for t in mine.turns})
+        found.append(
+            (
+                number,
+                tokens_per_s(mine) / tokens_per_s(theirs),
+                [turn_p50(mine, turn) / turn_p50(theirs, turn) for turn in turns],
+            )
+        )
+    return found
+
+
+def rounds_report(rounds: list[list[Run]]) -> None:
+    """Each round's ratios and their median: one run's moves by several per
+    cent on a shared machine (either server's second pass by up to 10%)."""
+    print("\n== every round: roundhouse / anchor ==")
+    found = [ratios(runs) for runs in rounds]
+    for number in range(1, max((len(r) for r in found), default=0) + 1):
+        tokens = [r[number - 1][1] for r in found if len(r) >= number]
+        ttft = [r[number - 1][2] for r in found if len(r) >= number]
+        print(
+            f"pass {number}: tokens/s "
+            + ", ".join(f"{value:.2f}" for value in tokens)
+            + f" (median {statistics.median(tokens):.2f}); p50 TTFT per turn, "
+            "median of the rounds: "
+            + ", ".join(
+                f"t{turn} {statistics.median(values):.2f}"
+                for turn, values in enumerate(zip(*ttft, strict=True), 1)
+            )
+        )
+
+
 def report(runs: list[Run], args) -> None:
     print(
         f"\n{args.users} users x {args.turns} turns x {args.passes} passes, "
@@ -385,24 +464,19 @@ def report(runs: list[Run], args) -> None:
                 )
             for sample in [t.error for t in run.turns if t.error][:3]:
                 print(f"    error: {sample}")
+    work_report(runs, args)
     by_name = {run.server: run for run in runs}
     ours, off = by_name.get("roundhouse"), by_name.get("roundhouse-nocache")
-    anchor = by_name.get("llama-server-tuned") or by_name.get("llama-server")
+    anchor = anchor_of(by_name)
     print()
-    if ours and anchor:
-        for number in range(1, min(len(ours.walls), len(anchor.walls)) + 1):
-            mine, theirs = ours.of_pass(number), anchor.of_pass(number)
-            goal = "1.2" if number == 1 else "1.0"
-            print(
-                f"pass {number}: tokens/s, roundhouse / {anchor.server}: "
-                f"{tokens_per_s(mine) / tokens_per_s(theirs):.2f} (goal >= {goal}); "
-                "p50 TTFT per turn: "
-                + ", ".join(
-                    f"t{turn} {turn_p50(mine, turn) / turn_p50(theirs, turn):.2f}"
-                    for turn in range(1, args.turns + 1)
-                )
-                + " (goal <= 1.0 each)"
-            )
+    for number, tokens, ttft in ratios(runs):
+        goal = "1.2" if number == 1 else "1.0"
+        print(
+            f"pass {number}: tokens/s, roundhouse / {anchor.server}: "
+            f"{tokens:.2f} (goal >= {goal}); p50 TTFT per turn: "
+            + ", ".join(f"t{turn} {value:.2f}" for turn, value in enumerate(ttft, 1))
+            + " (goal <= 1.0 each)"
+        )
     if ours and off:
         last = args.turns
         print(
@@ -431,6 +505,13 @@ def main() -> None:
         help="run only these servers (default: all but llama-server's defaults "
         "and roundhouse-nocache)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the servers this many times in turn and report each round's "
+        "ratios and their median (one run's move by several per cent here)",
+    )
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument(
         "--dump", metavar="FILE", help="write every turn's record as JSON lines"
@@ -439,28 +520,38 @@ def main() -> None:
     if args.turns > len(QUESTIONS):
         parser.error(f"at most {len(QUESTIONS)} turns")
     wanted = args.only or ["llama-server-tuned", "roundhouse"]
-    runs = []
     binary = os.environ.get("ROUNDHOUSE_LLAMA_SERVER")
-    for name in LLAMA_SERVERS:
-        if name not in wanted:
-            continue
-        if binary:
-            runs.append(run_llama_server(args, binary, tuned=name.endswith("tuned")))
-            report(runs, args)  # as it goes: a run takes minutes
-        else:
-            print(f"ROUNDHOUSE_LLAMA_SERVER not set: {name} is left out")
-    for name in VARIANTS:
-        if name in wanted:
-            runs.append(run_roundhouse(args, name))
-            report(runs, args)
+    rounds = []
+    for number in range(1, args.rounds + 1):
+        if args.rounds > 1:
+            print(f"\n== round {number} of {args.rounds} ==")
+        runs: list[Run] = []
+        for name in LLAMA_SERVERS:
+            if name not in wanted:
+                continue
+            if binary:
+                tuned = name.endswith("tuned")
+                runs.append(run_llama_server(args, binary, tuned=tuned))
+                report(runs, args)  # as it goes: a run takes minutes
+            else:
+                print(f"ROUNDHOUSE_LLAMA_SERVER not set: {name} is left out")
+        for name in VARIANTS:
+            if name in wanted:
+                runs.append(run_roundhouse(args, name))
+                report(runs, args)
+        rounds.append(runs)
     print("\n== all servers ==")
-    report(runs, args)
+    for runs in rounds:
+        report(runs, args)
+    if args.rounds > 1:
+        rounds_report(rounds)
     if args.dump:
         with open(args.dump, "w", encoding="utf-8") as out:
-            for run in runs:
-                for record in run.turns:
-                    out.write(json.dumps({"server": run.server, **vars(record)}))
-                    out.write("\n")
+            for number, runs in enumerate(rounds, 1):
+                for run in runs:
+                    for record in run.turns:
+                        line = {"server": run.server, "round": number, **vars(record)}
+                        out.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":
