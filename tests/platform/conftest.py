@@ -5,8 +5,22 @@ import contextlib
 import pytest
 
 from api.gateway import Gateway, front_gateway
+from api.usage import usage_writer
 from batches import services
 from tests.factories import ApiKeyFactory
+
+
+@pytest.fixture(autouse=True)
+def usage_rows_written(request):
+    """A test's queued usage rows are written before its database is emptied:
+    the usage writer's thread inserts them up to a quarter of a second after a
+    request ends, and on PostgreSQL that INSERT (its key's foreign-key lock)
+    beside the flush's TRUNCATE of a transactional test deadlocked once in CI.
+    Set up after the database fixture, so torn down before it."""
+    if request.node.get_closest_marker("django_db") is not None:
+        request.getfixturevalue("_django_db_helper")
+    yield
+    usage_writer().close()  # the next row queued starts the writer again
 
 
 @pytest.fixture
