@@ -375,9 +375,11 @@ def anchor_of(by_name: dict[str, Run]) -> Run | None:
     return by_name.get("llama-server-tuned") or by_name.get("llama-server")
 
 
-def ratios(runs: list[Run]) -> list[tuple[int, float, list[float]]]:
+def ratios(runs: list[Run], turns: int) -> list[tuple[int, float, list[float]]]:
     """Each pass's Roundhouse / anchor ratios: tokens/s, and each turn's p50
-    time to first token (none without both servers)."""
+    time to first token, turns 1 to `turns` each (nan where a turn has no
+    first token: every round's list is as long, for the median of rounds);
+    none without both servers."""
     by_name = {run.server: run for run in runs}
     ours, anchor = by_name.get("roundhouse"), anchor_of(by_name)
     if not (ours and anchor):
@@ -385,22 +387,24 @@ def ratios(runs: list[Run]) -> list[tuple[int, float, list[float]]]:
     found = []
     for number in range(1, min(len(ours.walls), len(anchor.walls)) + 1):
         mine, theirs = ours.of_pass(number), anchor.of_pass(number)
-        turns = sorted({t.turn for t in mine.turns})
         found.append(
             (
                 number,
                 tokens_per_s(mine) / tokens_per_s(theirs),
-                [turn_p50(mine, turn) / turn_p50(theirs, turn) for turn in turns],
+                [
+                    turn_p50(mine, turn) / turn_p50(theirs, turn)
+                    for turn in range(1, turns + 1)
+                ],
             )
         )
     return found
 
 
-def rounds_report(rounds: list[list[Run]]) -> None:
+def rounds_report(rounds: list[list[Run]], turns: int) -> None:
     """Each round's ratios and their median: one run's moves by several per
     cent on a shared machine (either server's second pass by up to 10%)."""
     print("\n== every round: roundhouse / anchor ==")
-    found = [ratios(runs) for runs in rounds]
+    found = [ratios(runs, turns) for runs in rounds]
     for number in range(1, max((len(r) for r in found), default=0) + 1):
         tokens = [r[number - 1][1] for r in found if len(r) >= number]
         ttft = [r[number - 1][2] for r in found if len(r) >= number]
@@ -469,7 +473,7 @@ def report(runs: list[Run], args) -> None:
     ours, off = by_name.get("roundhouse"), by_name.get("roundhouse-nocache")
     anchor = anchor_of(by_name)
     print()
-    for number, tokens, ttft in ratios(runs):
+    for number, tokens, ttft in ratios(runs, args.turns):
         goal = "1.2" if number == 1 else "1.0"
         print(
             f"pass {number}: tokens/s, roundhouse / {anchor.server}: "
@@ -544,7 +548,7 @@ def main() -> None:
     for runs in rounds:
         report(runs, args)
     if args.rounds > 1:
-        rounds_report(rounds)
+        rounds_report(rounds, args.turns)
     if args.dump:
         with open(args.dump, "w", encoding="utf-8") as out:
             for number, runs in enumerate(rounds, 1):
